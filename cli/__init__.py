@@ -1,0 +1,46 @@
+"""The ``batchwire`` command: ``ingest``, ``inspect``, ``serve``, ``health``, ``bench``, ``demo``.
+
+Each subcommand lives in its own module ``_<name>.py`` with ``add_parser(subparsers)``
+(registering its arguments and ``func=run``) and ``run(args) -> int`` (the exit code).
+Server-side subcommands import DALI and LMDB only when they run, so the thin client's
+``batchwire health`` works where they are not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_COMMANDS = ("ingest", "inspect", "serve", "health", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchwire",
+        description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMANDS:
+        module = importlib.import_module(f"batchwire.cli._{name}")
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,82 @@
+"""The client's exceptions. Every error a user meets is a ``BatchwireError``.
+
+    BatchwireError                .code: grpc.StatusCode, .details: str
+    ├── NotFoundError             NOT_FOUND: unknown dataset or pipeline
+    ├── InvalidArgumentError      INVALID_ARGUMENT (also a ValueError): bad arguments
+    ├── ResourceExhaustedError    RESOURCE_EXHAUSTED: a server limit was reached
+    ├── UnavailableError          UNAVAILABLE, DEADLINE_EXCEEDED: no server answered in time
+    └── AuthenticationError       UNAUTHENTICATED, PERMISSION_DENIED: bad or missing credentials
+
+``from_rpc_error`` is the one place where a ``grpc.RpcError`` becomes one of these.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "AuthenticationError",
+    "BatchwireError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "ResourceExhaustedError",
+    "UnavailableError",
+    "from_rpc_error",
+]
+
+
+class BatchwireError(Exception):
+    """A batchwire operation failed; ``code`` is the ``grpc.StatusCode``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class NotFoundError(BatchwireError):
+    pass
+
+
+class InvalidArgumentError(BatchwireError, ValueError):
+    pass
+
+
+class ResourceExhaustedError(BatchwireError):
+    pass
+
+
+class UnavailableError(BatchwireError):
+    pass
+
+
+class AuthenticationError(BatchwireError):
+    pass
+
+
+_BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+}
+
+
+def error_for(code: grpc.StatusCode, details: str) -> BatchwireError:
+    """The exception class that fits ``code``, built with ``details``."""
+    return _BY_CODE.get(code, BatchwireError)(code, details)
+
+
+def from_rpc_error(exc: grpc.RpcError, address: str = "") -> BatchwireError:
+    """Turn a ``grpc.RpcError`` into the matching ``BatchwireError`` (raise it ``from exc``)."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and address:
+        details = (
+            f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
+        )
+    return error_for(code, details)

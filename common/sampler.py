@@ -1,0 +1,157 @@
+"""The order, sharding and resume contract, as pure functions.
+
+Every server and client computes the same thing from the same numbers:
+
+* The order of an epoch is a pure function of ``(seed, epoch, num_samples,
+  shuffle)``: a full permutation of ``0..N-1`` (a true global shuffle), or id
+  order when ``shuffle`` is false. It depends only on NumPy's ``SeedSequence``
+  and ``PCG64`` bit streams, which NumPy keeps stable across releases, so any
+  server produces the same order.
+* Rank ``r`` of ``world_size`` ``W`` takes every ``W``-th element of the order
+  starting at ``r``. With ``drop_last`` every rank gets ``N // W`` samples and
+  only full batches; without it, ranks are padded to ``ceil(N / W)`` by
+  wrapping around to the start of the order (as torch's DistributedSampler
+  does) and the last batch may be short. All ranks get the same number of
+  batches.
+* A rank's share is cut into batches of ``batch_size`` in order; batch ``k``
+  travels in lane ``k % lanes``.
+* A cursor is a position in the rank's share: the number of share positions
+  before the next sample to deliver. Resuming from a cursor yields exactly the
+  rest of the share, whatever the batch boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["Plan", "PlannedBatch", "epoch_order", "num_batches", "rank_share"]
+
+
+@functools.lru_cache(maxsize=8)
+def _permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_samples)
+    # Sorting 64-bit random keys gives a uniform permutation; a stable sort
+    # makes the (vanishingly rare) ties deterministic too.
+    order = np.argsort(keys, kind="stable").astype(np.int64)
+    order.setflags(write=False)
+    return order
+
+
+def epoch_order(seed: int, epoch: int, num_samples: int, shuffle: bool = True) -> np.ndarray:
+    """All ids ``0..num_samples-1`` in the order of ``epoch`` (read-only int64)."""
+    if num_samples < 0 or seed < 0 or epoch < 0:
+        raise ValueError("seed, epoch and num_samples must be >= 0")
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    return _permutation(seed, epoch, num_samples)
+
+
+def rank_share(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """The ids rank ``rank`` takes from an epoch order, in delivery order."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}"
+        )
+    n = len(order)
+    if drop_last:
+        per_rank = n // world_size
+        return order[rank::world_size][:per_rank]
+    per_rank = math.ceil(n / world_size)
+    total = per_rank * world_size
+    if total > n and n > 0:
+        repeats = math.ceil(total / n)
+        order = np.tile(order, repeats)[:total]
+    return order[rank:total:world_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    """Batch ``index`` of a rank's share: share positions ``[begin, end)``."""
+
+    index: int
+    begin: int
+    end: int
+    ids: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One rank's share of one epoch, cut into batches and lanes.
+
+    ``start`` is a cursor: batches (or the tail of a batch, when ``start``
+    falls inside one) before it are not planned.
+    """
+
+    num_samples: int
+    batch_size: int
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    drop_last: bool = True
+    rank: int = 0
+    world_size: int = 1
+    lanes: int = 1
+    lane: int = 0
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}"
+            )
+        if self.lanes < 1 or not 0 <= self.lane < self.lanes:
+            raise ValueError(
+                f"lane must be in [0, lanes), got lane={self.lane}, lanes={self.lanes}"
+            )
+        if self.seed < 0 or self.epoch < 0 or self.num_samples < 0:
+            raise ValueError("seed, epoch and num_samples must be >= 0")
+        if not 0 <= self.start <= self.share_size:
+            raise ValueError(
+                f"start must be a cursor in [0, {self.share_size}] for this share, got {self.start}"
+            )
+
+    @property
+    def share_size(self) -> int:
+        """Positions in this rank's share that are delivered (after drop_last)."""
+        if self.drop_last:
+            return self.num_batches * self.batch_size
+        return math.ceil(self.num_samples / self.world_size)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches in this rank's share of the epoch, over all lanes."""
+        return num_batches(self.num_samples, self.batch_size, self.world_size, self.drop_last)
+
+    def share(self) -> np.ndarray:
+        order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
+        return rank_share(order, self.rank, self.world_size, self.drop_last)[: self.share_size]
+
+    def batches(self) -> Iterator[PlannedBatch]:
+        """This lane's batches from ``start`` on, in order."""
+        share = self.share()
+        size = self.share_size
+        first = self.start // self.batch_size
+        for index in range(first, self.num_batches):
+            if index % self.lanes != self.lane:
+                continue
+            begin = max(index * self.batch_size, self.start)
+            end = min((index + 1) * self.batch_size, size)
+            if begin >= end:
+                continue
+            yield PlannedBatch(index=index, begin=begin, end=end, ids=share[begin:end])
+
+
+def num_batches(num_samples: int, batch_size: int, world_size: int, drop_last: bool) -> int:
+    """Batches per rank per epoch: equal on every rank, so DDP never hangs."""
+    if batch_size < 1 or world_size < 1:
+        raise ValueError("batch_size and world_size must be >= 1")
+    if drop_last:
+        return (num_samples // world_size) // batch_size
+    return math.ceil(math.ceil(num_samples / world_size) / batch_size)

@@ -1,0 +1,174 @@
+"""Server configuration: a frozen object built from a file, flags and the environment.
+
+A config file is TOML (``.toml``) or YAML (``.yaml``/``.yml``)::
+
+    [server]
+    port = 50051
+    device = "auto"          # auto | cpu | gpu
+    max_batch_size = 1024
+    max_streams = 64
+
+    [pipelines.train]        # a preset with other defaults
+    preset = "train"
+    size = 176
+
+    [pipelines.val]
+    preset = "val"
+
+    [pipelines.small]        # a custom graph (see docs), never chosen by clients' code
+    function = "my_module:build"
+    params = { size = { default = 128, low = 32, high = 512, integer = true } }
+
+Without a ``[pipelines]`` table the server offers the ``train`` and ``val`` presets.
+Precedence: flags > environment (``BATCHWIRE_*``) > file > defaults; only the CLI
+entry point reads flags and the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import tomllib
+from batchwire.server._pipelines import (
+    PRESETS,
+    Param,
+    ParamError,
+    PipelineSpec,
+    load_function,
+)
+
+__all__ = ["ConfigError", "ServerConfig", "load_file", "pipelines_from_config"]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and what to do."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Everything ``batchwire serve`` needs. ``port=0`` picks a free port."""
+
+    data_dir: pathlib.Path
+    host: str = "[::]"
+    port: int = 50051
+    device: str = "auto"
+    devices: tuple[int, ...] = ()
+    num_threads: int = 0
+    prefetch: int = 2
+    max_batch_size: int = 1024
+    max_streams: int = 64
+    max_idle_pipelines: int = 8
+    pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=lambda: dict(PRESETS))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", pathlib.Path(self.data_dir))
+        checks = (
+            (0 <= self.port <= 65535, "port must be in [0, 65535] (0: any free port)"),
+            (self.device in ("auto", "cpu", "gpu"), "device must be auto, cpu or gpu"),
+            (self.num_threads >= 0, "num_threads must be >= 0 (0: one per core)"),
+            (1 <= self.prefetch <= 16, "prefetch must be in [1, 16]"),
+            (1 <= self.max_batch_size <= 65536, "max_batch_size must be in [1, 65536]"),
+            (1 <= self.max_streams <= 4096, "max_streams must be in [1, 4096]"),
+            (0 <= self.max_idle_pipelines <= 256, "max_idle_pipelines must be in [0, 256]"),
+            (bool(self.pipelines), "at least one pipeline must be configured"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+_SERVER_KEYS = {f.name for f in dataclasses.fields(ServerConfig)} - {"pipelines"}
+
+
+def load_file(path: pathlib.Path | str) -> dict[str, Any]:
+    """Read a TOML or YAML config file into plain data."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    except Exception as exc:  # yaml.YAMLError without importing yaml at module level
+        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table/mapping at the top level")
+    unknown = set(data) - {"server", "pipelines"}
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown sections {sorted(unknown)}")
+    server = data.get("server", {})
+    if not isinstance(server, dict):
+        raise ConfigError(f"config file {path}: [server] must be a table")
+    bad = set(server) - _SERVER_KEYS
+    if bad:
+        raise ConfigError(
+            f"config file {path}: unknown [server] keys {sorted(bad)} (known: {sorted(_SERVER_KEYS)})"
+        )
+    return data
+
+
+def pipelines_from_config(table: Mapping[str, Any] | None) -> dict[str, PipelineSpec]:
+    """PipelineSpecs from a config's ``[pipelines]`` table (presets when absent)."""
+    if not table:
+        return dict(PRESETS)
+    specs: dict[str, PipelineSpec] = {}
+    for name, entry in table.items():
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"[pipelines.{name}] must be a table")
+        entry = dict(entry)
+        try:
+            if "preset" in entry:
+                preset = PRESETS.get(str(entry.pop("preset")))
+                if preset is None:
+                    raise ConfigError(
+                        f"[pipelines.{name}]: preset must be one of {sorted(PRESETS)}"
+                    )
+                spec = dataclasses.replace(preset.with_defaults(entry), name=name)
+            elif "function" in entry:
+                spec = _custom(name, entry)
+            else:
+                raise ConfigError(f"[pipelines.{name}] needs either preset = ... or function = ...")
+        except ParamError as exc:
+            raise ConfigError(f"[pipelines.{name}]: {exc}") from exc
+        specs[name] = spec
+    return specs
+
+
+def _custom(name: str, entry: dict[str, Any]) -> PipelineSpec:
+    function = load_function(str(entry.pop("function")))
+    params: dict[str, Param] = {}
+    for pname, decl in dict(entry.pop("params", {})).items():
+        if not isinstance(decl, Mapping) or "default" not in decl:
+            raise ConfigError(f"[pipelines.{name}] parameter {pname!r} needs default, low and high")
+        default = float(decl["default"])
+        params[pname] = Param(
+            default=default,
+            low=float(decl.get("low", default)),
+            high=float(decl.get("high", default)),
+            integer=bool(decl.get("integer", False)),
+            help=str(decl.get("help", "")),
+        )
+    kwargs: dict[str, Any] = {}
+    for key in ("mean", "std"):
+        if key in entry:
+            kwargs[key] = tuple(float(v) for v in entry.pop(key))
+    description = str(entry.pop("description", ""))
+    if entry:
+        raise ConfigError(f"[pipelines.{name}]: unknown keys {sorted(entry)}")
+    spec = PipelineSpec(
+        name=name, function=function, params=params, description=description, **kwargs
+    )
+    spec.resolve()
+    return spec

@@ -1,0 +1,247 @@
+"""Datasets on disk: a ``manifest.json`` plus LMDB shards of Caffe ``Datum`` records.
+
+Layout of a dataset directory ``NAME/``::
+
+    manifest.json
+    shard-00000/data.mdb     (an LMDB environment directory, as Caffe writes)
+    shard-00001/data.mdb
+    ...
+
+Global sample ids are ``0..N-1``. Shard ``i`` holds the ids
+``[first_id, first_id + count)``; the record of id ``k`` is stored under the
+key ``b"%010d" % k``, so the server finds a sample by id without scanning.
+Values are ``Datum`` protobufs with ``encoded=true``, ``data`` = the original
+encoded image bytes and ``label`` = the class index, which keeps every shard
+readable by DALI's ``fn.readers.caffe`` and by Caffe tools.
+
+The server opens shards read-only and never writes to a dataset.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import lmdb
+import numpy as np
+from batchwire.v1 import datum_pb2
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "NAME_PATTERN",
+    "Dataset",
+    "DatasetError",
+    "Manifest",
+    "Shard",
+    "sample_key",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = "batchwire-dataset"
+FORMAT_VERSION = 1
+# Dataset names: what the server discovered, safe as a path component.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class DatasetError(Exception):
+    """A dataset directory is missing, unreadable or not in batchwire's format."""
+
+
+def sample_key(sample_id: int) -> bytes:
+    """The LMDB key of a sample id: ten decimal digits, so keys sort by id."""
+    return b"%010d" % sample_id
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shard:
+    """One LMDB environment directory holding ids ``[first_id, first_id + count)``."""
+
+    path: str
+    first_id: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What ``manifest.json`` records about a dataset."""
+
+    name: str
+    num_samples: int
+    classes: tuple[str, ...]
+    class_counts: tuple[int, ...]
+    shards: tuple[Shard, ...]
+    total_bytes: int = 0
+    source: str = ""
+    created: str = ""
+    rejected: tuple[dict[str, str], ...] = ()
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not NAME_PATTERN.match(self.name):
+            raise DatasetError(
+                f"dataset name {self.name!r} is not allowed: use letters, digits, '.', '_' or '-' "
+                "(at most 128 characters, starting with a letter or digit)"
+            )
+        if len(self.class_counts) != len(self.classes):
+            raise DatasetError("manifest: class_counts and classes differ in length")
+        expected = 0
+        for shard in self.shards:
+            if shard.first_id != expected or shard.count < 0:
+                raise DatasetError(
+                    f"manifest: shard {shard.path!r} starts at id {shard.first_id}, expected {expected}"
+                )
+            if not NAME_PATTERN.match(shard.path):
+                raise DatasetError(f"manifest: shard path {shard.path!r} must be a plain name")
+            expected += shard.count
+        if expected != self.num_samples:
+            raise DatasetError(
+                f"manifest: shards hold {expected} samples but num_samples is {self.num_samples}"
+            )
+
+    def to_json(self) -> str:
+        body = dataclasses.asdict(self)
+        body = {"format": FORMAT, **body}
+        return json.dumps(body, indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        try:
+            body: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"manifest is not valid JSON: {exc}") from exc
+        if body.get("format") != FORMAT:
+            raise DatasetError(f"manifest format is {body.get('format')!r}, expected {FORMAT!r}")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION:
+            raise DatasetError(
+                f"manifest format_version {version} is not supported (this batchwire reads "
+                f"{FORMAT_VERSION}); ingest the data again with this version"
+            )
+        try:
+            return cls(
+                name=str(body["name"]),
+                num_samples=int(body["num_samples"]),
+                classes=tuple(str(c) for c in body["classes"]),
+                class_counts=tuple(int(c) for c in body["class_counts"]),
+                shards=tuple(
+                    Shard(path=str(s["path"]), first_id=int(s["first_id"]), count=int(s["count"]))
+                    for s in body["shards"]
+                ),
+                total_bytes=int(body.get("total_bytes", 0)),
+                source=str(body.get("source", "")),
+                created=str(body.get("created", "")),
+                rejected=tuple(dict(r) for r in body.get("rejected", ())),
+                format_version=int(version),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DatasetError(f"manifest is missing or has a bad field: {exc}") from exc
+
+    @classmethod
+    def load(cls, directory: pathlib.Path) -> Manifest:
+        path = directory / MANIFEST
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise DatasetError(f"cannot read {path}: {exc.strerror}") from exc
+        return cls.from_json(text)
+
+
+class Dataset:
+    """Read-only access to a dataset's records by global id. Thread-safe."""
+
+    def __init__(self, directory: pathlib.Path | str) -> None:
+        self.directory = pathlib.Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        self._starts = [shard.first_id for shard in self.manifest.shards]
+        self._envs: list[lmdb.Environment] = []
+        try:
+            for shard in self.manifest.shards:
+                self._envs.append(_open_shard(self.directory / shard.path))
+        except DatasetError:
+            self.close()
+            raise
+
+    @property
+    def name(self) -> str:
+        return self.directory.name
+
+    @property
+    def num_samples(self) -> int:
+        return self.manifest.num_samples
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.manifest.classes
+
+    def read(self, ids: Sequence[int] | np.ndarray) -> tuple[list[np.ndarray | None], np.ndarray]:
+        """Encoded images and labels of ``ids``, in order.
+
+        An entry is ``None`` (and its label -1) where the record is missing or
+        is not a readable ``Datum``: rot on disk is reported, never raised.
+        Each image is a uint8 array that owns a copy of the record's bytes.
+        """
+        images: list[np.ndarray | None] = []
+        labels = np.full(len(ids), -1, dtype=np.int64)
+        txns: dict[int, lmdb.Transaction] = {}
+        try:
+            for i, sample_id in enumerate(ids):
+                shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
+                if shard < 0 or not 0 <= sample_id < self.num_samples:
+                    raise IndexError(f"sample id {sample_id} is outside 0..{self.num_samples - 1}")
+                txn = txns.get(shard)
+                if txn is None:
+                    txn = txns[shard] = self._envs[shard].begin(buffers=True)
+                value = txn.get(sample_key(int(sample_id)))
+                datum = _parse_datum(value)
+                if datum is None:
+                    images.append(None)
+                    continue
+                images.append(np.frombuffer(datum.data, dtype=np.uint8))
+                labels[i] = datum.label
+        finally:
+            for txn in txns.values():
+                txn.abort()
+        return images, labels
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()
+        self._envs.clear()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _open_shard(path: pathlib.Path) -> lmdb.Environment:
+    if not (path / "data.mdb").is_file():
+        raise DatasetError(f"shard {path} has no data.mdb: the dataset is incomplete")
+    try:
+        # lock=False: datasets are immutable once ingested, so readers need no
+        # lock file (and the data volume may be mounted read-only).
+        return lmdb.open(
+            str(path), readonly=True, lock=False, readahead=False, meminit=False, max_readers=512
+        )
+    except lmdb.Error as exc:
+        raise DatasetError(f"cannot open LMDB shard {path}: {exc}") from exc
+
+
+def _parse_datum(value: memoryview | None) -> datum_pb2.Datum | None:
+    if value is None or len(value) == 0:
+        return None
+    datum = datum_pb2.Datum()
+    try:
+        datum.ParseFromString(bytes(value))
+    except Exception:  # protobuf raises DecodeError or RuntimeError by backend
+        return None
+    if not datum.data:
+        return None
+    return datum

@@ -1,0 +1,352 @@
+"""The server core: datasets, pipelines and the batches of a stream.
+
+Takes plain arguments, yields NumPy arrays, never imports grpc. The servicer
+adapts messages to :class:`StreamRequest` and :class:`Batch`, and maps the
+errors of ``batchwire.server._errors`` to status codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import pathlib
+import threading
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+from batchwire.common.sampler import Plan
+from batchwire.server._config import ServerConfig
+from batchwire.server._dataset import NAME_PATTERN, Dataset, DatasetError
+from batchwire.server._devices import DevicePlan
+from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
+from batchwire.server._pool import RunnerPool
+from batchwire.server._runner import Job, Runner, RunnerKey
+
+__all__ = ["Batch", "BatchStream", "Engine", "StreamRequest"]
+
+log = logging.getLogger(__name__)
+
+# Request fields beyond these are refused before anything is allocated.
+MAX_WORLD_SIZE = 1 << 16
+MAX_LANES = 1024
+MAX_SEED = (1 << 63) - 1
+MAX_EPOCH = 1 << 40
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamRequest:
+    """What a client asks for: one lane of one rank's share of one epoch."""
+
+    dataset: str
+    pipeline: str
+    batch_size: int
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    drop_last: bool = True
+    rank: int = 0
+    world_size: int = 1
+    start: int = 0
+    lanes: int = 1
+    lane: int = 0
+    dtype: str = "uint8"
+    layout: str = "NCHW"
+    params: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One batch of a stream; arrays own their memory."""
+
+    index: int
+    ids: np.ndarray
+    images: np.ndarray
+    labels: np.ndarray
+    cursor: int
+    skipped_ids: tuple[int, ...]
+    normalized: bool
+    num_batches: int
+    layout: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSummary:
+    name: str
+    num_samples: int
+    classes: tuple[str, ...]
+    format_version: int
+
+
+class BatchStream:
+    """The batches of one request, computed by a pooled pipeline.
+
+    Iterate it from one thread; :meth:`close` may come from another thread and
+    waits for a batch in progress, then returns the pipeline to the pool.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        dataset: Dataset,
+        plan: Plan,
+        runner: Runner,
+        normalized: bool,
+        layout: str,
+    ) -> None:
+        self._engine = engine
+        self._dataset = dataset
+        self._plan = plan
+        self._runner = runner
+        self._normalized = normalized
+        self._layout = layout
+        self._planned = list(plan.batches())
+        self._results = runner.run(self._jobs())
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def _jobs(self) -> Iterator[Job]:
+        for seq, planned in enumerate(self._planned):
+            if self._stop.is_set():
+                return
+            images, labels = self._dataset.read(planned.ids)
+            good = [i for i, image in enumerate(images) if image is not None]
+            skipped = [int(planned.ids[i]) for i, image in enumerate(images) if image is None]
+            if skipped:
+                log.warning(
+                    "dataset %r: records of ids %s are missing or unreadable; skipping them",
+                    self._dataset.name,
+                    skipped,
+                )
+            yield Job(
+                seq=seq,
+                ids=planned.ids[good],
+                images=[images[i] for i in good],  # type: ignore[misc]
+                labels=labels[good],
+                skipped=skipped,
+            )
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Batch:
+        with self._lock:
+            if self._closed or self._stop.is_set():
+                raise StopIteration
+            result = next(self._results)
+            planned = self._planned[result.seq]
+            return Batch(
+                index=planned.index,
+                ids=result.ids,
+                images=result.images,
+                labels=result.labels,
+                cursor=planned.end,
+                skipped_ids=result.skipped,
+                normalized=self._normalized,
+                num_batches=self._plan.num_batches,
+                layout=self._layout,
+            )
+
+    def close(self) -> None:
+        """Stop, drain the pipeline and return it to the pool. Idempotent."""
+        self._stop.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._results.close()
+            self._engine._release(self._runner)
+
+
+class Engine:
+    """Datasets discovered under the data directory, pipelines, and streams."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.devices = DevicePlan.resolve(config.device, config.devices)
+        self.datasets: dict[str, Dataset] = {}
+        self._pool = RunnerPool(self._build_runner, max_idle=config.max_idle_pipelines)
+        self._streams = 0
+        self._streams_lock = threading.Lock()
+        self._device_cycle = itertools.cycle(self.devices.device_ids)
+        self.draining = False
+
+    # -- datasets --------------------------------------------------------------------
+
+    def open_datasets(self) -> None:
+        """Open every dataset directory directly under the data directory."""
+        root = pathlib.Path(self.config.data_dir)
+        if not root.is_dir():
+            raise DatasetError(f"data directory {root} does not exist or is not a directory")
+        for child in sorted(root.iterdir()):
+            if child.name.startswith(".") or not (child / "manifest.json").is_file():
+                continue
+            if not NAME_PATTERN.match(child.name):
+                log.warning("ignoring dataset directory %s: its name is not allowed", child)
+                continue
+            try:
+                self.datasets[child.name] = Dataset(child)
+            except DatasetError as exc:
+                log.error("cannot serve dataset %s: %s", child, exc)
+                continue
+            log.info("dataset %r: %d samples", child.name, self.datasets[child.name].num_samples)
+
+    def list_datasets(self) -> list[DatasetSummary]:
+        return [self.describe(name) for name in sorted(self.datasets)]
+
+    def describe(self, name: str) -> DatasetSummary:
+        dataset = self._dataset(name)
+        return DatasetSummary(
+            name=name,
+            num_samples=dataset.num_samples,
+            classes=dataset.classes,
+            format_version=dataset.manifest.format_version,
+        )
+
+    @property
+    def pipelines(self) -> Mapping[str, PipelineSpec]:
+        return self.config.pipelines
+
+    def _dataset(self, name: str) -> Dataset:
+        dataset = self.datasets.get(name)
+        if dataset is None:
+            known = ", ".join(sorted(self.datasets)) or "none"
+            raise NotFound(f"no dataset named {name!r} on this server (it has: {known})")
+        return dataset
+
+    # -- streams ---------------------------------------------------------------------
+
+    def open_stream(self, request: StreamRequest) -> BatchStream:
+        """Validate ``request`` and start its stream (builds a pipeline if needed)."""
+        if self.draining:
+            raise Draining("the server is shutting down; resume the stream on another server")
+        dataset = self._dataset(request.dataset)
+        spec = self.pipelines.get(request.pipeline)
+        if spec is None:
+            known = ", ".join(sorted(self.pipelines))
+            raise NotFound(f"no pipeline named {request.pipeline!r} (this server has: {known})")
+        if request.batch_size > self.config.max_batch_size:
+            raise InvalidRequest(
+                f"batch_size {request.batch_size} exceeds this server's limit of "
+                f"{self.config.max_batch_size} (server flag --max-batch-size)"
+            )
+        plan = self._plan(request, dataset)
+        try:
+            params = spec.resolve(request.params)
+            output = OutputSpec(
+                dtype=request.dtype, layout=request.layout, mean=spec.mean, std=spec.std
+            )
+        except ParamError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        with self._streams_lock:
+            if self._streams >= self.config.max_streams:
+                raise OverCapacity(
+                    f"the server already serves {self._streams} streams, its limit "
+                    f"(--max-streams {self.config.max_streams}); retry later or add servers"
+                )
+            self._streams += 1
+        try:
+            device_id = next(self._device_cycle)
+            key = RunnerKey(
+                pipeline=spec.name,
+                params=tuple(sorted(params.items())),
+                dtype=output.dtype,
+                layout=output.layout,
+                batch_size=request.batch_size,
+                device=self.devices.kind,
+                device_id=device_id,
+            )
+            runner = self._pool.acquire(key)
+            return BatchStream(self, dataset, plan, runner, output.normalized, output.layout)
+        except BaseException:
+            self._release(None)
+            raise
+
+    def _plan(self, request: StreamRequest, dataset: Dataset) -> Plan:
+        # Bounds beyond the contract's own checks (Plan), so that nothing
+        # huge is allocated for a hostile request.
+        limits = (
+            ("world_size", request.world_size, MAX_WORLD_SIZE),
+            ("lanes", request.lanes, MAX_LANES),
+            ("seed", request.seed, MAX_SEED),
+            ("epoch", request.epoch, MAX_EPOCH),
+        )
+        for name, value, limit in limits:
+            if value > limit:
+                raise InvalidRequest(f"{name} must be at most {limit}, got {value}")
+        try:
+            return Plan(
+                num_samples=dataset.num_samples,
+                batch_size=request.batch_size,
+                seed=request.seed,
+                epoch=request.epoch,
+                shuffle=request.shuffle,
+                drop_last=request.drop_last,
+                rank=request.rank,
+                world_size=request.world_size,
+                lanes=request.lanes,
+                lane=request.lane,
+                start=request.start,
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    def _build_runner(self, key: RunnerKey) -> Runner:
+        spec = self.pipelines[key.pipeline]
+        ctx = BuildContext(
+            device=key.device,
+            output=OutputSpec(dtype=key.dtype, layout=key.layout, mean=spec.mean, std=spec.std),
+        )
+        return Runner(
+            key,
+            spec,
+            ctx,
+            num_threads=self.config.num_threads or (os.cpu_count() or 1),
+            prefetch=self.config.prefetch,
+        )
+
+    def _release(self, runner: Runner | None) -> None:
+        if runner is not None:
+            self._pool.release(runner)
+        with self._streams_lock:
+            self._streams -= 1
+
+    @property
+    def active_streams(self) -> int:
+        return self._streams
+
+    # -- life cycle ------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Run one small batch of every dataset's first pipeline: proves DALI works."""
+        if not self.datasets:
+            log.warning("no datasets under %s: nothing to serve yet", self.config.data_dir)
+            return
+        name = next(iter(sorted(self.datasets)))
+        pipeline = next(iter(self.pipelines))
+        stream = self.open_stream(
+            StreamRequest(
+                dataset=name, pipeline=pipeline, batch_size=2, shuffle=False, drop_last=False
+            )
+        )
+        try:
+            batch = next(stream, None)
+        finally:
+            stream.close()
+        if batch is None:
+            log.warning("warm-up of pipeline %r on %r produced no batch", pipeline, name)
+        else:
+            log.info("pipeline %r warm on %s (%s)", pipeline, name, self.devices.kind)
+
+    def close(self) -> None:
+        self._pool.clear()
+        for dataset in self.datasets.values():
+            dataset.close()
+        self.datasets.clear()

@@ -1,0 +1,255 @@
+"""Named DALI pipelines: the ``train`` and ``val`` presets and custom graphs.
+
+A pipeline definition is a function that turns a batch of encoded images and
+labels (DALI nodes fed by ``fn.external_source``) into ``(images, labels)``.
+It receives a :class:`BuildContext` that says where ops run and how the
+output travels (dtype, layout, normalization), and the resolved parameters.
+
+Clients never send code: they choose a pipeline by name and may override only
+the parameters its :class:`PipelineSpec` declares, within declared ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "PRESETS",
+    "BuildContext",
+    "OutputSpec",
+    "Param",
+    "ParamError",
+    "PipelineSpec",
+    "load_function",
+]
+
+# ImageNet statistics in the 0..255 pixel scale (seed documents 000 and 002).
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+DTYPES = ("uint8", "float16", "float32")
+LAYOUTS = ("NCHW", "NHWC")
+
+
+class ParamError(ValueError):
+    """A pipeline parameter (from config or a request) is unknown or out of range."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Param:
+    """A tunable parameter: its default and the closed range a request may set."""
+
+    default: float
+    low: float
+    high: float
+    integer: bool = False
+    help: str = ""
+
+    def check(self, name: str, value: float) -> float:
+        if not math.isfinite(value) or not self.low <= value <= self.high:
+            raise ParamError(
+                f"parameter {name!r} must be in [{self.low}, {self.high}], got {value}"
+            )
+        if self.integer:
+            if value != int(value):
+                raise ParamError(f"parameter {name!r} must be a whole number, got {value}")
+            return float(int(value))
+        return float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutputSpec:
+    """How images travel: dtype, layout, and the normalization that applies.
+
+    ``uint8`` output is not normalized (the client applies ``mean``/``std``);
+    ``float16``/``float32`` output is normalized on the server.
+    """
+
+    dtype: str = "uint8"
+    layout: str = "NCHW"
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ParamError(f"output dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ParamError(f"output layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+    @property
+    def normalized(self) -> bool:
+        return self.dtype != "uint8"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildContext:
+    """Where a pipeline's ops run and what it must emit.
+
+    ``device`` is ``"cpu"`` or ``"gpu"``; on ``"gpu"`` the decoder runs as
+    ``"mixed"`` (nvJPEG) and the other ops on the GPU.
+    """
+
+    device: str
+    output: OutputSpec
+
+    @property
+    def decoder_device(self) -> str:
+        return "mixed" if self.device == "gpu" else "cpu"
+
+    def finish(
+        self, images: Any, *, crop: tuple[int, int] | None = None, mirror: Any = None
+    ) -> Any:
+        """Crop (centre), mirror, cast and lay out ``images`` as the output spec says."""
+        import nvidia.dali.fn as fn
+        import nvidia.dali.types as types
+
+        out = self.output
+        kwargs: dict[str, Any] = {
+            "device": self.device,
+            "output_layout": "CHW" if out.layout == "NCHW" else "HWC",
+        }
+        if out.normalized:
+            kwargs.update(
+                dtype=types.FLOAT16 if out.dtype == "float16" else types.FLOAT,
+                mean=list(out.mean),
+                std=list(out.std),
+            )
+        else:
+            kwargs.update(dtype=types.UINT8)
+        if crop is not None:
+            kwargs["crop"] = crop
+        if mirror is not None:
+            kwargs["mirror"] = mirror
+        return fn.crop_mirror_normalize(images, **kwargs)
+
+
+PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """A named pipeline: its graph function, tunable parameters and statistics."""
+
+    name: str
+    function: PipelineFn
+    params: Mapping[str, Param]
+    description: str = ""
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    check: Callable[[Mapping[str, float]], None] | None = None
+
+    def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Defaults updated by ``overrides``; unknown names or bad values raise ParamError."""
+        values = {name: param.default for name, param in self.params.items()}
+        for name, value in (overrides or {}).items():
+            param = self.params.get(name)
+            if param is None:
+                known = ", ".join(sorted(self.params)) or "none"
+                raise ParamError(
+                    f"pipeline {self.name!r} has no parameter {name!r} (it has: {known})"
+                )
+            values[name] = param.check(name, float(value))
+        if self.check is not None:
+            self.check(values)
+        return values
+
+    def with_defaults(self, defaults: Mapping[str, float]) -> PipelineSpec:
+        """The same pipeline with other defaults (from server config), checked."""
+        self.resolve(defaults)
+        params = dict(self.params)
+        for name, value in defaults.items():
+            params[name] = dataclasses.replace(params[name], default=float(value))
+        return dataclasses.replace(self, params=params)
+
+
+def _train(encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float]) -> tuple[Any, Any]:
+    """Fused decode + random crop, resize to ``size``, random flip, output cast."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    images = fn.decoders.image_random_crop(
+        encoded,
+        device=ctx.decoder_device,
+        output_type=types.RGB,
+        random_area=[p["area_min"], p["area_max"]],
+        random_aspect_ratio=[p["aspect_min"], p["aspect_max"]],
+        num_attempts=100,
+    )
+    size = int(p["size"])
+    images = fn.resize(images, device=ctx.device, resize_x=size, resize_y=size, antialias=True)
+    mirror = fn.random.coin_flip(probability=p["flip"])
+    return ctx.finish(images, mirror=mirror), labels
+
+
+def _val(encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float]) -> tuple[Any, Any]:
+    """Decode, resize the shorter side to ``resize``, centre-crop ``size``, output cast."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
+    images = fn.resize(images, device=ctx.device, resize_shorter=p["resize"], antialias=True)
+    size = int(p["size"])
+    return ctx.finish(images, crop=(size, size)), labels
+
+
+def _check_train(p: Mapping[str, float]) -> None:
+    if p["area_min"] > p["area_max"]:
+        raise ParamError("train: area_min must not exceed area_max")
+    if p["aspect_min"] > p["aspect_max"]:
+        raise ParamError("train: aspect_min must not exceed aspect_max")
+
+
+def _check_val(p: Mapping[str, float]) -> None:
+    if p["size"] > p["resize"]:
+        raise ParamError("val: the crop size must not exceed the resize of the shorter side")
+
+
+_SIZE = Param(default=224, low=8, high=1024, integer=True, help="output height and width")
+
+PRESETS: dict[str, PipelineSpec] = {
+    "train": PipelineSpec(
+        name="train",
+        function=_train,
+        description="decode + random-resized-crop, resize to size, horizontal flip, normalize",
+        params={
+            "size": _SIZE,
+            "area_min": Param(default=0.08, low=0.01, high=1.0, help="smallest crop area fraction"),
+            "area_max": Param(default=1.0, low=0.01, high=1.0, help="largest crop area fraction"),
+            "aspect_min": Param(default=3 / 4, low=0.1, high=10.0, help="smallest aspect ratio"),
+            "aspect_max": Param(default=4 / 3, low=0.1, high=10.0, help="largest aspect ratio"),
+            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+        },
+        check=_check_train,
+    ),
+    "val": PipelineSpec(
+        name="val",
+        function=_val,
+        description="decode, resize shorter side to resize, centre crop size, normalize",
+        params={
+            "size": _SIZE,
+            "resize": Param(default=256, low=8, high=4096, integer=True, help="shorter side"),
+        },
+        check=_check_val,
+    ),
+}
+
+
+def load_function(reference: str) -> PipelineFn:
+    """Import ``module:function`` named in the server config (never by a client)."""
+    module_name, _, attr = reference.partition(":")
+    if not module_name or not attr:
+        raise ParamError(f"a custom pipeline must be named as 'module:function', got {reference!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ParamError(f"cannot import pipeline module {module_name!r}: {exc}") from exc
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ParamError(f"{reference!r}: module {module_name!r} has no function {attr!r}")
+    return function  # type: ignore[no-any-return]

@@ -1,0 +1,315 @@
+"""One built DALI pipeline, fed batch by batch, that survives bad samples.
+
+The pipeline reads its input through ``fn.external_source`` from a callback
+that pulls the next :class:`Job` (ids, encoded images, labels). DALI calls the
+callback ahead of time to keep ``prefetch`` batches in flight.
+
+A sample that makes the pipeline fail (a truncated JPEG, random bytes, a GIF
+on nvJPEG) must not end the stream: when a run raises, the failed batch's
+samples are tried one at a time through a batch-size-1 copy of the same graph,
+the culprits are reported as skipped and the rest of the batch is run again.
+Results come out in job order whatever was retried.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from batchwire.server._pipelines import BuildContext, PipelineSpec
+
+__all__ = ["Job", "Result", "Runner", "RunnerKey"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerKey:
+    """What makes two pipelines interchangeable."""
+
+    pipeline: str
+    params: tuple[tuple[str, float], ...]
+    dtype: str
+    layout: str
+    batch_size: int
+    device: str
+    device_id: int | None
+
+
+@dataclasses.dataclass
+class Job:
+    """A batch to run: ``ids[i]`` is encoded as ``images[i]`` with ``labels[i]``."""
+
+    seq: int
+    ids: np.ndarray
+    images: list[np.ndarray]
+    labels: np.ndarray
+    skipped: list[int] = dataclasses.field(default_factory=list)
+    attempts: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """A job's output; ``images`` and ``labels`` own their memory."""
+
+    seq: int
+    ids: np.ndarray
+    images: np.ndarray
+    labels: np.ndarray
+    skipped: tuple[int, ...]
+
+
+class _Source:
+    """The external_source callback: hands DALI the next job, remembers it."""
+
+    def __init__(self) -> None:
+        self.jobs: Iterator[Job] = iter(())
+        self.retries: collections.deque[Job] = collections.deque()
+        self.in_flight: collections.deque[Job] = collections.deque()
+        self.empty: list[Job] = []
+
+    def __call__(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        while True:
+            job = self.retries.popleft() if self.retries else next(self.jobs, None)
+            if job is None:
+                raise StopIteration
+            if not job.images:
+                # Nothing left to run (every sample skipped): no DALI batch.
+                self.empty.append(job)
+                continue
+            self.in_flight.append(job)
+            meta = np.stack([np.full(len(job.ids), job.seq, np.int64), job.ids], axis=1)
+            return job.images, job.labels, meta
+
+
+def _build(
+    spec: PipelineSpec,
+    params: dict[str, float],
+    ctx: BuildContext,
+    *,
+    batch_size: int,
+    num_threads: int,
+    device_id: int | None,
+    prefetch: int,
+    source: Any,
+) -> Any:
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+    from nvidia.dali import Pipeline
+
+    pipe = Pipeline(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=device_id,
+        prefetch_queue_depth=prefetch,
+    )
+    with pipe:
+        encoded, labels, meta = fn.external_source(
+            source=source,
+            num_outputs=3,
+            batch=True,
+            dtype=[types.UINT8, types.INT64, types.INT64],
+            ndim=[1, 0, 1],
+        )
+        images, labels = spec.function(encoded, labels, ctx, params)
+        pipe.set_outputs(images, labels, meta)
+    pipe.build()
+    return pipe
+
+
+def _to_numpy(tensor_list: Any) -> np.ndarray:
+    if hasattr(tensor_list, "as_cpu"):
+        tensor_list = tensor_list.as_cpu()
+    return np.asarray(tensor_list.as_array())
+
+
+class Runner:
+    """A built pipeline for one :class:`RunnerKey`; used by one stream at a time."""
+
+    def __init__(
+        self,
+        key: RunnerKey,
+        spec: PipelineSpec,
+        ctx: BuildContext,
+        *,
+        num_threads: int,
+        prefetch: int = 2,
+    ) -> None:
+        self.key = key
+        self._spec = spec
+        self._params = dict(key.params)
+        self._ctx = ctx
+        self._num_threads = num_threads
+        self._source = _Source()
+        self._pipe = _build(
+            spec,
+            self._params,
+            ctx,
+            batch_size=key.batch_size,
+            num_threads=num_threads,
+            device_id=key.device_id,
+            prefetch=prefetch,
+            source=self._source,
+        )
+        self._probe: Any = None
+        self._probe_sample: list[tuple[list[np.ndarray], np.ndarray, np.ndarray]] = []
+        self._lock = threading.Lock()
+        self.healthy = True
+
+    def run(self, jobs: Iterator[Job]) -> Iterator[Result]:
+        """Run ``jobs`` (seq 0, 1, 2, …) and yield their results in seq order.
+
+        Closing the generator early drains what DALI still has in flight, so
+        the runner can serve the next stream. One stream at a time.
+        """
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("a Runner serves one stream at a time")
+        source = self._source
+        source.jobs = jobs
+        source.retries.clear()
+        source.in_flight.clear()
+        source.empty.clear()
+        finished = False
+        try:
+            done: dict[int, Result] = {}
+            next_seq = 0
+            while True:
+                for job in source.empty:
+                    done[job.seq] = _empty_result(job)
+                source.empty.clear()
+                if next_seq in done:
+                    yield done.pop(next_seq)
+                    next_seq += 1
+                    continue
+                try:
+                    outputs = self._pipe.run()
+                except StopIteration:
+                    self._pipe.reset()
+                    if source.retries or source.empty:
+                        continue
+                    if source.in_flight:
+                        raise RuntimeError(
+                            "DALI ended the epoch with batches still in flight"
+                        ) from None
+                    finished = True
+                    return
+                except RuntimeError as exc:
+                    self._pipe.reset()
+                    job = source.in_flight.popleft()
+                    self._recover(job, exc)
+                    continue
+                job = source.in_flight.popleft()
+                done[job.seq] = self._result(job, outputs)
+        finally:
+            if not finished:
+                self._drain()
+            source.jobs = iter(())
+            self._lock.release()
+
+    def _result(self, job: Job, outputs: Any) -> Result:
+        images, labels, meta = (_to_numpy(out) for out in outputs)
+        if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
+            raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
+        return Result(
+            seq=job.seq,
+            ids=job.ids,
+            images=images,
+            labels=labels.reshape(-1).astype(np.int64, copy=False),
+            skipped=tuple(job.skipped),
+        )
+
+    def _recover(self, job: Job, exc: RuntimeError) -> None:
+        """Find which samples of a failed job break the pipeline; retry the rest."""
+        message = str(exc).strip().splitlines()
+        log.warning(
+            "pipeline %r failed on a batch of %d samples (%s); checking them one by one",
+            self._spec.name,
+            len(job.ids),
+            message[-1] if message else type(exc).__name__,
+        )
+        if job.attempts >= 1:
+            # The clean samples failed again: give up on this batch, not the stream.
+            bad = list(range(len(job.ids)))
+        else:
+            bad = [i for i in range(len(job.ids)) if not self._probe_one(job, i)]
+        keep = [i for i in range(len(job.ids)) if i not in set(bad)]
+        skipped = job.skipped + [int(job.ids[i]) for i in bad]
+        log.warning(
+            "skipping sample ids %s: they cannot be processed", [int(job.ids[i]) for i in bad]
+        )
+        self._source.retries.append(
+            Job(
+                seq=job.seq,
+                ids=job.ids[keep],
+                images=[job.images[i] for i in keep],
+                labels=job.labels[keep],
+                skipped=skipped,
+                attempts=job.attempts + 1,
+            )
+        )
+
+    def _probe_one(self, job: Job, index: int) -> bool:
+        if self._probe is None:
+            self._probe = _build(
+                self._spec,
+                self._params,
+                self._ctx,
+                batch_size=1,
+                num_threads=1,
+                device_id=self.key.device_id,
+                prefetch=1,
+                source=self._probe_source,
+            )
+        sample = job.images[index : index + 1]
+        labels = job.labels[index : index + 1]
+        meta = np.array([[job.seq, job.ids[index]]], dtype=np.int64)
+        self._probe_sample.append((sample, labels, meta))
+        try:
+            self._probe.run()
+            return True
+        except RuntimeError:
+            self._probe.reset()
+            return False
+        finally:
+            self._probe_sample.clear()
+
+    def _probe_source(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        if not self._probe_sample:
+            raise StopIteration
+        return self._probe_sample[0]
+
+    def _drain(self) -> None:
+        """Run out what DALI holds so the next stream starts clean."""
+        source = self._source
+        source.jobs = iter(())
+        source.retries.clear()
+        try:
+            for _ in range(64):
+                try:
+                    self._pipe.run()
+                except StopIteration:
+                    self._pipe.reset()
+                    source.in_flight.clear()
+                    return
+                except RuntimeError:
+                    self._pipe.reset()
+                if source.in_flight:
+                    source.in_flight.popleft()
+        except Exception:
+            log.exception("could not drain pipeline %r; discarding it", self._spec.name)
+        self.healthy = False
+
+
+def _empty_result(job: Job) -> Result:
+    return Result(
+        seq=job.seq,
+        ids=job.ids[:0],
+        images=np.zeros((0,), dtype=np.uint8),
+        labels=np.zeros((0,), dtype=np.int64),
+        skipped=tuple(job.skipped),
+    )

@@ -1,0 +1,193 @@
+"""``BatchwireServer``: the gRPC server around the engine, with health and reflection.
+
+Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
+
+    server = BatchwireServer(ServerConfig(data_dir="data", port=0))
+    server.start()               # returns once listening; warm-up continues
+    server.wait_serving(60)      # health reports SERVING
+    print(server.target)         # "localhost:PORT"
+    server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
+
+The server runs its own event loop (uvloop where installed) in a named thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+
+import grpc
+from batchwire.server._config import ServerConfig
+from batchwire.server._engine import Engine
+from batchwire.server._servicer import BatchwireServicer
+from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+__all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
+_START_TIMEOUT = 30.0
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServerError(RuntimeError):
+    """The server could not start (port in use, bad data directory, ...)."""
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class BatchwireServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"
+        )
+        self._health = health.aio.HealthServicer()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._listening = threading.Event()
+        self._serving = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._grace: float | None = None
+        self._port = 0
+
+    # -- public surface ----------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def target(self) -> str:
+        """An address clients on this host can use."""
+        return f"localhost:{self._port}"
+
+    def start(self) -> None:
+        """Open the datasets, listen, and warm a pipeline in the background."""
+        self.engine.open_datasets()
+        self._thread = threading.Thread(target=self._run, name="batchwire-server", daemon=True)
+        self._thread.start()
+        if not self._listening.wait(_START_TIMEOUT):
+            raise ServerError(f"the server did not start listening within {_START_TIMEOUT:.0f}s")
+        if self._start_error is not None:
+            raise ServerError(str(self._start_error)) from self._start_error
+
+    def wait_serving(self, timeout: float) -> bool:
+        """Whether health reached SERVING within ``timeout`` seconds."""
+        return self._serving.wait(timeout)
+
+    def stop(self, grace: float | None = 10.0) -> None:
+        """Drain and stop: health NOT_SERVING, new streams refused, in-flight ones
+        given ``grace`` seconds to finish before they are cancelled."""
+        loop, requested = self._loop, self._stop_requested
+        if loop is None or requested is None or loop.is_closed():
+            return
+        self._grace = grace
+        self.engine.draining = True
+        loop.call_soon_threadsafe(requested.set)
+        self.join((grace or 0) + _START_TIMEOUT)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the server to stop; whether it did within ``timeout``."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def __enter__(self) -> BatchwireServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop(grace=1.0)
+
+    # -- event loop thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = self._loop = _new_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as exc:
+            self._start_error = exc
+            log.exception("server stopped with an error")
+        finally:
+            self._listening.set()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self.engine.close()
+            loop.close()
+
+    async def _main(self) -> None:
+        self._stop_requested = asyncio.Event()
+        server = self._server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+            ],
+        )
+        batchwire_pb2_grpc.add_BatchwireServicer_to_server(
+            BatchwireServicer(self.engine, self._executor), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, _NOT_SERVING)
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self._port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise ServerError(
+                f"cannot listen on {address}: {exc} (is another process using the port?)"
+            ) from exc
+        await server.start()
+        log.info("listening on %s (port %d)", address, self._port)
+        self._listening.set()
+        warm = asyncio.ensure_future(self._warm_up())
+        await self._stop_requested.wait()
+        warm.cancel()
+        await self._drain(server)
+
+    async def _warm_up(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self.engine.warm_up)
+        except Exception:
+            log.exception("pipeline warm-up failed: health stays NOT_SERVING")
+            return
+        if not self.engine.datasets:
+            log.error(
+                "no datasets found under %s: health stays NOT_SERVING until the server is "
+                "restarted with data (ingest with `batchwire ingest`)",
+                self.config.data_dir,
+            )
+            return
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, _SERVING)
+        self._serving.set()
+        log.info("SERVING %d datasets", len(self.engine.datasets))
+
+    async def _drain(self, server: grpc.aio.Server) -> None:
+        log.info("draining: NOT_SERVING, refusing new streams, grace %ss", self._grace)
+        self._serving.clear()
+        await self._health.enter_graceful_shutdown()
+        await server.stop(self._grace)
+        log.info("stopped")
