@@ -1,0 +1,196 @@
+"""The order/sharding/resume contract of SPEC.md, as properties of the pure sampler."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchwire.common.sampler import Plan, epoch_order, num_batches, rank_share
+
+sizes = st.integers(min_value=0, max_value=500)
+worlds = st.integers(min_value=1, max_value=9)
+batch_sizes = st.integers(min_value=1, max_value=40)
+
+
+def all_ids(plan: Plan) -> list[int]:
+    return [int(i) for batch in plan.batches() for i in batch.ids]
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch() -> None:
+    a = epoch_order(seed=7, epoch=3, num_samples=1000)
+    b = epoch_order(seed=7, epoch=3, num_samples=1000)
+    assert np.array_equal(a, b)
+    assert sorted(a.tolist()) == list(range(1000))
+    assert not np.array_equal(a, epoch_order(seed=7, epoch=4, num_samples=1000))
+    assert not np.array_equal(a, epoch_order(seed=8, epoch=3, num_samples=1000))
+    assert np.array_equal(epoch_order(7, 3, 1000, shuffle=False), np.arange(1000))
+
+
+def test_order_is_pinned_across_versions() -> None:
+    # The contract: any server computes this same order. These values are fixed
+    # by SeedSequence + PCG64 raw bits and must never change between releases.
+    assert epoch_order(seed=0, epoch=0, num_samples=10).tolist() == [3, 2, 1, 8, 6, 0, 7, 4, 5, 9]
+    assert epoch_order(seed=42, epoch=7, num_samples=12).tolist() == [
+        5,
+        7,
+        10,
+        1,
+        6,
+        9,
+        2,
+        0,
+        11,
+        4,
+        3,
+        8,
+    ]
+
+
+def test_global_shuffle_mixes_classes_in_every_batch() -> None:
+    # A sorted dataset (10 classes of 1000): a true global shuffle puts ~10
+    # classes in every batch of 64, unlike a shuffle buffer.
+    order = epoch_order(seed=1, epoch=0, num_samples=10_000)
+    classes_per_batch = [
+        len(set((order[i : i + 64] // 1000).tolist())) for i in range(0, 10_000 - 64, 64)
+    ]
+    assert min(classes_per_batch) >= 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=sizes, world=worlds, batch=batch_sizes, drop_last=st.booleans(), seed=st.integers(0, 2**32)
+)
+def test_ranks_are_disjoint_and_cover_the_epoch(
+    n: int, world: int, batch: int, drop_last: bool, seed: int
+) -> None:
+    plans = [
+        Plan(
+            num_samples=n,
+            batch_size=batch,
+            seed=seed,
+            rank=r,
+            world_size=world,
+            drop_last=drop_last,
+        )
+        for r in range(world)
+    ]
+    shares = [all_ids(p) for p in plans]
+    counts = {len(list(p.batches())) for p in plans}
+    assert counts == {plans[0].num_batches}, "every rank gets the same number of batches"
+    assert plans[0].num_batches == num_batches(n, batch, world, drop_last)
+    everything = [i for share in shares for i in share]
+    if drop_last:
+        assert len(everything) == len(set(everything)), "no id twice in an epoch"
+        per_rank = (n // world) // batch * batch
+        assert all(len(s) == per_rank for s in shares)
+        for p in plans:
+            assert all(len(b.ids) == batch for b in p.batches()), "only full batches"
+    else:
+        assert set(everything) == set(range(n)), "every id delivered"
+        padded = math.ceil(n / world)
+        assert all(len(s) == padded for s in shares)
+        duplicates = sum(c - 1 for c in collections.Counter(everything).values())
+        assert duplicates == padded * world - n, "padding only wraps around"
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, world=worlds, batch=batch_sizes, drop_last=st.booleans(), data=st.data())
+def test_resume_from_any_cursor_gives_exactly_the_rest(
+    n: int, world: int, batch: int, drop_last: bool, data: st.DataObject
+) -> None:
+    rank = data.draw(st.integers(0, world - 1))
+    full = Plan(
+        num_samples=n, batch_size=batch, rank=rank, world_size=world, drop_last=drop_last, seed=3
+    )
+    delivered = all_ids(full)
+    cursor = data.draw(st.integers(0, full.share_size))
+    rest = all_ids(
+        Plan(
+            num_samples=n,
+            batch_size=batch,
+            rank=rank,
+            world_size=world,
+            drop_last=drop_last,
+            seed=3,
+            start=cursor,
+        )
+    )
+    assert rest == delivered[cursor:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, world=worlds, batch=batch_sizes, lanes=st.integers(1, 6), drop_last=st.booleans())
+def test_lanes_interleaved_by_index_give_the_same_sequence(
+    n: int, world: int, batch: int, lanes: int, drop_last: bool
+) -> None:
+    single = Plan(num_samples=n, batch_size=batch, world_size=world, drop_last=drop_last)
+    per_lane = [
+        list(
+            Plan(
+                num_samples=n,
+                batch_size=batch,
+                world_size=world,
+                drop_last=drop_last,
+                lanes=lanes,
+                lane=lane,
+            ).batches()
+        )
+        for lane in range(lanes)
+    ]
+    merged = sorted((b for lane in per_lane for b in lane), key=lambda b: b.index)
+    assert [b.index for b in merged] == list(range(single.num_batches))
+    assert [int(i) for b in merged for i in b.ids] == all_ids(single)
+    for lane, batches in enumerate(per_lane):
+        assert all(b.index % lanes == lane for b in batches)
+
+
+def test_cursor_of_each_batch_resumes_after_it() -> None:
+    plan = Plan(num_samples=103, batch_size=10, world_size=2, rank=1, drop_last=False, seed=5)
+    batches = list(plan.batches())
+    assert batches[-1].end == plan.share_size == 52
+    for k, b in enumerate(batches):
+        resumed = list(
+            Plan(
+                num_samples=103,
+                batch_size=10,
+                world_size=2,
+                rank=1,
+                drop_last=False,
+                seed=5,
+                start=b.end,
+            ).batches()
+        )
+        assert [x.index for x in resumed] == list(range(k + 1, len(batches)))
+
+
+def test_rank_share_matches_torch_distributed_sampler() -> None:
+    torch_data = pytest.importorskip("torch.utils.data")
+    indices = list(range(23))
+    for drop_last in (False, True):
+        for rank in range(4):
+            sampler = torch_data.distributed.DistributedSampler(
+                indices, num_replicas=4, rank=rank, shuffle=False, drop_last=drop_last
+            )
+            ours = rank_share(np.arange(23), rank, 4, drop_last)
+            assert ours.tolist() == list(iter(sampler))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"lane": 3, "lanes": 2}, "lane"),
+        ({"start": 1000}, "start"),
+        ({"seed": -1}, ">= 0"),
+    ],
+)
+def test_bad_plans_are_refused_with_a_clear_message(kwargs: dict[str, int], message: str) -> None:
+    base = {"num_samples": 100, "batch_size": 8}
+    with pytest.raises(ValueError, match=message):
+        Plan(**{**base, **kwargs})
