@@ -22,13 +22,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import os
 import pathlib
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import lmdb
 import numpy as np
+
 from batchwire.v1 import datum_pb2
 
 __all__ = [
@@ -162,7 +165,7 @@ class Dataset:
         self._envs: list[lmdb.Environment] = []
         try:
             for shard in self.manifest.shards:
-                self._envs.append(_open_shard(self.directory / shard.path))
+                self._envs.append(_ENVIRONMENTS.acquire(self.directory / shard.path))
         except DatasetError:
             self.close()
             raise
@@ -211,7 +214,7 @@ class Dataset:
 
     def close(self) -> None:
         for env in self._envs:
-            env.close()
+            _ENVIRONMENTS.release(env)
         self._envs.clear()
 
     def __enter__(self) -> Dataset:
@@ -221,17 +224,51 @@ class Dataset:
         self.close()
 
 
-def _open_shard(path: pathlib.Path) -> lmdb.Environment:
-    if not (path / "data.mdb").is_file():
-        raise DatasetError(f"shard {path} has no data.mdb: the dataset is incomplete")
-    try:
-        # lock=False: datasets are immutable once ingested, so readers need no
-        # lock file (and the data volume may be mounted read-only).
-        return lmdb.open(
-            str(path), readonly=True, lock=False, readahead=False, meminit=False, max_readers=512
-        )
-    except lmdb.Error as exc:
-        raise DatasetError(f"cannot open LMDB shard {path}: {exc}") from exc
+class _SharedEnvironments:
+    """LMDB forbids opening one environment twice in a process, so every
+    Dataset over the same shard (two servers in one process, a test beside a
+    server) shares one read-only handle, closed with its last user."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[lmdb.Environment, int]] = {}
+
+    def acquire(self, path: pathlib.Path) -> lmdb.Environment:
+        if not (path / "data.mdb").is_file():
+            raise DatasetError(f"shard {path} has no data.mdb: the dataset is incomplete")
+        key = os.path.realpath(path)
+        with self._lock:
+            env, users = self._open.get(key, (None, 0))
+            if env is None:
+                try:
+                    # lock=False: datasets are immutable once ingested, so readers
+                    # need no lock file (and the volume may be mounted read-only).
+                    env = lmdb.open(
+                        key,
+                        readonly=True,
+                        lock=False,
+                        readahead=False,
+                        meminit=False,
+                        max_readers=512,
+                    )
+                except lmdb.Error as exc:
+                    raise DatasetError(f"cannot open LMDB shard {path}: {exc}") from exc
+            self._open[key] = (env, users + 1)
+            return env
+
+    def release(self, env: lmdb.Environment) -> None:
+        with self._lock:
+            for key, (known, users) in list(self._open.items()):
+                if known is env:
+                    if users > 1:
+                        self._open[key] = (known, users - 1)
+                    else:
+                        del self._open[key]
+                        env.close()
+                    return
+
+
+_ENVIRONMENTS = _SharedEnvironments()
 
 
 def _parse_datum(value: memoryview | None) -> datum_pb2.Datum | None:

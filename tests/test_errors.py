@@ -1,0 +1,122 @@
+"""Bad requests get the right status code and a clear message; the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchwire.client import (
+    BatchwireError,
+    InvalidArgumentError,
+    NotFoundError,
+    RemoteLoader,
+    UnavailableError,
+)
+from batchwire.server import BatchwireServer
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
+
+
+@pytest.fixture()
+def stub(server: BatchwireServer):  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.BatchwireStub(channel)
+
+
+def assert_serving(server: BatchwireServer) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "batchwire.v1.Batchwire"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def stream_error(stub: pb_grpc.BatchwireStub, **fields: object) -> grpc.RpcError:
+    request = pb.StreamBatchesRequest(
+        **{"dataset": "shapes", "pipeline": "val", "batch_size": 4, **fields}  # type: ignore[arg-type]
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        next(iter(stub.StreamBatches(request, timeout=30)))
+    return caught.value  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "words"),
+    [
+        ({"dataset": "imagenet"}, grpc.StatusCode.NOT_FOUND, "no dataset named 'imagenet'"),
+        ({"dataset": "../shapes"}, grpc.StatusCode.NOT_FOUND, "no dataset named '../shapes'"),
+        ({"dataset": "/etc/passwd"}, grpc.StatusCode.NOT_FOUND, "no dataset"),
+        ({"pipeline": "resnet"}, grpc.StatusCode.NOT_FOUND, "no pipeline named 'resnet'"),
+        ({"batch_size": 0}, grpc.StatusCode.INVALID_ARGUMENT, "batch_size"),
+        ({"batch_size": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "--max-batch-size"),
+        ({"rank": 2, "world_size": 2}, grpc.StatusCode.INVALID_ARGUMENT, "rank"),
+        ({"lane": 1}, grpc.StatusCode.INVALID_ARGUMENT, "lane"),
+        ({"start": 10_000}, grpc.StatusCode.INVALID_ARGUMENT, "start"),
+        ({"world_size": 1 << 30}, grpc.StatusCode.INVALID_ARGUMENT, "world_size"),
+        ({"epoch": 1 << 60}, grpc.StatusCode.INVALID_ARGUMENT, "epoch"),
+        ({"params": {"size": 0}}, grpc.StatusCode.INVALID_ARGUMENT, "'size' must be in"),
+        ({"params": {"code": 1}}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter 'code'"),
+        ({"params": {"size": 300}}, grpc.StatusCode.INVALID_ARGUMENT, "crop size"),
+        ({"dtype": pb.INT64}, grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+        ({"dataset": ""}, grpc.StatusCode.INVALID_ARGUMENT, "dataset must be named"),
+    ],
+)
+def test_bad_stream_requests_get_specific_codes(
+    server: BatchwireServer,
+    stub: pb_grpc.BatchwireStub,
+    fields: dict[str, object],
+    code: grpc.StatusCode,
+    words: str,
+) -> None:
+    error = stream_error(stub, **fields)
+    assert error.code() == code
+    assert words in error.details()
+    assert_serving(server)
+
+
+def test_describe_unknown_dataset_is_not_found(stub: pb_grpc.BatchwireStub) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.DescribeDataset(pb.DescribeDatasetRequest(dataset="nope"), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    listing = stub.ListDatasets(pb.ListDatasetsRequest(), timeout=10)
+    assert [d.name for d in listing.datasets] == ["shapes"]
+    assert {p.name for p in listing.datasets[0].pipelines} == {"train", "val"}
+
+
+def test_client_raises_its_own_errors_with_codes(server: BatchwireServer) -> None:
+    with pytest.raises(NotFoundError) as caught:
+        list(RemoteLoader(server.target, dataset="imagenet", batch_size=4))
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert "imagenet" in str(caught.value)
+    with pytest.raises(NotFoundError, match="no pipeline 'resnet'"):
+        len(RemoteLoader(server.target, dataset="shapes", pipeline="resnet", batch_size=4))
+    with pytest.raises(InvalidArgumentError, match="'size' must be in") as bad:
+        list(RemoteLoader(server.target, dataset="shapes", batch_size=4, params={"size": 0}))
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"prefetch": 0}, "prefetch"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "cuda"}, "CUDA"),
+    ],
+)
+def test_bad_loader_arguments_fail_before_any_call(kwargs: dict[str, object], words: str) -> None:
+    if kwargs.get("device") == "cuda" and __import__("torch").cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ValueError, match=words) as caught:
+        RemoteLoader("localhost:1", dataset="shapes", **kwargs)  # type: ignore[arg-type]
+    assert isinstance(caught.value, BatchwireError)
+
+
+def test_dead_server_is_a_clear_unavailable_error() -> None:
+    remote = RemoteLoader("localhost:1", dataset="shapes", batch_size=4, timeout=5)
+    with pytest.raises(UnavailableError, match="batchwire serve") as caught:
+        list(remote)
+    assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
