@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import tomllib
+
 from batchwire.server._pipelines import (
     PRESETS,
     Param,

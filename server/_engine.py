@@ -16,11 +16,13 @@ import threading
 from collections.abc import Iterator, Mapping
 
 import numpy as np
+
 from batchwire.common.sampler import Plan
 from batchwire.server._config import ServerConfig
 from batchwire.server._dataset import NAME_PATTERN, Dataset, DatasetError
 from batchwire.server._devices import DevicePlan
 from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server._formats import unsupported_reason
 from batchwire.server._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
 from batchwire.server._pool import RunnerPool
 from batchwire.server._runner import Job, Runner, RunnerKey
@@ -117,13 +119,15 @@ class BatchStream:
             if self._stop.is_set():
                 return
             images, labels = self._dataset.read(planned.ids)
-            good = [i for i, image in enumerate(images) if image is not None]
-            skipped = [int(planned.ids[i]) for i, image in enumerate(images) if image is None]
-            if skipped:
+            good, skipped = [], []
+            for i, image in enumerate(images):
+                reason = "missing or not a Datum" if image is None else unsupported_reason(image)
+                if reason is None:
+                    good.append(i)
+                    continue
+                skipped.append(int(planned.ids[i]))
                 log.warning(
-                    "dataset %r: records of ids %s are missing or unreadable; skipping them",
-                    self._dataset.name,
-                    skipped,
+                    "dataset %r: skipping sample %d: %s", self._dataset.name, planned.ids[i], reason
                 )
             yield Job(
                 seq=seq,

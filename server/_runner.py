@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from batchwire.server._pipelines import BuildContext, PipelineSpec
 
 __all__ = ["Job", "Result", "Runner", "RunnerKey"]
@@ -97,6 +98,7 @@ def _build(
     device_id: int | None,
     prefetch: int,
     source: Any,
+    synchronous: bool = False,
 ) -> Any:
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
@@ -107,6 +109,10 @@ def _build(
         num_threads=num_threads,
         device_id=device_id,
         prefetch_queue_depth=prefetch,
+        # A synchronous pipeline calls its source exactly once per run and has
+        # nothing in flight: what the one-sample probe needs.
+        exec_pipelined=not synchronous,
+        exec_async=not synchronous,
     )
     with pipe:
         encoded, labels, meta = fn.external_source(
@@ -145,21 +151,25 @@ class Runner:
         self._params = dict(key.params)
         self._ctx = ctx
         self._num_threads = num_threads
+        self._prefetch = prefetch
         self._source = _Source()
-        self._pipe = _build(
-            spec,
-            self._params,
-            ctx,
-            batch_size=key.batch_size,
-            num_threads=num_threads,
-            device_id=key.device_id,
-            prefetch=prefetch,
-            source=self._source,
-        )
-        self._probe: Any = None
+        self._pipe = self._build(key.batch_size, self._source)
         self._probe_sample: list[tuple[list[np.ndarray], np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()
         self.healthy = True
+
+    def _build(self, batch_size: int, source: Any, synchronous: bool = False) -> Any:
+        return _build(
+            self._spec,
+            self._params,
+            self._ctx,
+            batch_size=batch_size,
+            num_threads=1 if synchronous else self._num_threads,
+            device_id=self.key.device_id,
+            prefetch=1 if synchronous else self._prefetch,
+            source=source,
+            synchronous=synchronous,
+        )
 
     def run(self, jobs: Iterator[Job]) -> Iterator[Result]:
         """Run ``jobs`` (seq 0, 1, 2, …) and yield their results in seq order.
@@ -199,9 +209,15 @@ class Runner:
                     finished = True
                     return
                 except RuntimeError as exc:
-                    self._pipe.reset()
-                    job = source.in_flight.popleft()
-                    self._recover(job, exc)
+                    # After an error DALI's reset() proved unsafe to rely on
+                    # (a later run could crash), so the pipeline is replaced;
+                    # the batches it held in flight run again on the new one.
+                    failed = source.in_flight.popleft()
+                    pending = list(source.in_flight)
+                    source.in_flight.clear()
+                    self._pipe = self._build(self.key.batch_size, self._source)
+                    repaired = self._recover(failed, exc)
+                    source.retries.extendleft(reversed([repaired, *pending]))
                     continue
                 job = source.in_flight.popleft()
                 done[job.seq] = self._result(job, outputs)
@@ -223,7 +239,7 @@ class Runner:
             skipped=tuple(job.skipped),
         )
 
-    def _recover(self, job: Job, exc: RuntimeError) -> None:
+    def _recover(self, job: Job, exc: RuntimeError) -> Job:
         """Find which samples of a failed job break the pipeline; retry the rest."""
         message = str(exc).strip().splitlines()
         log.warning(
@@ -232,56 +248,43 @@ class Runner:
             len(job.ids),
             message[-1] if message else type(exc).__name__,
         )
-        if job.attempts >= 1:
-            # The clean samples failed again: give up on this batch, not the stream.
-            bad = list(range(len(job.ids)))
-        else:
-            bad = [i for i in range(len(job.ids)) if not self._probe_one(job, i)]
+        # A batch whose clean samples fail again is given up, not the stream.
+        bad = list(range(len(job.ids))) if job.attempts >= 1 else self._find_bad(job)
         keep = [i for i in range(len(job.ids)) if i not in set(bad)]
         skipped = job.skipped + [int(job.ids[i]) for i in bad]
         log.warning(
             "skipping sample ids %s: they cannot be processed", [int(job.ids[i]) for i in bad]
         )
-        self._source.retries.append(
-            Job(
-                seq=job.seq,
-                ids=job.ids[keep],
-                images=[job.images[i] for i in keep],
-                labels=job.labels[keep],
-                skipped=skipped,
-                attempts=job.attempts + 1,
-            )
+        return Job(
+            seq=job.seq,
+            ids=job.ids[keep],
+            images=[job.images[i] for i in keep],
+            labels=job.labels[keep],
+            skipped=skipped,
+            attempts=job.attempts + 1,
         )
 
-    def _probe_one(self, job: Job, index: int) -> bool:
-        if self._probe is None:
-            self._probe = _build(
-                self._spec,
-                self._params,
-                self._ctx,
-                batch_size=1,
-                num_threads=1,
-                device_id=self.key.device_id,
-                prefetch=1,
-                source=self._probe_source,
-            )
-        sample = job.images[index : index + 1]
-        labels = job.labels[index : index + 1]
-        meta = np.array([[job.seq, job.ids[index]]], dtype=np.int64)
-        self._probe_sample.append((sample, labels, meta))
-        try:
-            self._probe.run()
-            return True
-        except RuntimeError:
-            self._probe.reset()
-            return False
-        finally:
-            self._probe_sample.clear()
+    def _find_bad(self, job: Job) -> list[int]:
+        """Indices of ``job``'s samples that fail alone in a batch-size-1 copy of the graph."""
+        bad = []
+        probe = self._build(1, self._probe_source, synchronous=True)
+        for index in range(len(job.ids)):
+            meta = np.array([[job.seq, job.ids[index]]], dtype=np.int64)
+            self._probe_sample[:] = [
+                (job.images[index : index + 1], job.labels[index : index + 1], meta)
+            ]
+            try:
+                probe.run()
+            except RuntimeError:
+                bad.append(index)
+                # A synchronous pipeline is dead after an error: use a new one.
+                probe = self._build(1, self._probe_source, synchronous=True)
+        return bad
 
     def _probe_source(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         if not self._probe_sample:
             raise StopIteration
-        return self._probe_sample[0]
+        return self._probe_sample.pop()
 
     def _drain(self) -> None:
         """Run out what DALI holds so the next stream starts clean."""
@@ -296,12 +299,10 @@ class Runner:
                     self._pipe.reset()
                     source.in_flight.clear()
                     return
-                except RuntimeError:
-                    self._pipe.reset()
                 if source.in_flight:
                     source.in_flight.popleft()
-        except Exception:
-            log.exception("could not drain pipeline %r; discarding it", self._spec.name)
+        except RuntimeError as exc:
+            log.info("pipeline %r failed while draining (%s); discarding it", self._spec.name, exc)
         self.healthy = False
 
 

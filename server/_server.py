@@ -19,12 +19,13 @@ import logging
 import threading
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from batchwire.server._config import ServerConfig
 from batchwire.server._engine import Engine
 from batchwire.server._servicer import BatchwireServicer
 from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 __all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
 from batchwire.common.tensors import to_proto
 from batchwire.server._dataset import DatasetError
 from batchwire.server._engine import Batch, BatchStream, DatasetSummary, Engine, StreamRequest

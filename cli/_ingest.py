@@ -1,0 +1,81 @@
+"""``batchwire ingest SRC OUT --name NAME``: build a dataset from class folders or a file list."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "ingest",
+        help="turn a folder of images into a batchwire dataset (LMDB shards + manifest)",
+        description=(
+            "Write OUT/NAME/: LMDB shards of Caffe Datum records (the original image bytes) "
+            "and manifest.json. Classes are SRC's subdirectories in sorted order (labels "
+            "0..C-1), or come from --file-list. Every file is decoded with DALI; files that "
+            "fail are skipped and listed with a reason."
+        ),
+    )
+    parser.add_argument("src", type=pathlib.Path, metavar="SRC", help="folder of images")
+    parser.add_argument("out", type=pathlib.Path, metavar="OUT", help="where OUT/NAME/ goes")
+    parser.add_argument("--name", required=True, help="dataset name (the served name)")
+    parser.add_argument(
+        "--file-list",
+        type=pathlib.Path,
+        metavar="F",
+        help="file of 'relative/path label' lines (paths relative to SRC) instead of class folders",
+    )
+    parser.add_argument(
+        "--shard-size", type=int, default=None, metavar="N", help="samples per shard (10000)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace OUT/NAME once the new one is complete"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="DALI decoding threads"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from batchwire.cli._inspect import human_size
+        from batchwire.server._ingest import DEFAULT_SHARD_SIZE, IngestError, ingest
+    except ImportError as exc:
+        print(
+            f"error: {exc.name or exc} is missing: this command needs the server extra "
+            "(pip install 'batchwire[server]')",
+            file=sys.stderr,
+        )
+        return 2
+
+    try:
+        report = ingest(
+            args.src,
+            args.out,
+            name=args.name,
+            file_list=args.file_list,
+            shard_size=DEFAULT_SHARD_SIZE if args.shard_size is None else args.shard_size,
+            overwrite=args.overwrite,
+            num_threads=args.threads,
+            progress=not args.no_progress,
+        )
+    except IngestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"ingested {report.num_samples} images in {len(report.classes)} classes into "
+        f"{report.path} ({report.num_shards} shards, {human_size(report.bytes)}) "
+        f"in {report.seconds:.1f} s"
+    )
+    if report.rejected:
+        print(f"rejected {len(report.rejected)} files:")
+        for item in report.rejected:
+            print(f"  {item.path}: {item.reason}")
+    return 0

@@ -1,0 +1,103 @@
+"""``batchwire inspect DIR``: summarize a dataset directory and check its shards."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+__all__ = ["add_parser", "human_size", "run"]
+
+# Longer lists are cut to their head, with the rest summarized in one line.
+_MAX_CLASSES = 20
+_MAX_SHARDS = 20
+_MAX_REJECTED = 5
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="summarize a dataset directory and check its shards against the manifest",
+        description=(
+            "Print a dataset's samples, classes, shards and rejected files, and check that "
+            "every shard holds as many records as the manifest says (exit 1 if not)."
+        ),
+    )
+    parser.add_argument("directory", type=pathlib.Path, metavar="DIR", help="dataset directory")
+    parser.add_argument(
+        "--all", action="store_true", help="list every class, shard and rejected file"
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from batchwire.server._dataset import DatasetError
+        from batchwire.server._ingest import summarize
+    except ImportError as exc:
+        print(
+            f"error: {exc.name or exc} is missing: this command needs the server extra "
+            "(pip install 'batchwire[server]')",
+            file=sys.stderr,
+        )
+        return 2
+
+    try:
+        summary = summarize(args.directory)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    m = summary.manifest
+    limit = None if args.all else _MAX_CLASSES
+    print(f"dataset   {m.name}  ({summary.directory})")
+    print(f"samples   {m.num_samples}")
+    print(f"created   {m.created or '-'}  from {m.source or '-'}")
+    print(f"classes   {len(m.classes)}")
+    pairs = list(zip(m.classes, m.class_counts, strict=True))
+    for label, (name, count) in enumerate(pairs[:limit]):
+        print(f"  {label:>5}  {name:<30} {count}")
+    if limit is not None and len(pairs) > limit:
+        rest = [count for _, count in pairs[limit:]]
+        print(
+            f"  ... {len(rest)} more classes ({sum(rest)} samples, "
+            f"{min(rest)}..{max(rest)} per class)"
+        )
+    print(f"shards    {len(summary.shards)}")
+    shard_limit = None if args.all else _MAX_SHARDS
+    for shard in summary.shards[:shard_limit]:
+        last = shard.first_id + shard.count - 1
+        print(
+            f"  {shard.path}  ids {shard.first_id}..{last}  {shard.count} samples  "
+            f"{human_size(shard.size_bytes)}"
+        )
+    if shard_limit is not None and len(summary.shards) > shard_limit:
+        print(f"  ... {len(summary.shards) - shard_limit} more shards")
+    print(
+        f"size      {human_size(summary.size_bytes)} on disk, {human_size(m.total_bytes)} of images"
+    )
+    print(f"rejected  {len(m.rejected)}")
+    rejected_limit = None if args.all else _MAX_REJECTED
+    for item in m.rejected[:rejected_limit]:
+        print(f"  {item.get('path')}: {item.get('reason')}")
+    if rejected_limit is not None and len(m.rejected) > rejected_limit:
+        print(f"  ... {len(m.rejected) - rejected_limit} more (--all lists them)")
+    if summary.problems:
+        for problem in summary.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        print(
+            f"error: {summary.directory} does not match its manifest; ingest it again",
+            file=sys.stderr,
+        )
+        return 1
+    print("check     ok: every shard holds the records its manifest lists")
+    return 0
+
+
+def human_size(num_bytes: float) -> str:
+    """``num_bytes`` in B, KiB, MiB, GiB or TiB, for people."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} TiB"

@@ -1,0 +1,121 @@
+"""The commands ops and newcomers run: serve (as a real process), health, demo."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchwire.cli import main
+from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
+
+
+def wait_until_serving(address: str, timeout: float) -> None:
+    """Follow the health service's Watch stream (the server already listens) to SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout
+        )
+        for reply in watch:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+    raise AssertionError(f"{address} ended the health stream before SERVING")
+
+
+def test_health_exits_zero_only_when_serving(
+    server: BatchwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["health", "--address", server.target]) == 0
+    assert "SERVING" in capsys.readouterr().out
+    assert main(["health", "--address", "localhost:1", "--timeout", "2"]) == 1
+    assert "no answer" in capsys.readouterr().err
+
+
+def test_serve_process_streams_and_drains_on_sigterm(data_dir: pathlib.Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "batchwire.cli",
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--host",
+            "localhost",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--grace",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = process.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r"on localhost:(\d+)", line)
+        assert match, f"unexpected first line: {line!r}"
+        address = f"localhost:{match.group(1)}"
+        wait_until_serving(address, timeout=120)
+        assert main(["health", "--address", address]) == 0
+        with RemoteLoader(address, dataset="shapes", batch_size=16, params={"size": 32}) as loader:
+            images, labels = next(iter(loader))
+        assert images.shape == (16, 3, 32, 32)
+        assert labels.shape == (16,)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert "SIGTERM received" in process.stderr.read()  # type: ignore[union-attr]
+        assert main(["health", "--address", address, "--timeout", "2"]) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_serve_without_a_data_directory_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    monkeypatch.delenv("BATCHWIRE_DATA_DIR", raising=False)
+    monkeypatch.delenv("BATCHWIRE_CONFIG", raising=False)
+    assert main(["serve", "--port", "0"]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+    assert main(["serve", "--data-dir", str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nmax_streams = 0\n")
+    assert main(["serve", "--data-dir", str(tmp_path), "--config", str(bad)]) == 2
+    assert "max_streams" in capsys.readouterr().err
+
+
+def test_demo_builds_serves_and_prints_a_rate(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "demo",
+        "--cache",
+        str(tmp_path),
+        "--images",
+        "96",
+        "--batch-size",
+        "16",
+        "--device",
+        "cpu",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"streamed 96 images .* \d+ images/s", out), out
+    assert "circle 24, cross 24, square 24, triangle 24" in out
+    assert main(args) == 0  # the second run reuses the cached dataset
+    assert "using the sample dataset" in capsys.readouterr().out

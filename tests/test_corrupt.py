@@ -1,0 +1,84 @@
+"""Records that rot after ingest are skipped and reported; the epoch and the server go on."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import grpc
+import lmdb
+import numpy as np
+import pytest
+from conftest import start_server
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchwire.client import RemoteLoader
+from batchwire.server._dataset import Manifest, sample_key
+from batchwire.v1 import datum_pb2
+
+
+def corrupt(dataset: pathlib.Path, damage: dict[int, bytes]) -> None:
+    """Overwrite records in place, as disk rot or a bad copy would."""
+    manifest = Manifest.load(dataset)
+    for shard in manifest.shards:
+        env = lmdb.open(str(dataset / shard.path), lock=False)
+        with env.begin(write=True) as txn:
+            for sample_id, value in damage.items():
+                if shard.first_id <= sample_id < shard.first_id + shard.count:
+                    txn.put(sample_key(sample_id), value)
+        env.close()
+
+
+def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
+    manifest = Manifest.load(dataset)
+    shard = next(s for s in manifest.shards if s.first_id <= sample_id < s.first_id + s.count)
+    env = lmdb.open(str(dataset / shard.path), readonly=True, lock=False)
+    with env.begin() as txn:
+        datum = datum_pb2.Datum.FromString(txn.get(sample_key(sample_id)))
+    env.close()
+    datum.data = datum.data[: len(datum.data) // 3]
+    return datum.SerializeToString()
+
+
+@pytest.mark.parametrize("pipeline", ["train", "val"])
+def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, pipeline: str
+) -> None:
+    copy = tmp_path / "datasets"
+    shutil.copytree(data_dir, copy)
+    dataset = copy / "shapes"
+    rng = np.random.default_rng(0)
+    damage = {
+        3: truncated(dataset, 3),
+        17: datum_pb2.Datum(encoded=True, label=0, data=rng.bytes(3000)).SerializeToString(),
+        18: b"",  # zero length
+        250: b"\x08\x96\x01 not a datum",
+        519: datum_pb2.Datum(
+            encoded=True, label=3, data=b"GIF89a" + rng.bytes(500)
+        ).SerializeToString(),
+    }
+    corrupt(dataset, damage)
+    server = start_server(copy)
+    try:
+        loader = RemoteLoader(
+            server.target,
+            dataset="shapes",
+            pipeline=pipeline,
+            batch_size=32,
+            drop_last=False,
+            return_ids=True,
+            params={"size": 32},
+        )
+        delivered = [int(i) for _, _, ids in loader for i in ids]
+        assert sorted(loader.skipped_ids) == sorted(damage)
+        assert sorted(delivered) == sorted(set(range(520)) - set(damage))
+        with grpc.insecure_channel(server.target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # The next epoch is delivered the same way: the pipeline recovered.
+        again = [int(i) for _, _, ids in loader for i in ids]
+        assert sorted(again) == sorted(delivered)
+    finally:
+        server.stop(grace=1.0)
