@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from batchwire.v1 import batchwire_pb2_grpc
 
 __all__ = ["CHANNEL_OPTIONS", "open_channel", "stub"]

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import torch
 import torch.utils.data
+
 from batchwire.client._channel import open_channel, stub
 from batchwire.client._exceptions import (
     BatchwireError,

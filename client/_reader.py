@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 import numpy as np
+
 from batchwire.client._exceptions import BatchwireError, from_rpc_error
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb

@@ -7,6 +7,7 @@ A Tensor's ``data`` is the C-contiguous, little-endian bytes of the array;
 from __future__ import annotations
 
 import numpy as np
+
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["DTYPES", "from_proto", "to_proto"]
