@@ -271,7 +271,7 @@ class _SharedEnvironments:
 _ENVIRONMENTS = _SharedEnvironments()
 
 
-def _parse_datum(value: memoryview | None) -> datum_pb2.Datum | None:
+def _parse_datum(value: bytes | memoryview | None) -> datum_pb2.Datum | None:
     if value is None or len(value) == 0:
         return None
     datum = datum_pb2.Datum()

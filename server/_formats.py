@@ -36,7 +36,7 @@ def unsupported_reason(data: bytes | np.ndarray) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
+            with Image.open(io.BytesIO(data)) as image:  # type: ignore[arg-type]  # ndarray is a buffer
                 name = image.format or "unknown"
     except Image.DecompressionBombError as exc:
         return f"too many pixels to decode safely ({exc})"
