@@ -34,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     try:
         from batchwire.server._dataset import DatasetError
-        from batchwire.server._ingest import summarize
+        from batchwire.server._inspect import summarize
     except ImportError as exc:
         print(
             f"error: {exc.name or exc} is missing: this command needs the server extra "

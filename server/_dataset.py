@@ -212,6 +212,10 @@ class Dataset:
                 txn.abort()
         return images, labels
 
+    def shard_entries(self) -> list[int]:
+        """How many records each shard's LMDB holds, in shard order."""
+        return [int(env.stat()["entries"]) for env in self._envs]
+
     def close(self) -> None:
         for env in self._envs:
             _ENVIRONMENTS.release(env)
