@@ -17,6 +17,8 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 _COMMANDS = ("ingest", "inspect", "serve", "health", "demo")
+# What the [server] extra adds; the thin client has none of them.
+_SERVER_PACKAGES = frozenset({"nvidia", "lmdb", "uvloop", "PIL", "yaml", "grpc_reflection"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,3 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _SERVER_PACKAGES:
+            raise
+        print(
+            f"error: {exc.name} is missing: `batchwire {args.command}` needs the server extra "
+            '(pip install "batchwire[server]")',
+            file=sys.stderr,
+        )
+        return 2

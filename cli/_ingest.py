@@ -44,16 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from batchwire.cli._inspect import human_size
-        from batchwire.server._ingest import DEFAULT_SHARD_SIZE, IngestError, ingest
-    except ImportError as exc:
-        print(
-            f"error: {exc.name or exc} is missing: this command needs the server extra "
-            "(pip install 'batchwire[server]')",
-            file=sys.stderr,
-        )
-        return 2
+    from batchwire.cli._inspect import human_size
+    from batchwire.server._ingest import DEFAULT_SHARD_SIZE, IngestError, ingest
 
     try:
         report = ingest(

@@ -32,16 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from batchwire.server._dataset import DatasetError
-        from batchwire.server._inspect import summarize
-    except ImportError as exc:
-        print(
-            f"error: {exc.name or exc} is missing: this command needs the server extra "
-            "(pip install 'batchwire[server]')",
-            file=sys.stderr,
-        )
-        return 2
+    from batchwire.server._dataset import DatasetError
+    from batchwire.server._inspect import summarize
 
     try:
         summary = summarize(args.directory)

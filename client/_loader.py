@@ -276,7 +276,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 queues[lane] = queue.Queue(maxsize=self.prefetch)
                 address = self.addresses[lane % len(self.addresses)]
                 readers[lane] = LaneReader(
-                    open_stream=self._opener(address, plan.start, lanes, lane),
+                    open_stream=self._opener(address, self._plan(plan.start, lanes, lane)),
                     address=address,
                     lane=lane,
                     out=queues[lane],
@@ -304,20 +304,20 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             for reader in readers.values():
                 reader.join(_JOIN_TIMEOUT)
 
-    def _opener(self, address: str, start: int, lanes: int, lane: int) -> Any:
+    def _opener(self, address: str, plan: Plan) -> Any:
         request = pb.StreamBatchesRequest(
             dataset=self.dataset_name,
             pipeline=self.pipeline,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            epoch=self._epoch,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            rank=self.rank,
-            world_size=self.world_size,
-            start=start,
-            lanes=lanes,
-            lane=lane,
+            batch_size=plan.batch_size,
+            seed=plan.seed,
+            epoch=plan.epoch,
+            shuffle=plan.shuffle,
+            drop_last=plan.drop_last,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            start=plan.start,
+            lanes=plan.lanes,
+            lane=plan.lane,
             dtype=_DTYPES[self.dtype],
             layout=_LAYOUTS[self.layout],
             params=self.params,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 import skimage.data
+import torch
 from conftest import start_server
 from nvidia.dali import Pipeline, fn, types
 from PIL import Image
@@ -34,6 +37,27 @@ def photo_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
     server = start_server(root / "datasets")
     yield server, root / "datasets" / "photos"
     server.stop(grace=1.0)
+
+
+def served_and_stored(
+    server: BatchwireServer, dataset_dir: pathlib.Path
+) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray | None], np.ndarray]:
+    """One `val` batch of every photo as served, and the same records read from disk."""
+    remote = RemoteLoader(
+        server.target,
+        dataset="photos",
+        pipeline="val",
+        batch_size=3 * len(PHOTOS),
+        normalize=False,
+        shuffle=False,
+        drop_last=False,
+        return_ids=True,
+    )
+    served, labels, ids = next(iter(remote))
+    remote.close()
+    with Dataset(dataset_dir) as dataset:
+        encoded, stored_labels = dataset.read(ids.numpy())
+    return served, labels, encoded, stored_labels
 
 
 def in_process_val(encoded: list[np.ndarray], labels: np.ndarray) -> np.ndarray:
@@ -67,20 +91,7 @@ def pil_val(path_bytes: bytes, resize: int = 256, size: int = 224) -> np.ndarray
 
 
 def test_val_over_grpc_equals_dali_in_process_byte_for_byte(photo_server) -> None:  # type: ignore[no-untyped-def]
-    server, dataset_dir = photo_server
-    remote = RemoteLoader(
-        server.target,
-        dataset="photos",
-        pipeline="val",
-        batch_size=18,
-        normalize=False,
-        shuffle=False,
-        drop_last=False,
-        return_ids=True,
-    )
-    served, labels, ids = next(iter(remote))
-    with Dataset(dataset_dir) as dataset:
-        encoded, stored_labels = dataset.read(ids.numpy())
+    served, labels, encoded, stored_labels = served_and_stored(*photo_server)
     expected = in_process_val(encoded, stored_labels)  # type: ignore[arg-type]
     assert served.shape == (18, 3, 224, 224)
     assert np.array_equal(served.numpy(), expected)
@@ -88,20 +99,7 @@ def test_val_over_grpc_equals_dali_in_process_byte_for_byte(photo_server) -> Non
 
 
 def test_val_matches_a_pil_resize_and_centre_crop(photo_server) -> None:  # type: ignore[no-untyped-def]
-    server, dataset_dir = photo_server
-    remote = RemoteLoader(
-        server.target,
-        dataset="photos",
-        pipeline="val",
-        batch_size=18,
-        normalize=False,
-        shuffle=False,
-        drop_last=False,
-        return_ids=True,
-    )
-    served, _, ids = next(iter(remote))
-    with Dataset(dataset_dir) as dataset:
-        encoded, _ = dataset.read(ids.numpy())
+    served, _, encoded, _ = served_and_stored(*photo_server)
     for image, data in zip(served.numpy(), encoded, strict=True):
         reference = pil_val(bytes(data))  # type: ignore[arg-type]
         difference = np.abs(image.astype(np.int16) - reference.astype(np.int16))

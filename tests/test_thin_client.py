@@ -55,3 +55,17 @@ def test_health_command_needs_no_server_packages(server: BatchwireServer) -> Non
     )
     assert result.returncode == 0, result.stderr
     assert "SERVING" in result.stdout
+
+
+def test_server_commands_without_server_packages_say_what_to_install(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    script = SCRIPT.split("from batchwire.client")[0] + textwrap.dedent(
+        """
+        from batchwire.cli import main
+        sys.exit(main(["serve", "--data-dir", sys.argv[1], "--port", "0"]))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert 'pip install "batchwire[server]"' in result.stderr
