@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
         # Behave as if the server-only packages were not installed.
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in {"nvidia", "lmdb", "uvloop", "PIL"}:
-                raise ModuleNotFoundError(f"No module named {name!r}")
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
 
     sys.meta_path.insert(0, Missing())
