@@ -130,7 +130,9 @@ class BatchwireServer:
             log.exception("server stopped with an error")
         finally:
             self._listening.set()
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            # Wait for stream threads (each at most one batch away from done)
+            # before the datasets they read from are closed.
+            self._executor.shutdown(wait=True, cancel_futures=True)
             self.engine.close()
             loop.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -168,6 +169,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             stream_request.start,
         )
         sent = 0
+        started = time.monotonic()
         try:
             while True:
                 message = await loop.run_in_executor(self._executor, _next_message, stream)
@@ -185,4 +187,12 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         finally:
             # Runs on cancellation too: the pipeline drains and returns to the pool.
             await asyncio.shield(loop.run_in_executor(self._executor, stream.close))
-            log.info("stream end peer=%s dataset=%s samples=%d", peer, stream_request.dataset, sent)
+            log.info(
+                "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f",
+                peer,
+                stream_request.dataset,
+                stream_request.pipeline,
+                stream_request.rank,
+                sent,
+                time.monotonic() - started,
+            )
