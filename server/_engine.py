@@ -13,7 +13,7 @@ import logging
 import os
 import pathlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -91,14 +91,14 @@ class BatchStream:
 
     def __init__(
         self,
-        engine: Engine,
+        release: Callable[[Runner | None], None],
         dataset: Dataset,
         plan: Plan,
         runner: Runner,
         normalized: bool,
         layout: str,
     ) -> None:
-        self._engine = engine
+        self._release = release
         self._dataset = dataset
         self._plan = plan
         self._runner = runner
@@ -166,7 +166,7 @@ class BatchStream:
                 return
             self._closed = True
             self._results.close()
-            self._engine._release(self._runner)
+            self._release(self._runner)
 
 
 class Engine:
@@ -268,7 +268,9 @@ class Engine:
                 device_id=device_id,
             )
             runner = self._pool.acquire(key)
-            return BatchStream(self, dataset, plan, runner, output.normalized, output.layout)
+            return BatchStream(
+                self._release, dataset, plan, runner, output.normalized, output.layout
+            )
         except BaseException:
             self._release(None)
             raise

@@ -209,6 +209,8 @@ class Runner:
                     finished = True
                     return
                 except RuntimeError as exc:
+                    if not source.in_flight:
+                        raise  # not a batch's failure: the source itself failed
                     # After an error DALI's reset() proved unsafe to rely on
                     # (a later run could crash), so the pipeline is replaced;
                     # the batches it held in flight run again on the new one.
