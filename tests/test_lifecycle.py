@@ -1,0 +1,71 @@
+"""What a training job meets around the stream: DDP rank detection, a server going away,
+health before the server is ready."""
+
+from __future__ import annotations
+
+import pathlib
+
+import grpc
+import pytest
+import torch.multiprocessing as mp
+from conftest import start_server
+from ddp_worker import stream_rank
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchwire.client import BatchwireError, RemoteLoader
+from batchwire.common.sampler import Plan
+from batchwire.server import BatchwireServer, ServerConfig
+
+
+def test_ranks_come_from_torch_distributed(server: BatchwireServer, tmp_path: pathlib.Path) -> None:
+    init_file = str(tmp_path / "ddp-init")
+    mp.start_processes(
+        stream_rank,
+        args=(2, init_file, server.target, str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    shares = [list(map(int, (tmp_path / f"rank{r}").read_text().split())) for r in range(2)]
+    for rank, share in enumerate(shares):
+        plan = Plan(num_samples=520, batch_size=20, seed=11, rank=rank, world_size=2)
+        assert share == plan.share().tolist()
+    assert not set(shares[0]) & set(shares[1])
+    assert len(shares[0]) == len(shares[1]) == 260
+
+
+def test_a_server_that_goes_away_mid_epoch_raises_in_the_loop(data_dir: pathlib.Path) -> None:
+    server = start_server(data_dir)
+    loader = RemoteLoader(
+        server.target,
+        dataset="shapes",
+        pipeline="val",
+        batch_size=8,
+        prefetch=1,
+        params={"size": 32},
+        timeout=30,
+    )
+    iterator = iter(loader)
+    next(iterator)
+    server.stop(grace=0)
+    with pytest.raises(BatchwireError) as caught:
+        for _ in iterator:
+            pass
+    assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    loader.close()
+
+
+def test_health_stays_not_serving_without_datasets(tmp_path: pathlib.Path) -> None:
+    server = BatchwireServer(
+        ServerConfig(data_dir=tmp_path, host="localhost", port=0, device="cpu")
+    )
+    server.start()
+    try:
+        assert not server.wait_serving(2.0)
+        with grpc.insecure_channel(server.target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(grace=0)
