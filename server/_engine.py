@@ -92,6 +92,7 @@ class BatchStream:
     def __init__(
         self,
         release: Callable[[Runner | None], None],
+        draining: Callable[[], bool],
         dataset: Dataset,
         plan: Plan,
         runner: Runner,
@@ -99,6 +100,7 @@ class BatchStream:
         layout: str,
     ) -> None:
         self._release = release
+        self._draining = draining
         self._dataset = dataset
         self._plan = plan
         self._runner = runner
@@ -144,6 +146,9 @@ class BatchStream:
         with self._lock:
             if self._closed or self._stop.is_set():
                 raise StopIteration
+            if self._draining():
+                # End between batches, so the client resumes from its cursor elsewhere.
+                raise Draining("the server is shutting down; resume the stream on another server")
             result = next(self._results)
             planned = self._planned[result.seq]
             return Batch(
@@ -269,7 +274,13 @@ class Engine:
             )
             runner = self._pool.acquire(key)
             return BatchStream(
-                self._release, dataset, plan, runner, output.normalized, output.layout
+                self._release,
+                lambda: self.draining,
+                dataset,
+                plan,
+                runner,
+                output.normalized,
+                output.layout,
             )
         except BaseException:
             self._release(None)

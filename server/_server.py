@@ -189,6 +189,9 @@ class BatchwireServer:
         log.info("SERVING %d datasets", len(self.engine.datasets))
 
     async def _drain(self, server: grpc.aio.Server) -> None:
+        """NOT_SERVING; new streams get UNAVAILABLE and streams in flight end with
+        UNAVAILABLE at their next batch (clients resume elsewhere from their
+        cursors); whatever is still running after ``grace`` seconds is cancelled."""
         log.info("draining: NOT_SERVING, refusing new streams, grace %ss", self._grace)
         self._serving.clear()
         await self._health.enter_graceful_shutdown()
