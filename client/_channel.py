@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from batchwire.client._security import ChannelSecurity
 from batchwire.v1 import batchwire_pb2_grpc
 
 __all__ = ["CHANNEL_OPTIONS", "open_channel", "stub"]
@@ -17,9 +18,21 @@ CHANNEL_OPTIONS = (
 )
 
 
-def open_channel(address: str) -> grpc.Channel:
-    """A channel to ``address`` ("host:port" or a gRPC target such as "dns:///name:port")."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(
+    address: str, security: ChannelSecurity | None = None, *, tls_name: str | None = None
+) -> grpc.Channel:
+    """A channel to ``address`` ("host:port" or a gRPC target such as "dns:///name:port").
+
+    With TLS, ``tls_name`` is the host name the server certificate must carry
+    when ``address`` is an IP address resolved from that name.
+    """
+    credentials = security.channel_credentials() if security is not None else None
+    if credentials is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
+    if tls_name:
+        options.append(("grpc.ssl_target_name_override", tls_name))
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 def stub(channel: grpc.Channel) -> batchwire_pb2_grpc.BatchwireStub:

@@ -22,6 +22,7 @@ from batchwire.client._exceptions import (
     from_rpc_error,
 )
 from batchwire.client._reader import END, Delivery, LaneReader
+from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.common.sampler import Plan
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -86,6 +87,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         dtype: str = "uint8",
         layout: str = "NCHW",
         timeout: float = 300.0,
+        token: str | None = None,
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
     ) -> None:
         super().__init__()
         addresses = [address] if isinstance(address, str) else list(address)
@@ -118,6 +123,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise _invalid(f"device={device!r} but torch sees no CUDA device; use device='cpu'")
+        self._security = ChannelSecurity.from_options(
+            token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         self.addresses = tuple(addresses)
         self.dataset_name = dataset
         self.pipeline = pipeline
@@ -152,7 +160,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self._pid = os.getpid()
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = open_channel(address)
+            channel = self._channels[address] = open_channel(address, self._security)
         return channel
 
     def _describe(self) -> pb.DatasetInfo:
@@ -160,7 +168,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             address = self.addresses[0]
             try:
                 info = stub(self._channel(address)).DescribeDataset(
-                    pb.DescribeDatasetRequest(dataset=self.dataset_name), timeout=self.timeout
+                    pb.DescribeDatasetRequest(dataset=self.dataset_name),
+                    timeout=self.timeout,
+                    metadata=self._security.metadata(),
                 )
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, address) from exc
@@ -323,7 +333,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             params=self.params,
         )
         channel = self._channel(address)
-        return lambda: stub(channel).StreamBatches(request)
+        metadata = self._security.metadata()
+        return lambda: stub(channel).StreamBatches(request, metadata=metadata)
 
     def _take(self, lane_queue: queue.Queue[object], index: int) -> Delivery:
         try:
