@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -23,6 +23,7 @@ from batchwire.client._exceptions import (
 )
 from batchwire.client._reader import END, Delivery, LaneReader
 from batchwire.client._security import ChannelSecurity, PemSource
+from batchwire.client._servers import RETRIABLE, Server, ServerSet
 from batchwire.common.sampler import Plan
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -87,6 +88,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         dtype: str = "uint8",
         layout: str = "NCHW",
         timeout: float = 300.0,
+        retry_timeout: float = 60.0,
         token: str | None = None,
         tls_ca: PemSource | None = None,
         tls_cert: PemSource | None = None,
@@ -102,7 +104,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             rank, world_size = _distributed_rank_world()
         rank = 0 if rank is None else rank
         world_size = 1 if world_size is None else world_size
-        lanes = len(addresses) if lanes is None else lanes
         checks = (
             (batch_size >= 1, f"batch_size must be at least 1, got {batch_size}"),
             (world_size >= 1, f"world_size must be at least 1, got {world_size}"),
@@ -112,7 +113,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             ),
             (seed >= 0, f"seed must be >= 0, got {seed}"),
             (prefetch >= 1, f"prefetch must be at least 1, got {prefetch}"),
-            (lanes >= 1, f"lanes must be at least 1, got {lanes}"),
+            (lanes is None or lanes >= 1, f"lanes must be at least 1, got {lanes}"),
+            (retry_timeout >= 0, f"retry_timeout must be >= 0, got {retry_timeout}"),
             (timeout > 0, f"timeout must be positive, got {timeout}"),
             (dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"),
             (layout in _LAYOUTS, f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}"),
@@ -138,7 +140,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.normalize = normalize
         self.return_ids = return_ids
         self.prefetch = prefetch
-        self.lanes = lanes
+        self._lanes = lanes
+        self.retry_timeout = retry_timeout
         self.params = dict(params or {})
         self.dtype = dtype
         self.layout = layout
@@ -147,41 +150,54 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._epoch = 0
         self._cursor = 0
         self._info: pb.DatasetInfo | None = None
-        self._channels: dict[str, grpc.Channel] = {}
+        self._servers = ServerSet(self.addresses)
+        self._channels: dict[Server, grpc.Channel] = {}
         self._pid = -1
         self._active_stop: threading.Event | None = None
 
     # -- dataset facts -----------------------------------------------------------------
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _channel(self, server: Server) -> grpc.Channel:
         # Channels are opened lazily and again after a fork (DataLoader workers).
         if self._pid != os.getpid():
             self._channels = {}
             self._pid = os.getpid()
-        channel = self._channels.get(address)
+        channel = self._channels.get(server)
         if channel is None:
-            channel = self._channels[address] = open_channel(address, self._security)
+            channel = open_channel(server.address, self._security, tls_name=server.tls_name)
+            self._channels[server] = channel
         return channel
 
     def _describe(self) -> pb.DatasetInfo:
-        if self._info is None:
-            address = self.addresses[0]
+        """The dataset as the first server that answers describes it (cached)."""
+        if self._info is not None:
+            return self._info
+        error: BatchwireError | None = None
+        for lane in range(len(self._servers.servers())):
+            server = self._servers.pick(lane)
             try:
-                info = stub(self._channel(address)).DescribeDataset(
+                info = stub(self._channel(server)).DescribeDataset(
                     pb.DescribeDatasetRequest(dataset=self.dataset_name),
                     timeout=self.timeout,
                     metadata=self._security.metadata(),
                 )
             except grpc.RpcError as exc:
-                raise from_rpc_error(exc, address) from exc
+                error = from_rpc_error(exc, server.address)
+                error.__cause__ = exc
+                if error.code not in RETRIABLE:
+                    raise error from exc
+                self._servers.mark_failed(server)
+                continue
             if not any(p.name == self.pipeline for p in info.pipelines):
                 known = ", ".join(p.name for p in info.pipelines)
                 raise error_for(
                     grpc.StatusCode.NOT_FOUND,
-                    f"server {address} has no pipeline {self.pipeline!r} (it has: {known})",
+                    f"server {server.address} has no pipeline {self.pipeline!r} (it has: {known})",
                 )
             self._info = info
-        return self._info
+            return info
+        assert error is not None
+        raise error
 
     @property
     def num_samples(self) -> int:
@@ -270,7 +286,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             plan = self._plan()
         if plan.start == 0:
             self.skipped_ids = []
-        lanes, mine = self.lanes, range(self.lanes)
+        lanes = self._lanes or len(self._servers.servers())
+        mine = range(lanes)
         worker = torch.utils.data.get_worker_info()
         if worker is not None:
             # Inside DataLoader workers: worker w streams lane w only, and the
@@ -284,14 +301,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         try:
             for lane in mine:
                 queues[lane] = queue.Queue(maxsize=self.prefetch)
-                address = self.addresses[lane % len(self.addresses)]
                 readers[lane] = LaneReader(
-                    open_stream=self._opener(address, self._plan(plan.start, lanes, lane)),
-                    address=address,
                     lane=lane,
+                    start=plan.start,
+                    open_stream=self._opener(lanes, lane),
+                    servers=self._servers,
                     out=queues[lane],
                     convert=lambda d: self._convert(d, mean, std),
                     stop=stop,
+                    retry_timeout=self.retry_timeout,
                 )
                 readers[lane].start()
             first = plan.start // self.batch_size
@@ -314,27 +332,32 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             for reader in readers.values():
                 reader.join(_JOIN_TIMEOUT)
 
-    def _opener(self, address: str, plan: Plan) -> Any:
-        request = pb.StreamBatchesRequest(
-            dataset=self.dataset_name,
-            pipeline=self.pipeline,
-            batch_size=plan.batch_size,
-            seed=plan.seed,
-            epoch=plan.epoch,
-            shuffle=plan.shuffle,
-            drop_last=plan.drop_last,
-            rank=plan.rank,
-            world_size=plan.world_size,
-            start=plan.start,
-            lanes=plan.lanes,
-            lane=plan.lane,
-            dtype=_DTYPES[self.dtype],
-            layout=_LAYOUTS[self.layout],
-            params=self.params,
-        )
-        channel = self._channel(address)
+    def _opener(self, lanes: int, lane: int) -> Callable[[Server, int], grpc.Call]:
+        """How a lane opens (and after a failure re-opens) its stream from a cursor."""
         metadata = self._security.metadata()
-        return lambda: stub(channel).StreamBatches(request, metadata=metadata)
+
+        def open_stream(server: Server, start: int) -> grpc.Call:
+            plan = self._plan(start, lanes, lane)
+            request = pb.StreamBatchesRequest(
+                dataset=self.dataset_name,
+                pipeline=self.pipeline,
+                batch_size=plan.batch_size,
+                seed=plan.seed,
+                epoch=plan.epoch,
+                shuffle=plan.shuffle,
+                drop_last=plan.drop_last,
+                rank=plan.rank,
+                world_size=plan.world_size,
+                start=plan.start,
+                lanes=plan.lanes,
+                lane=plan.lane,
+                dtype=_DTYPES[self.dtype],
+                layout=_LAYOUTS[self.layout],
+                params=self.params,
+            )
+            return stub(self._channel(server)).StreamBatches(request, metadata=metadata)  # type: ignore[no-any-return]
+
+        return open_stream
 
     def _take(self, lane_queue: queue.Queue[object], index: int) -> Delivery:
         try:

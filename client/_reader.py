@@ -1,9 +1,12 @@
-"""A lane reader: a named daemon thread that fills a bounded queue from one stream.
+"""A lane reader: a named daemon thread that fills a bounded queue from one lane's stream.
 
 It puts :class:`Delivery` items, then exactly one terminal item: ``END`` when
-the stream finished, or a ``BatchwireError`` when it failed. It stops promptly
-when ``stop`` is set (the RPC is cancelled) and never blocks forever on a full
-queue.
+the lane finished, or a ``BatchwireError`` when it failed for good. When a
+server fails (connection lost, UNAVAILABLE from a draining server, ...), the
+lane continues on another server from the cursor of the last batch it
+received, with backoff, for at most ``retry_timeout`` seconds without
+progress. It stops promptly when ``stop`` is set (the RPC is cancelled) and
+never blocks forever on a full queue.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 import numpy as np
 
-from batchwire.client._exceptions import BatchwireError, from_rpc_error
+from batchwire.client._exceptions import BatchwireError, UnavailableError, from_rpc_error
+from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -60,35 +65,30 @@ class LaneReader(threading.Thread):
     def __init__(
         self,
         *,
-        open_stream: Callable[[], grpc.Call],
-        address: str,
         lane: int,
+        start: int,
+        open_stream: Callable[[Server, int], grpc.Call],
+        servers: ServerSet,
         out: queue.Queue[object],
         convert: Callable[[Delivery], Delivery],
         stop: threading.Event,
+        retry_timeout: float,
     ) -> None:
         super().__init__(name=f"batchwire-lane-{lane}", daemon=True)
+        self._lane = lane
+        self._cursor = start
         self._open_stream = open_stream
-        self._address = address
+        self._servers = servers
         self._out = out
         self._convert = convert
         self._halt = stop
+        self._retry_timeout = retry_timeout
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
 
     def run(self) -> None:
         try:
-            with self._lock:
-                if self._halt.is_set():
-                    return
-                self._call = self._open_stream()
-            for message in self._call:  # type: ignore[attr-defined]
-                if not self._put(self._convert(decode(message))):
-                    return
-            self._put(END)
-        except grpc.RpcError as exc:
-            if not self._halt.is_set():
-                self._put(from_rpc_error(exc, self._address))
+            self._stream()
         except BatchwireError as exc:
             self._put(exc)
         except Exception as exc:  # a bug or a malformed message: surface it, never hang
@@ -96,6 +96,54 @@ class LaneReader(threading.Thread):
             error = BatchwireError(grpc.StatusCode.INTERNAL, f"client reader failed: {exc!r}")
             error.__cause__ = exc
             self._put(error)
+
+    def _stream(self) -> None:
+        attempt = 0
+        stalled_since: float | None = None
+        while not self._halt.is_set():
+            server = self._servers.pick(self._lane)
+            try:
+                with self._lock:
+                    if self._halt.is_set():
+                        return
+                    self._call = self._open_stream(server, self._cursor)
+                for message in self._call:  # type: ignore[attr-defined]
+                    delivery = self._convert(decode(message))
+                    self._cursor = delivery.cursor
+                    attempt, stalled_since = 0, None
+                    self._servers.mark_ok(server)
+                    if not self._put(delivery):
+                        return
+                self._put(END)
+                return
+            except grpc.RpcError as exc:
+                if self._halt.is_set():
+                    return
+                code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+                if code not in RETRIABLE:
+                    raise from_rpc_error(exc, server.address) from exc
+                self._servers.mark_failed(server)
+                now = time.monotonic()
+                stalled_since = stalled_since or now
+                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                if now - stalled_since > self._retry_timeout:
+                    raise UnavailableError(
+                        code,
+                        f"lane {self._lane}: no server continued the stream within "
+                        f"{self._retry_timeout:.0f}s (retry_timeout=); last error from "
+                        f"{server.address}: {code.name}: {details}",
+                    ) from exc
+                log.warning(
+                    "lane %d: %s failed (%s: %s); resuming from cursor %d",
+                    self._lane,
+                    server.address,
+                    code.name,
+                    details,
+                    self._cursor,
+                )
+                if self._halt.wait(backoff(attempt)):
+                    return
+                attempt += 1
 
     def _put(self, item: object) -> bool:
         while not self._halt.is_set():

@@ -1,0 +1,115 @@
+"""The servers a loader streams from, and which of them currently answer.
+
+Targets are ``host:port`` strings or ``dns:///name:port``, which is resolved
+here to one server per address so that lanes fan out over every server behind
+the name (gRPC's own DNS resolver would send a channel to one of them). A
+server that fails is avoided for ``cooldown`` seconds; lanes keep a home
+server (lane ``l`` starts on server ``l % n``) and move to the next one that
+is not cooling down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from batchwire.client._exceptions import InvalidArgumentError, UnavailableError
+
+__all__ = ["RETRIABLE", "Server", "ServerSet", "backoff", "resolve"]
+
+# Codes after which the same stream may continue elsewhere from its cursor.
+RETRIABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+_DNS = "dns:///"
+
+
+@dataclasses.dataclass(frozen=True)
+class Server:
+    """One server: the address to dial and, for resolved names, the TLS host name."""
+
+    address: str
+    tls_name: str | None = None
+
+
+def resolve(targets: Sequence[str]) -> list[Server]:
+    """Servers behind ``targets``, in a stable order (resolved addresses sorted)."""
+    servers: list[Server] = []
+    for target in targets:
+        if not target.startswith(_DNS):
+            servers.append(Server(target))
+            continue
+        host, _, port = target[len(_DNS) :].rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{target!r} is not dns:///host:port"
+            )
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot resolve {host!r} ({exc}); is the name right?"
+            ) from exc
+        ips = sorted({str(info[4][0]) for info in infos})
+        servers += [Server(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", host) for ip in ips]
+    unique = list(dict.fromkeys(servers))
+    if not unique:
+        raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no server address in {targets!r}")
+    return unique
+
+
+def backoff(attempt: int, base: float = 0.1, cap: float = 2.0) -> float:
+    """Seconds to wait before retry ``attempt`` (0, 1, ...): capped exponential, jittered."""
+    return min(cap, base * 2**attempt) * random.uniform(0.5, 1.0)
+
+
+class ServerSet:
+    """Shared by a loader's lane readers; thread-safe."""
+
+    def __init__(self, targets: Sequence[str], *, cooldown: float = 5.0) -> None:
+        self._targets = tuple(targets)
+        self._cooldown = cooldown
+        self._lock = threading.Lock()
+        self._servers: list[Server] | None = None
+        self._failed_at: dict[Server, float] = {}
+
+    def servers(self) -> list[Server]:
+        with self._lock:
+            if self._servers is None:
+                self._servers = resolve(self._targets)
+            return list(self._servers)
+
+    def pick(self, lane: int) -> Server:
+        """The lane's home server if it answers, else the next one that does."""
+        servers = self.servers()
+        now = time.monotonic()
+        with self._lock:
+            start = lane % len(servers)
+            ordered = servers[start:] + servers[:start]
+            for server in ordered:
+                failed = self._failed_at.get(server)
+                if failed is None or now - failed >= self._cooldown:
+                    return server
+            # All cooling down: the one that failed longest ago.
+            return min(ordered, key=lambda s: self._failed_at.get(s, 0.0))
+
+    def mark_failed(self, server: Server) -> None:
+        with self._lock:
+            self._failed_at[server] = time.monotonic()
+            if any(t.startswith(_DNS) for t in self._targets):
+                self._servers = None  # the name may point elsewhere by now
+
+    def mark_ok(self, server: Server) -> None:
+        with self._lock:
+            self._failed_at.pop(server, None)
