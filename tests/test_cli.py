@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from processes import serve_process
 
 from batchwire.cli import main
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-
-
-def wait_until_serving(address: str, timeout: float) -> None:
-    """Follow the health service's Watch stream (the server already listens) to SERVING."""
-    with grpc.insecure_channel(address) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout
-        )
-        for reply in watch:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-    raise AssertionError(f"{address} ended the health stream before SERVING")
 
 
 def test_health_exits_zero_only_when_serving(
@@ -39,49 +23,21 @@ def test_health_exits_zero_only_when_serving(
     assert "no answer" in capsys.readouterr().err
 
 
-def test_serve_process_streams_and_drains_on_sigterm(data_dir: pathlib.Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batchwire.cli",
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--host",
-            "localhost",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--grace",
-            "5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        line = process.stdout.readline()  # type: ignore[union-attr]
-        match = re.search(r"on localhost:(\d+)", line)
-        assert match, f"unexpected first line: {line!r}"
-        address = f"localhost:{match.group(1)}"
-        wait_until_serving(address, timeout=120)
-        assert main(["health", "--address", address]) == 0
-        with RemoteLoader(address, dataset="shapes", batch_size=16, params={"size": 32}) as loader:
+def test_serve_process_streams_and_drains_on_sigterm(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    with serve_process(data_dir, tmp_path / "serve.log", "--grace", "5") as served:
+        assert main(["health", "--address", served.address]) == 0
+        with RemoteLoader(
+            served.address, dataset="shapes", batch_size=16, params={"size": 32}
+        ) as loader:
             images, labels = next(iter(loader))
         assert images.shape == (16, 3, 32, 32)
         assert labels.shape == (16,)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-        assert "SIGTERM received" in process.stderr.read()  # type: ignore[union-attr]
-        assert main(["health", "--address", address, "--timeout", "2"]) == 1
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(timeout=30) == 0
+        assert "SIGTERM received" in served.log.read_text()
+        assert main(["health", "--address", served.address, "--timeout", "2"]) == 1
 
 
 def test_serve_without_a_data_directory_says_what_to_do(
