@@ -21,7 +21,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from batchwire.client._exceptions import BatchwireError, UnavailableError, from_rpc_error
+from batchwire.client._exceptions import BatchwireError, error_for, from_rpc_error
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
@@ -127,7 +127,7 @@ class LaneReader(threading.Thread):
                 stalled_since = stalled_since or now
                 details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
                 if now - stalled_since > self._retry_timeout:
-                    raise UnavailableError(
+                    raise error_for(
                         code,
                         f"lane {self._lane}: no server continued the stream within "
                         f"{self._retry_timeout:.0f}s (retry_timeout=); last error from "

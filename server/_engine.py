@@ -13,6 +13,7 @@ import logging
 import os
 import pathlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -111,10 +112,15 @@ class BatchStream:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
+        self.produced = 0  # batches handed to the servicer so far
 
     @property
     def plan(self) -> Plan:
         return self._plan
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _jobs(self) -> Iterator[Job]:
         for seq, planned in enumerate(self._planned):
@@ -151,6 +157,7 @@ class BatchStream:
                 raise Draining("the server is shutting down; resume the stream on another server")
             result = next(self._results)
             planned = self._planned[result.seq]
+            self.produced += 1
             return Batch(
                 index=planned.index,
                 ids=result.ids,
@@ -185,6 +192,7 @@ class Engine:
         self._streams = 0
         self._streams_lock = threading.Lock()
         self._device_cycle = itertools.cycle(self.devices.device_ids)
+        self._open_streams: weakref.WeakSet[BatchStream] = weakref.WeakSet()
         self.draining = False
 
     # -- datasets --------------------------------------------------------------------
@@ -273,7 +281,7 @@ class Engine:
                 device_id=device_id,
             )
             runner = self._pool.acquire(key)
-            return BatchStream(
+            stream = BatchStream(
                 self._release,
                 lambda: self.draining,
                 dataset,
@@ -282,6 +290,8 @@ class Engine:
                 output.normalized,
                 output.layout,
             )
+            self._open_streams.add(stream)
+            return stream
         except BaseException:
             self._release(None)
             raise
@@ -338,6 +348,10 @@ class Engine:
     @property
     def active_streams(self) -> int:
         return self._streams
+
+    def streams(self) -> list[BatchStream]:
+        """The streams open now (for introspection and metrics)."""
+        return [stream for stream in list(self._open_streams) if not stream.closed]
 
     # -- life cycle ------------------------------------------------------------------
 
