@@ -1,9 +1,19 @@
-"""``batchwire health --address HOST:PORT``: exit 0 only when the server reports SERVING."""
+"""``batchwire health --address HOST:PORT``: exit 0 only when the server reports SERVING.
+
+For a secured server: ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual
+TLS) and a token from ``--token-file`` or ``BATCHWIRE_TOKEN``, which the server
+needs unless it runs with ``--health-open``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchwire.client._security import ChannelSecurity
 
 __all__ = ["add_parser", "check", "run"]
 
@@ -21,18 +31,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)"
     )
+    security = parser.add_argument_group("security (for a server run with TLS or tokens)")
+    security.add_argument(
+        "--tls-ca", type=pathlib.Path, metavar="FILE", help="PEM CA that signed the server's cert"
+    )
+    security.add_argument(
+        "--tls-cert", type=pathlib.Path, metavar="FILE", help="PEM client certificate (mutual TLS)"
+    )
+    security.add_argument(
+        "--tls-key", type=pathlib.Path, metavar="FILE", help="PEM key of --tls-cert"
+    )
+    security.add_argument(
+        "--tls-name",
+        metavar="NAME",
+        help="host name the server certificate must carry, when --address is an IP",
+    )
+    security.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="send its first token as a bearer token (else BATCHWIRE_TOKEN, if set)",
+    )
     parser.set_defaults(func=run)
     return parser
 
 
-def check(address: str, service: str = "", timeout: float = 5.0) -> str:
+def check(
+    address: str,
+    service: str = "",
+    timeout: float = 5.0,
+    security: ChannelSecurity | None = None,
+    *,
+    tls_name: str | None = None,
+) -> str:
     """The status name the server reports, e.g. "SERVING"; raises grpc.RpcError."""
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from batchwire.client._channel import open_channel
+
+    with open_channel(address, security, tls_name=tls_name) as channel:
         response = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=timeout,
+            metadata=security.metadata() if security is not None else (),
         )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
@@ -40,10 +81,30 @@ def check(address: str, service: str = "", timeout: float = 5.0) -> str:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from batchwire.client import BatchwireError
+    from batchwire.client._security import ChannelSecurity
+
     try:
-        status = check(args.address, args.service, args.timeout)
+        security = ChannelSecurity.from_options(
+            token_file=args.token_file,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except BatchwireError as exc:
+        print(f"error: {exc.details}", file=sys.stderr)
+        return 2
+    try:
+        status = check(args.address, args.service, args.timeout, security, tls_name=args.tls_name)
     except grpc.RpcError as exc:
-        print(f"{args.address}: no answer ({exc.code().name}: {exc.details()})", file=sys.stderr)
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+        what = (
+            "credentials refused"
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+            else "no answer"
+        )
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        print(f"{args.address}: {what} ({code.name}: {details})", file=sys.stderr)
         return 1
     print(f"{args.address}: {status}")
     return 0 if status == "SERVING" else 1

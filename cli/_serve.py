@@ -4,6 +4,10 @@ Settings come from flags, then ``BATCHWIRE_*`` environment variables, then the
 config file, then defaults. SIGTERM or SIGINT drains the server: health goes
 NOT_SERVING, new streams are refused, in-flight streams get ``--grace``
 seconds, and the process exits.
+
+Security: ``--tls-cert``/``--tls-key`` serve TLS, ``--tls-client-ca`` requires
+client certificates signed by that CA, ``--token-file`` requires a bearer token,
+and ``--health-open`` leaves the health service open to probes without one.
 """
 
 from __future__ import annotations
@@ -16,14 +20,26 @@ import pathlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("batchwire.serve")
 
-# flag name -> (environment variable, type)
-_SETTINGS: dict[str, tuple[str, type]] = {
+
+def boolean(text: str) -> bool:
+    """An environment variable's truth value: 1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+# flag name -> (environment variable, parser)
+_SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "data_dir": ("BATCHWIRE_DATA_DIR", pathlib.Path),
     "host": ("BATCHWIRE_HOST", str),
     "port": ("BATCHWIRE_PORT", int),
@@ -32,6 +48,11 @@ _SETTINGS: dict[str, tuple[str, type]] = {
     "prefetch": ("BATCHWIRE_PREFETCH", int),
     "max_batch_size": ("BATCHWIRE_MAX_BATCH_SIZE", int),
     "max_streams": ("BATCHWIRE_MAX_STREAMS", int),
+    "tls_cert": ("BATCHWIRE_TLS_CERT", pathlib.Path),
+    "tls_key": ("BATCHWIRE_TLS_KEY", pathlib.Path),
+    "tls_client_ca": ("BATCHWIRE_TLS_CLIENT_CA", pathlib.Path),
+    "token_file": ("BATCHWIRE_TOKEN_FILE", pathlib.Path),
+    "health_open": ("BATCHWIRE_HEALTH_OPEN", boolean),
 }
 
 
@@ -74,6 +95,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=float(os.environ.get("BATCHWIRE_GRACE", 30)),
         help="seconds in-flight streams get on shutdown (default 30) [BATCHWIRE_GRACE]",
     )
+    security = parser.add_argument_group("security")
+    security.add_argument(
+        "--tls-cert",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="PEM certificate chain: serve TLS (needs --tls-key) [BATCHWIRE_TLS_CERT]",
+    )
+    security.add_argument(
+        "--tls-key",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="PEM private key of --tls-cert, unencrypted [BATCHWIRE_TLS_KEY]",
+    )
+    security.add_argument(
+        "--tls-client-ca",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="mutual TLS: require client certificates signed by this PEM CA "
+        "[BATCHWIRE_TLS_CLIENT_CA]",
+    )
+    security.add_argument(
+        "--token-file",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="require 'authorization: Bearer <token>' with a token from FILE (one per line, "
+        "# comments) [BATCHWIRE_TOKEN_FILE]",
+    )
+    security.add_argument(
+        "--health-open",
+        action="store_true",
+        default=None,
+        help="with --token-file: the grpc.health.v1.Health service needs no token (for probes) "
+        "[BATCHWIRE_HEALTH_OPEN=1]",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -94,7 +149,8 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
                 values[name] = kind(environ[variable])
             except ValueError as exc:
                 raise ConfigError(
-                    f"{variable}={environ[variable]!r} is not a valid {kind.__name__}"
+                    f"{variable}={environ[variable]!r} is not a valid "
+                    f"{getattr(kind, '__name__', 'value')}"
                 ) from exc
     if "data_dir" not in values:
         raise ConfigError("no data directory: pass --data-dir DIR (or set BATCHWIRE_DATA_DIR)")

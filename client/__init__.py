@@ -14,6 +14,8 @@ This package needs grpcio, protobuf, numpy and torch only: no DALI, LMDB or uvlo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from batchwire.client._exceptions import (
     AuthenticationError,
     BatchwireError,
@@ -22,7 +24,9 @@ from batchwire.client._exceptions import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from batchwire.client._loader import RemoteLoader
+
+if TYPE_CHECKING:
+    from batchwire.client._loader import RemoteLoader
 
 __all__ = [
     "AuthenticationError",
@@ -33,3 +37,14 @@ __all__ = [
     "ResourceExhaustedError",
     "UnavailableError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # RemoteLoader (and torch, ~1.5 s to import) loads on first use, so
+    # `batchwire health`, which needs only the channel and credentials, stays a
+    # fast probe.
+    if name == "RemoteLoader":
+        from batchwire.client._loader import RemoteLoader
+
+        return RemoteLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

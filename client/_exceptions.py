@@ -76,7 +76,13 @@ def from_rpc_error(exc: grpc.RpcError, address: str = "") -> BatchwireError:
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
     if code == grpc.StatusCode.UNAVAILABLE and address:
-        details = (
-            f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
-        )
+        if "handshake" in details.lower():
+            details = (
+                f"TLS handshake with {address} failed ({details}); does tls_ca hold the CA "
+                "that signed the server's certificate, and does the address match a name in it?"
+            )
+        else:
+            details = (
+                f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
+            )
     return error_for(code, details)

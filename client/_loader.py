@@ -57,14 +57,27 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     is initialized) gets a disjoint share; every rank gets the same number of
     batches. The order of an epoch depends only on ``(seed, epoch)``.
 
+    ``address`` is ``"host:port"``, a list of them, or ``"dns:///name:port"``
+    (every address behind the name). The rank's batches are split into
+    ``lanes`` (default: one per server), streamed concurrently; batch ``k``
+    travels in lane ``k % lanes`` and batches reach the user in order ``k``,
+    so the sequence never depends on the servers or lanes. When a server
+    fails or drains, its lanes continue on the others from the cursor of the
+    last batch received, with backoff; after ``retry_timeout`` seconds without
+    progress the loop raises.
+
     Iteration resumes where the last delivered batch left off; after a full
     epoch the loader moves to the next epoch. ``set_epoch(e)`` chooses the
     epoch (keeping the position when ``e`` is the current epoch), and
     ``state_dict()`` / ``load_state_dict()`` save and restore the position.
+    Since delivery is in order, one cursor is every lane's position: a state
+    loads into a loader with other servers or lanes and continues exactly once.
 
     Up to ``prefetch`` batches per lane are read ahead by a background thread;
     a batch that takes longer than ``timeout`` seconds raises
     ``UnavailableError``. Every error is a ``BatchwireError`` with a ``code``.
+    ``token``, ``tls_ca``, ``tls_cert`` and ``tls_key`` (PEM paths or bytes)
+    authenticate to secured servers.
     """
 
     def __init__(
@@ -243,7 +256,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self._cursor = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed out (prefetched ones don't count)."""
+        """The position after the last batch handed out (prefetched ones don't count).
+
+        ``cursor`` is a position in this rank's share of ``epoch``; every lane
+        resumes from it, whatever the number of lanes or servers.
+        """
         return {
             "version": _STATE_VERSION,
             "dataset": self.dataset_name,

@@ -1,4 +1,8 @@
-"""Client credentials: TLS (optionally with a client certificate) and a bearer token."""
+"""Client credentials: TLS (optionally with a client certificate) and a bearer token.
+
+A token file (``batchwire.common.tokens``: one token per line, ``#`` comments)
+gives its first token; the server accepts any token of its own file.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pathlib
 import grpc
 
 from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.common.tokens import parse_tokens, valid_token
 
 __all__ = ["ChannelSecurity", "PemSource"]
 
@@ -31,34 +36,62 @@ def _read_pem(name: str, source: PemSource | None) -> bytes | None:
         ) from exc
 
 
+def _first_token(path: pathlib.Path) -> str:
+    try:
+        tokens = parse_tokens(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"token_file: cannot read {path}: {exc.strerror}"
+        ) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"token_file {path}: {exc}"
+        ) from exc
+    if not tokens:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"token_file {path} holds no token"
+        )
+    return tokens[0]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChannelSecurity:
     """What a channel presents to a server. Without TLS material the channel is plaintext."""
 
-    token: str | None = None
+    # Secrets stay out of repr(), so logging or printing the object leaks nothing.
+    token: str | None = dataclasses.field(default=None, repr=False)
     tls_ca: bytes | None = None
     tls_cert: bytes | None = None
-    tls_key: bytes | None = None
+    tls_key: bytes | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_options(
         cls,
         *,
         token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
         tls_ca: PemSource | None = None,
         tls_cert: PemSource | None = None,
         tls_key: PemSource | None = None,
     ) -> ChannelSecurity:
-        """Read PEM files now, so a missing file is an error before any call."""
+        """Read PEM and token files now, so a missing file is an error before any call.
+
+        The token is ``token``, else the first token of ``token_file``, else the
+        ``BATCHWIRE_TOKEN`` environment variable, else none. Raises
+        ``InvalidArgumentError`` for unreadable files and malformed tokens.
+        """
         if (tls_cert is None) != (tls_key is None):
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "tls_cert and tls_key go together: give both for mutual TLS, or neither",
             )
+        if token is None and token_file is not None:
+            token = _first_token(pathlib.Path(token_file))
         token = token if token is not None else os.environ.get("BATCHWIRE_TOKEN") or None
-        if token is not None and (not token or any(c.isspace() for c in token)):
+        if token is not None and not valid_token(token):
             raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT, "token must be a non-empty string without spaces"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "token must be a non-empty string of printable ASCII without spaces",
             )
         return cls(
             token=token,

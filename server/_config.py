@@ -7,6 +7,11 @@ A config file is TOML (``.toml``) or YAML (``.yaml``/``.yml``)::
     device = "auto"          # auto | cpu | gpu
     max_batch_size = 1024
     max_streams = 64
+    tls_cert = "/etc/batchwire/server.pem"     # PEM; TLS needs both cert and key
+    tls_key = "/etc/batchwire/server.key"
+    tls_client_ca = "/etc/batchwire/ca.pem"    # mutual TLS: client certs signed by this CA
+    token_file = "/etc/batchwire/tokens"       # one bearer token per line
+    health_open = true                         # health reachable without a token
 
     [pipelines.train]        # a preset with other defaults
     preset = "train"
@@ -27,6 +32,7 @@ entry point reads flags and the environment.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -62,10 +68,23 @@ class ServerConfig:
     max_batch_size: int = 1024
     max_streams: int = 64
     max_idle_pipelines: int = 8
+    # Security (see batchwire.server._security): PEM files and a token file, read
+    # and checked when the server is built.
+    tls_cert: pathlib.Path | None = None
+    tls_key: pathlib.Path | None = None
+    tls_client_ca: pathlib.Path | None = None
+    token_file: pathlib.Path | None = None
+    health_open: bool = False
     pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=lambda: dict(PRESETS))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", pathlib.Path(self.data_dir))
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str | os.PathLike):
+                    raise ConfigError(f"{name} must be a file path, got {value!r}")
+                object.__setattr__(self, name, pathlib.Path(value))
         checks = (
             (0 <= self.port <= 65535, "port must be in [0, 65535] (0: any free port)"),
             (self.device in ("auto", "cpu", "gpu"), "device must be auto, cpu or gpu"),
@@ -75,6 +94,16 @@ class ServerConfig:
             (1 <= self.max_streams <= 4096, "max_streams must be in [1, 4096]"),
             (0 <= self.max_idle_pipelines <= 256, "max_idle_pipelines must be in [0, 256]"),
             (bool(self.pipelines), "at least one pipeline must be configured"),
+            (
+                (self.tls_cert is None) == (self.tls_key is None),
+                "tls_cert and tls_key go together (--tls-cert FILE --tls-key FILE): "
+                f"got only {'tls_cert' if self.tls_key is None else 'tls_key'}",
+            ),
+            (
+                self.tls_client_ca is None or self.tls_cert is not None,
+                "tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too",
+            ),
+            (isinstance(self.health_open, bool), "health_open must be true or false"),
         )
         for ok, message in checks:
             if not ok:

@@ -9,6 +9,9 @@ Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
     server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
 
 The server runs its own event loop (uvloop where installed) in a named thread.
+TLS, mutual TLS and bearer tokens come from the config (``batchwire.server._security``);
+the constructor reads those files, so a bad one is a ``ConfigError`` before anything
+is opened.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from grpc_reflection.v1alpha import reflection
 
 from batchwire.server._config import ServerConfig
 from batchwire.server._engine import Engine
-from batchwire.server._servicer import BatchwireServicer
-from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
+from batchwire.server._security import ServerSecurity
+from batchwire.server._servicer import BatchwireServicer, add_to_server
+from batchwire.v1 import batchwire_pb2
 
 __all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
 
@@ -52,7 +56,9 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 class BatchwireServer:
     def __init__(self, config: ServerConfig) -> None:
+        """Raises ``ConfigError`` when a TLS or token file is missing or malformed."""
         self.config = config
+        self.security = ServerSecurity.from_config(config)
         self.engine = Engine(config)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"
@@ -144,10 +150,9 @@ class BatchwireServer:
                 ("grpc.max_send_message_length", -1),
                 ("grpc.max_receive_message_length", 4 * 1024 * 1024),
             ],
+            interceptors=self.security.interceptors(),
         )
-        batchwire_pb2_grpc.add_BatchwireServicer_to_server(
-            BatchwireServicer(self.engine, self._executor), server
-        )
+        add_to_server(BatchwireServicer(self.engine, self._executor), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -155,14 +160,20 @@ class BatchwireServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
+        credentials = self.security.server_credentials()
         try:
-            self._port = server.add_insecure_port(address)
+            if credentials is None:
+                self._port = server.add_insecure_port(address)
+            else:
+                self._port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise ServerError(
                 f"cannot listen on {address}: {exc} (is another process using the port?)"
             ) from exc
         await server.start()
-        log.info("listening on %s (port %d)", address, self._port)
+        log.info("listening on %s (port %d; %s)", address, self._port, self.security.describe())
+        if self.security.tokens and not self.security.tls:
+            log.warning("bearer tokens without TLS: anyone on the network path can read them")
         self._listening.set()
         warm = asyncio.ensure_future(self._warm_up())
         await self._stop_requested.wait()

@@ -12,12 +12,14 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from batchwire.common.tensors import to_proto
-from batchwire.server._dataset import DatasetError
+from batchwire.server._dataset import NAME_PATTERN, DatasetError
 from batchwire.server._engine import Batch, BatchStream, DatasetSummary, Engine, StreamRequest
 from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity, ServiceError
 from batchwire.v1 import batchwire_pb2 as pb
@@ -52,12 +54,41 @@ def status_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def request_from_proto(request: pb.StreamBatchesRequest) -> StreamRequest:
-    """Convert a request message; malformed enums or empty names are InvalidRequest."""
-    if not request.dataset:
-        raise InvalidRequest("dataset must be named")
-    if not request.pipeline:
-        raise InvalidRequest("pipeline must be named")
+class Malformed:
+    """What a request that does not parse as its message becomes (see ``add_to_server``)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def check_message(request: Message | Malformed) -> None:
+    """A request must parse and carry only fields this server knows."""
+    if isinstance(request, Malformed):
+        raise InvalidRequest(f"the request is not a valid protobuf message: {request.reason}")
+    unknown = sorted({field.field_number for field in UnknownFieldSet(request)})
+    if unknown:
+        raise InvalidRequest(
+            f"the request has fields this server does not know (numbers {unknown}); "
+            "the client speaks a newer protocol: upgrade the server or drop those fields"
+        )
+
+
+def check_name(kind: str, name: str) -> None:
+    """Dataset and pipeline names are plain names: never paths, never empty."""
+    if not name:
+        raise InvalidRequest(f"{kind} must be named")
+    if not NAME_PATTERN.match(name):
+        raise InvalidRequest(
+            f"{kind} {name[:80]!r} is not a valid name: use letters, digits, '.', '_' or '-'"
+        )
+
+
+def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamRequest:
+    """Convert a request message; anything malformed is InvalidRequest."""
+    check_message(request)
+    assert not isinstance(request, Malformed)
+    check_name("dataset", request.dataset)
+    check_name("pipeline", request.pipeline)
     dtype = _DTYPES.get(request.dtype)
     if dtype is None:
         raise InvalidRequest(
@@ -103,6 +134,40 @@ def _next_message(stream: BatchStream) -> pb.Batch | None:
     return None if batch is None else batch_to_proto(batch)
 
 
+def _tolerant(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | Malformed]:
+    def deserialize(data: bytes) -> Message | Malformed:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Malformed(str(exc) or "cannot parse")
+
+    return deserialize
+
+
+def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
+    """Register the service so that unparsable requests reach the servicer as
+    ``Malformed`` (answered INVALID_ARGUMENT) instead of grpc's INTERNAL."""
+    handlers = {
+        "ListDatasets": grpc.unary_unary_rpc_method_handler(
+            servicer.ListDatasets,
+            request_deserializer=_tolerant(pb.ListDatasetsRequest.FromString),
+            response_serializer=pb.ListDatasetsResponse.SerializeToString,
+        ),
+        "DescribeDataset": grpc.unary_unary_rpc_method_handler(
+            servicer.DescribeDataset,
+            request_deserializer=_tolerant(pb.DescribeDatasetRequest.FromString),
+            response_serializer=pb.DatasetInfo.SerializeToString,
+        ),
+        "StreamBatches": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamBatches,
+            request_deserializer=_tolerant(pb.StreamBatchesRequest.FromString),
+            response_serializer=pb.Batch.SerializeToString,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["Batchwire"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
 class BatchwireServicer(pb_grpc.BatchwireServicer):
     def __init__(self, engine: Engine, executor: concurrent.futures.ThreadPoolExecutor) -> None:
         self._engine = engine
@@ -130,6 +195,10 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsResponse:
+        try:
+            check_message(request)
+        except ServiceError as exc:
+            await context.abort(status_for(exc), str(exc))
         return pb.ListDatasetsResponse(
             datasets=[self._info(s) for s in self._engine.list_datasets()]
         )
@@ -138,6 +207,8 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         self, request: pb.DescribeDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DatasetInfo:
         try:
+            check_message(request)
+            check_name("dataset", request.dataset)
             return self._info(self._engine.describe(request.dataset))
         except ServiceError as exc:
             await context.abort(status_for(exc), str(exc))

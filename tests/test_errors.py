@@ -45,8 +45,13 @@ def stream_error(stub: pb_grpc.BatchwireStub, **fields: object) -> grpc.RpcError
     ("fields", "code", "words"),
     [
         ({"dataset": "imagenet"}, grpc.StatusCode.NOT_FOUND, "no dataset named 'imagenet'"),
-        ({"dataset": "../shapes"}, grpc.StatusCode.NOT_FOUND, "no dataset named '../shapes'"),
-        ({"dataset": "/etc/passwd"}, grpc.StatusCode.NOT_FOUND, "no dataset"),
+        (
+            {"dataset": "../shapes"},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "'../shapes' is not a valid name",
+        ),
+        ({"dataset": "/etc/passwd"}, grpc.StatusCode.INVALID_ARGUMENT, "is not a valid name"),
+        ({"dataset": "shapes/../shapes"}, grpc.StatusCode.INVALID_ARGUMENT, "not a valid name"),
         ({"pipeline": "resnet"}, grpc.StatusCode.NOT_FOUND, "no pipeline named 'resnet'"),
         ({"batch_size": 0}, grpc.StatusCode.INVALID_ARGUMENT, "batch_size"),
         ({"batch_size": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "--max-batch-size"),
