@@ -1,66 +1,348 @@
-"""The deploy files agree with the code (no Docker engine runs here, so they are read)."""
+"""The deploy files agree with the code: flags, paths, ports, probes, grace periods.
+
+No Docker engine or cluster runs in CI, so the files are read (``deployfiles``) and
+every command line in them goes through the real argument parser and the real
+settings resolution (flags > BATCHWIRE_* environment > config file) of
+``batchwire serve``. ``test_ops.py`` runs the container's command line for real.
+"""
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import re
-import shlex
+from typing import Any
 
 import pytest
 import yaml
+from deployfiles import (
+    DEPLOY,
+    K8S,
+    ROOT,
+    Dockerfile,
+    compose,
+    duration_seconds,
+    k8s_documents,
+    k8s_object,
+    service_environment,
+)
 
 from batchwire.cli import build_parser
+from batchwire.cli._serve import _SETTINGS, resolve_config
+from batchwire.server import ServerConfig
+from batchwire.server._config import load_file
 
-DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+CONFIG_KEYS = {"server", "pipelines"}
 
 
 @pytest.fixture(scope="module")
-def service() -> dict:  # type: ignore[type-arg]
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    return compose["services"]["batchwire"]
+def image() -> Dockerfile:
+    return Dockerfile.read()
 
 
-def test_compose_reserves_a_gpu_and_mounts_data_read_only(service: dict) -> None:  # type: ignore[type-arg]
+@pytest.fixture(scope="module")
+def service() -> dict[str, Any]:
+    return compose("compose.yaml")["services"]["batchwire"]
+
+
+def serve_args(words: list[str]) -> argparse.Namespace:
+    """``words`` as `batchwire serve` parses them (argparse exits on an unknown flag)."""
+    return build_parser().parse_args(["serve", *words])
+
+
+def batchwire(words: list[str]) -> argparse.Namespace:
+    """A `batchwire ...` command line (exec form) as the CLI parses it."""
+    assert words[0] == "batchwire", words
+    return build_parser().parse_args(words[1:])
+
+
+def entrypoint_args(image: Dockerfile, arguments: list[str]) -> argparse.Namespace:
+    entrypoint = image.exec_form("ENTRYPOINT")
+    assert entrypoint[:2] == ["batchwire", "serve"]
+    return serve_args([*entrypoint[2:], *arguments])
+
+
+def known_environment_variables() -> set[str]:
+    """Every BATCHWIRE_* variable the code reads (names in the CLI's and client's source)."""
+    names: set[str] = set()
+    for directory in ("cli", "client"):
+        for path in (ROOT / directory).glob("*.py"):
+            names.update(re.findall(r"BATCHWIRE_[A-Z_]+[A-Z]", path.read_text()))
+    return names
+
+
+def compose_config(image: Dockerfile, service: dict[str, Any]) -> tuple[argparse.Namespace, Any]:
+    """The settings the compose service runs with: image ENV < compose environment < command."""
+    args = entrypoint_args(image, service["command"])
+    environ = {**image.env, **service_environment(service)}
+    return args, resolve_config(args, environ)
+
+
+# -- Dockerfile ------------------------------------------------------------------------
+
+
+def test_image_is_cuda_12_runs_batchwire_serve_as_a_non_root_user(image: Dockerfile) -> None:
+    assert image.base.startswith("nvidia/cuda:12."), image.base
+    assert "runtime" in image.base
+    assert image.exec_form("ENTRYPOINT") == ["batchwire", "serve"]
+    (user,) = image.values("USER")
+    assert user == "batchwire"
+    uid = re.search(r"useradd .*--uid (\d+) .*batchwire", " ".join(image.values("RUN")))
+    assert uid and int(uid.group(1)) >= 1000
+    exposed = {int(p) for rest in image.values("EXPOSE") for p in rest.split()}
+    assert exposed == {50051, 9405}
+
+
+def test_image_installs_the_server_extra_before_copying_the_source(image: Dockerfile) -> None:
+    steps = image.all_instructions
+    server_extra = next(i for i, (w, r) in enumerate(steps) if w == "RUN" and '".[server]"' in r)
+    copy_source = next(i for i, (w, r) in enumerate(steps) if w == "COPY" and r.startswith(". "))
+    assert server_extra < copy_source, (
+        "dependencies must be a layer of their own, before the source"
+    )
+    copied = [r for w, r in steps[:server_extra] if w == "COPY"]
+    assert all("pyproject.toml" in r or r.split()[0] == "proto" for r in copied), copied
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    assert {".git", ".venv", "**/node_modules"} <= set(ignore)
+
+
+def test_image_environment_alone_configures_a_server_on_data(image: Dockerfile) -> None:
+    env = image.env
+    assert env["BATCHWIRE_DATA_DIR"] == "/data"
+    unknown = {k for k in env if k.startswith("BATCHWIRE_")} - known_environment_variables()
+    assert not unknown, f"the image sets variables no code reads: {unknown}"
+    args = entrypoint_args(image, [])
+    config = resolve_config(args, env)
+    assert str(config.data_dir) == "/data"
+    # The healthcheck dials the port the server listens on without any flag.
+    health = batchwire(image.healthcheck)
+    assert health.func.__module__ == "batchwire.cli._health"
+    assert health.address == f"localhost:{config.port}"
+    # No port variable: a --config file must be able to set the ports.
+    assert "BATCHWIRE_PORT" not in env and "BATCHWIRE_METRICS_PORT" not in env
+
+
+# -- compose ---------------------------------------------------------------------------
+
+
+def test_compose_reserves_a_gpu_and_mounts_data_read_only(service: dict[str, Any]) -> None:
     (device,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     (volume,) = service["volumes"]
-    assert volume["target"] == "/data" and volume["read_only"] is True
+    assert volume["type"] == "bind" and volume["target"] == "/data"
+    assert volume["read_only"] is True
+    assert service["restart"] in ("always", "unless-stopped", "on-failure")
 
 
-def test_compose_command_and_healthcheck_use_real_flags(service: dict) -> None:  # type: ignore[type-arg]
-    parser = build_parser()
-    args = parser.parse_args(["serve", *service["command"]])
-    assert str(args.data_dir) == "/data"
-    health = service["healthcheck"]["test"]
-    assert health[:3] == ["CMD", "batchwire", "health"]
-    health_args = parser.parse_args(health[2:])
-    assert health_args.address == f"localhost:{args.port}"
-    assert service["ports"] == [f"{args.port}:{args.port}"]
-    grace = int(service["stop_grace_period"].rstrip("s"))
-    assert grace > args.grace, "Docker must wait longer than the server drains"
-
-
-def test_dockerfile_entrypoint_and_healthcheck_are_batchwire_commands() -> None:
-    text = (DEPLOY / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["batchwire", "serve"]' in text
-    assert re.search(
-        r'HEALTHCHECK .*\n\s+CMD \["batchwire", "health", "--address", "localhost:50051"\]', text
-    )
-    assert "USER batchwire" in text
-    assert "BATCHWIRE_DATA_DIR=/data" in text
-    parser = build_parser()
-    for line in re.findall(r"CMD (\[.*\])", text):
-        words = yaml.safe_load(line)
-        parser.parse_args(words[1:])
-
-
-def test_dockerfile_environment_configures_the_server_without_flags() -> None:
-    from batchwire.cli._serve import resolve_config
-
-    text = (DEPLOY / "Dockerfile").read_text()
-    block = re.search(r"ENV (BATCHWIRE_DATA_DIR=.*?)\n(?!\s)", text, re.S)
-    assert block, "the Dockerfile sets BATCHWIRE_* in one ENV block"
-    environ = dict(item.split("=", 1) for item in shlex.split(block.group(1).replace("\\\n", " ")))
-    config = resolve_config(build_parser().parse_args(["serve"]), environ)
+def test_compose_command_ports_and_healthcheck_agree_with_the_code(
+    image: Dockerfile, service: dict[str, Any]
+) -> None:
+    args, config = compose_config(image, service)
     assert str(config.data_dir) == "/data"
-    assert config.port == 50051
+    assert config.metrics_port is not None, "compose must serve /metrics"
+    assert set(service["ports"]) == {
+        f"{config.port}:{config.port}",
+        f"{config.metrics_port}:{config.metrics_port}",
+    }
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "batchwire", "health"]
+    health = batchwire(test[1:])
+    assert health.address == f"localhost:{config.port}"
+    assert duration_seconds(service["stop_grace_period"]) > args.grace, (
+        "Docker must wait longer than the server drains"
+    )
+    unknown = set(service_environment(service)) - known_environment_variables()
+    assert not unknown, f"compose sets variables no code reads: {unknown}"
+
+
+def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(image: Dockerfile) -> None:
+    service = compose("compose.yaml", "compose.cpu.yaml")["services"]["batchwire"]
+    assert "devices" not in service["deploy"]["resources"]["reservations"]
+    _, config = compose_config(image, service)
+    assert config.device == "cpu"
+    assert config.devices == ()
+    # Everything else is the GPU service's.
+    gpu = compose("compose.yaml")["services"]["batchwire"]
+    assert service["command"] == gpu["command"] and service["volumes"] == gpu["volumes"]
+
+
+def test_compose_secure_override_mounts_every_file_it_names_as_a_secret() -> None:
+    document = compose("compose.yaml", "compose.secure.yaml")
+    service = document["services"]["batchwire"]
+    args = serve_args(service["command"])
+    health = batchwire(service["healthcheck"]["test"][1:])
+    files = [args.tls_cert, args.tls_key, args.token_file, health.tls_ca]
+    assert all(f is not None for f in files)
+    assert args.health_open, "the healthcheck sends no token"
+    for path in files:
+        assert path.parent == pathlib.PurePosixPath("/run/secrets"), path
+        assert path.name in service["secrets"], f"{path} is not mounted"
+        assert document["secrets"][path.name]["file"], f"secret {path.name} has no file"
+    # Everything but the security flags is the plain service's command.
+    plain = compose("compose.yaml")["services"]["batchwire"]["command"]
+    assert service["command"][: len(plain)] == plain
+
+
+def test_compose_prometheus_scrapes_the_metrics_port(
+    image: Dockerfile, service: dict[str, Any]
+) -> None:
+    document = compose("compose.yaml")
+    prometheus = document["services"]["prometheus"]
+    assert prometheus["profiles"] == ["metrics"], "Prometheus only starts when asked for"
+    (mount,) = prometheus["volumes"]
+    scrape = yaml.safe_load((DEPLOY / pathlib.Path(mount["source"]).name).read_text())
+    (job,) = scrape["scrape_configs"]
+    _, config = compose_config(image, service)
+    assert job["static_configs"][0]["targets"] == [f"batchwire:{config.metrics_port}"]
+
+
+# -- Kubernetes ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deployment() -> dict[str, Any]:
+    return k8s_object("Deployment")
+
+
+@pytest.fixture(scope="module")
+def pod(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def container(pod: dict[str, Any]) -> dict[str, Any]:
+    (container,) = pod["containers"]
+    return container
+
+
+@pytest.fixture(scope="module")
+def k8s_config(
+    image: Dockerfile, container: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[argparse.Namespace, ServerConfig]:
+    """The pod's settings: image ENV < container env < ConfigMap file < args, resolved by
+    the code, with the ConfigMap's file where the pod mounts it."""
+    configmap = k8s_object("ConfigMap")
+    args = entrypoint_args(image, container["args"])
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert str(args.config.parent) == mounts["config"], "--config must be in the ConfigMap mount"
+    local = tmp_path_factory.mktemp("configmap") / args.config.name
+    local.write_text(configmap["data"][args.config.name])
+    assert set(load_file(local)) <= CONFIG_KEYS
+    args.config = local
+    environ = {**image.env, **{e["name"]: e["value"] for e in container.get("env", [])}}
+    return args, resolve_config(args, environ)
+
+
+def test_kustomization_applies_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+    namespace = k8s_object("Namespace")["metadata"]["name"]
+    assert kustomization["namespace"] == namespace
+    kinds = sorted(d["kind"] for d in k8s_documents())
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "Namespace",
+        "PodDisruptionBudget",
+        "Service",
+    ]
+
+
+def test_deployment_requests_a_gpu_and_mounts_data_read_only(
+    pod: dict[str, Any], container: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
+) -> None:
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    _, config = k8s_config
+    (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(config.data_dir)]
+    assert data["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == data["name"]]
+    assert volume["persistentVolumeClaim"]["readOnly"] is True
+    configmap = k8s_object("ConfigMap")["metadata"]["name"]
+    assert {"name": configmap} in [v.get("configMap") for v in pod["volumes"]]
+    # The image's non-root user.
+    useradd = re.search(r"--uid (\d+)", " ".join(Dockerfile.read().values("RUN")))
+    assert useradd and pod["securityContext"]["runAsUser"] == int(useradd.group(1))
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_probes_are_grpc_health_checks_on_the_serving_port(
+    container: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
+) -> None:
+    _, config = k8s_config
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == config.port, probe
+        assert container[probe]["grpc"].get("service", "") == "", probe
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    # The exec probe the comments offer for TLS uses real flags too.
+    for line in (K8S / "deployment.yaml").read_text().splitlines():
+        if line.strip().startswith("#") and "exec:" in line:
+            command = yaml.safe_load(line.strip().lstrip("#").strip())["exec"]["command"]
+            probe = batchwire(command)
+            assert probe.address == f"localhost:{config.port}" and probe.tls_ca
+
+
+def test_termination_grace_outlasts_the_drain(
+    pod: dict[str, Any], container: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
+) -> None:
+    args, _ = k8s_config
+    assert pod["terminationGracePeriodSeconds"] > args.grace
+    liveness = container["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > args.grace, (
+        "a draining server reports NOT_SERVING: liveness must not restart it first"
+    )
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, "room for warm-up"
+
+
+def test_headless_service_and_disruption_budget_select_the_pods(
+    deployment: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
+) -> None:
+    _, config = k8s_config
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    service = k8s_object("Service")
+    assert service["spec"]["clusterIP"] == "None", "headless: DNS returns every pod"
+    assert service["spec"]["selector"].items() <= labels.items()
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc"]["port"] == config.port and ports["grpc"]["targetPort"] == "grpc"
+    pdb = k8s_object("PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"].get("maxUnavailable") == 1 or pdb["spec"].get("minAvailable")
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(config.metrics_port)
+    # The name trainers dial: the Service's name in its namespace.
+    namespace = k8s_object("Namespace")["metadata"]["name"]
+    name = f"dns:///{service['metadata']['name']}.{namespace}.svc.cluster.local:{config.port}"
+    assert name in (ROOT / "README.md").read_text()
+
+
+# -- README ----------------------------------------------------------------------------
+
+
+def test_readme_documents_every_serve_flag_and_logging_option() -> None:
+    readme = (ROOT / "README.md").read_text()
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {
+        option
+        for action in [*parser._actions, *serve._actions]
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    }
+    missing = sorted(f for f in flags if f not in readme)
+    assert not missing, f"README does not mention {missing}"
+    # The settings tables name variables without their BATCHWIRE_ prefix.
+    variables = [variable for variable, _ in _SETTINGS.values()]
+    variables += [
+        "BATCHWIRE_CONFIG",
+        "BATCHWIRE_GRACE",
+        "BATCHWIRE_LOG_LEVEL",
+        "BATCHWIRE_LOG_FORMAT",
+    ]
+    missing = [
+        v for v in variables if v not in readme and f"`{v.removeprefix('BATCHWIRE_')}" not in readme
+    ]
+    assert not missing, f"README does not mention {missing}"
+    for path in ("deploy/compose.cpu.yaml", "deploy/compose.secure.yaml", "deploy/k8s"):
+        assert path in readme and (ROOT / path).exists()

@@ -1,0 +1,90 @@
+"""Log output of the ``batchwire`` command: plain lines for people, JSON lines for machines.
+
+``--log-format json`` (or ``BATCHWIRE_LOG_FORMAT=json``) writes one JSON object per
+line: ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``, then every field
+the code passed with ``extra=`` (for example the stream start and end lines carry
+``event``, ``peer``, ``dataset``, ``pipeline``, ``rank``, ``samples``, ``duration_s``),
+and ``exception`` with the traceback when there is one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "choose", "configure"]
+
+FORMATS = ("plain", "json")
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it (anything unknown as its ``str``)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line, with the record's ``extra`` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_") and key not in entry:
+                entry[key] = _plain(value)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def choose(
+    level: str | None, fmt: str | None, environ: Mapping[str, str], default_level: str = "INFO"
+) -> tuple[str, str]:
+    """The log level and format: the flags, else ``BATCHWIRE_LOG_LEVEL`` and
+    ``BATCHWIRE_LOG_FORMAT``, else ``default_level`` and plain."""
+    return (
+        level or environ.get("BATCHWIRE_LOG_LEVEL", "").strip().upper() or default_level,
+        fmt or environ.get("BATCHWIRE_LOG_FORMAT", "").strip().lower() or "plain",
+    )
+
+
+def configure(level: str, fmt: str) -> None:
+    """Send log records of ``level`` and above to stderr in ``fmt`` (plain|json).
+
+    Like ``logging.basicConfig``, does nothing when the root logger already has
+    handlers (an embedding application or a test runner configured logging)."""
+    if level not in LEVELS:
+        raise ValueError(f"log level must be one of {LEVELS}, got {level!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(PLAIN))
+    logging.basicConfig(level=level, handlers=[handler])

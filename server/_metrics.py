@@ -1,0 +1,320 @@
+"""Prometheus metrics of one server: a registry, the RPC error count, and ``/metrics`` over HTTP.
+
+Each :class:`ServerMetrics` owns its own ``CollectorRegistry``, so several servers in
+one process (tests, ``batchwire demo``) never share or clash over metric names.
+
+What is measured (``dataset`` and ``pipeline`` labels only ever hold names the server
+itself discovered or configured, so a hostile client cannot grow the label sets):
+
+=====================================  =========  ===================================
+``batchwire_streams_started_total``    counter    streams opened
+``batchwire_streams_ended_total``      counter    streams ended, by ``status``: OK (the
+                                                  lane's share delivered), CANCELLED (the
+                                                  client left early), UNAVAILABLE, ...
+``batchwire_active_streams``           gauge      streams open now
+``batchwire_batches_sent_total``       counter    batches handed to gRPC for clients
+``batchwire_samples_sent_total``       counter    samples in those batches
+``batchwire_bytes_sent_total``         counter    serialized bytes of those batches
+``batchwire_skipped_samples_total``    counter    undecodable samples left out
+``batchwire_pipeline_seconds``         histogram  time to produce one batch (read,
+                                                  DALI run, message build)
+``batchwire_client_wait_seconds``      histogram  time one batch waited for the client
+                                                  to take it (gRPC flow control)
+``batchwire_errors_total``             counter    calls ended with a status other than
+                                                  OK or CANCELLED (a client's choice), by
+                                                  ``method`` and ``code``
+``batchwire_serving``                  gauge      1 while health reports SERVING
+``batchwire_server_info``              info       version and devices
+=====================================  =========  ===================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import socket
+import socketserver
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+
+__all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
+
+log = logging.getLogger(__name__)
+
+LABELS = ("dataset", "pipeline")
+OTHER_METHOD = "other"
+_NOT_ERRORS = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
+_PIPELINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0, 30.0)
+
+
+class MetricsError(OSError):
+    """The metrics endpoint could not be opened (the message says what to do)."""
+
+
+class StreamMetrics:
+    """The metrics of one stream, bound to its dataset and pipeline labels."""
+
+    def __init__(self, metrics: ServerMetrics, dataset: str, pipeline: str) -> None:
+        labels = {"dataset": dataset, "pipeline": pipeline}
+        self._ended = metrics.streams_ended
+        self._labels = labels
+        self._active = metrics.active_streams.labels(**labels)
+        self._started = metrics.streams_started.labels(**labels)
+        self._batches = metrics.batches_sent.labels(**labels)
+        self._samples = metrics.samples_sent.labels(**labels)
+        self._bytes = metrics.bytes_sent.labels(**labels)
+        self._skipped = metrics.skipped_samples.labels(**labels)
+        self._pipeline = metrics.pipeline_seconds.labels(**labels)
+        self._wait = metrics.client_wait_seconds.labels(**labels)
+
+    def opened(self) -> None:
+        self._started.inc()
+        self._active.inc()
+
+    def closed(self, status: str) -> None:
+        """The stream ended with ``status`` (a ``grpc.StatusCode`` name)."""
+        self._active.dec()
+        self._ended.labels(**self._labels, status=status).inc()
+
+    def produced(self, seconds: float, skipped: int) -> None:
+        """A batch was computed in ``seconds``, leaving out ``skipped`` samples."""
+        self._pipeline.observe(seconds)
+        if skipped:
+            self._skipped.inc(skipped)
+
+    def sent(self, samples: int, nbytes: int) -> None:
+        """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC."""
+        self._batches.inc()
+        self._samples.inc(samples)
+        self._bytes.inc(nbytes)
+
+    def waited(self, seconds: float) -> None:
+        """gRPC took a batch's messages after ``seconds`` (flow control: a slow client)."""
+        self._wait.observe(seconds)
+
+
+class ServerMetrics:
+    """The metrics of one server, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.streams_started = Counter(
+            "batchwire_streams_started", "Streams opened.", LABELS, registry=r
+        )
+        self.streams_ended = Counter(
+            "batchwire_streams_ended",
+            "Streams ended, by status: OK when the lane's whole share was delivered.",
+            (*LABELS, "status"),
+            registry=r,
+        )
+        self.active_streams = Gauge(
+            "batchwire_active_streams", "Streams open now.", LABELS, registry=r
+        )
+        self.batches_sent = Counter(
+            "batchwire_batches_sent",
+            "Batches sent to clients (handed to gRPC).",
+            LABELS,
+            registry=r,
+        )
+        self.samples_sent = Counter(
+            "batchwire_samples_sent", "Samples in the batches sent.", LABELS, registry=r
+        )
+        self.bytes_sent = Counter(
+            "batchwire_bytes_sent",
+            "Serialized bytes of the batches sent (before gRPC framing).",
+            LABELS,
+            registry=r,
+        )
+        self.skipped_samples = Counter(
+            "batchwire_skipped_samples",
+            "Samples left out of their batch because they could not be decoded.",
+            LABELS,
+            registry=r,
+        )
+        self.pipeline_seconds = Histogram(
+            "batchwire_pipeline_seconds",
+            "Seconds to produce one batch: LMDB read, DALI run, message build.",
+            LABELS,
+            buckets=_PIPELINE_BUCKETS,
+            registry=r,
+        )
+        self.client_wait_seconds = Histogram(
+            "batchwire_client_wait_seconds",
+            "Seconds one batch waited for the client to take it (flow control; "
+            "high values mean slow or busy trainers).",
+            LABELS,
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "batchwire_errors",
+            "Calls that ended with a status other than OK or CANCELLED.",
+            ("method", "code"),
+            registry=r,
+        )
+        self.serving = Gauge(
+            "batchwire_serving", "1 while the health service reports SERVING.", registry=r
+        )
+        self.info = Info("batchwire_server", "Version and devices of this server.", registry=r)
+
+    def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
+        return StreamMetrics(self, dataset, pipeline)
+
+    def interceptor(self, methods: Iterable[str]) -> MetricsInterceptor:
+        """Counts ended calls by status code; ``methods`` are the full method names
+        to label by name (anything else is counted as ``"other"``)."""
+        return MetricsInterceptor(self.errors, methods)
+
+
+# -- RPC errors by status code ---------------------------------------------------------
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every call that ends with a status other than OK, whatever ended it:
+    a servicer's abort, the token check, a failed handler. CANCELLED is left out:
+    clients end streams that way when they stop early, or as soon as they hold the
+    last batch (``batchwire_streams_ended_total`` tells those cases apart).
+
+    It wraps the handler the rest of the chain returns, so it must come first
+    in the server's interceptors."""
+
+    def __init__(self, errors: Counter, methods: Iterable[str]) -> None:
+        self._errors = errors
+        self._methods = frozenset(methods)
+
+    def _record(
+        self, method: str, context: grpc.aio.ServicerContext, exc: BaseException | None
+    ) -> None:
+        code = context.code()
+        if code is None and exc is not None:
+            cancelled = isinstance(exc, asyncio.CancelledError | GeneratorExit)
+            code = grpc.StatusCode.CANCELLED if cancelled else grpc.StatusCode.UNKNOWN
+        if code is None or code in _NOT_ERRORS:
+            return
+        label = method if method in self._methods else OTHER_METHOD
+        self._errors.labels(method=label, code=code.name).inc()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method: str = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._unary(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # request streaming (server reflection): not counted
+
+    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap ``behavior`` keeping its shape: an async generator stays one (the
+        servicer's ``yield`` still waits for each write), a coroutine stays one."""
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                responses = behavior(request, context)
+                try:
+                    async for response in responses:
+                        yield response
+                except BaseException as exc:
+                    self._record(method, context, exc)
+                    raise
+                else:
+                    self._record(method, context, None)
+                finally:
+                    # Close the inner generator now, not at garbage collection: its
+                    # ``finally`` returns the stream's pipeline to the pool.
+                    await responses.aclose()
+
+            return stream
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                self._record(method, context, exc)
+                raise
+            self._record(method, context, None)
+            return response
+
+        return call
+
+
+# -- /metrics over HTTP ----------------------------------------------------------------
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # seconds a scraper may take to send its request
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per scrape would drown the server's log
+
+
+class _Server(WSGIServer):
+    def server_bind(self) -> None:
+        # WSGIServer's own server_bind looks the host name up in DNS (getfqdn),
+        # which can hang where DNS is slow; the name is never used here.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = "batchwire"
+        self.server_port = self.socket.getsockname()[1]
+        self.setup_environ()
+
+
+def _http_host(host: str) -> str:
+    """gRPC's ``[::]`` is HTTP's ``::``."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+class MetricsHTTPServer:
+    """Serves a registry at ``http://HOST:PORT/metrics`` from one named daemon thread.
+
+    ``port=0`` picks a free port (see :attr:`port`). Raises :class:`MetricsError`
+    when the address cannot be bound."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        address = _http_host(host)
+        try:
+            family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+            server_class = type("MetricsWSGIServer", (_Server,), {"address_family": family})
+            self._httpd: WSGIServer = make_server(
+                address, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+            )
+        except OSError as exc:
+            raise MetricsError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} "
+                "(is another process using the port? choose another --metrics-port)"
+            ) from exc
+        self.host = host
+        self.port: int = self._httpd.server_port
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="batchwire-metrics",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (waits for a scrape in progress)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(15)
