@@ -1,0 +1,457 @@
+"""Inference preprocessing: encoded images from clients, batched across requests.
+
+``PreprocessBatcher.submit`` validates a request (limits first, then every
+image's header through the same screen the streams use) and queues its
+images; it returns a ``concurrent.futures.Future`` of a
+:class:`PreprocessResult`. One worker thread per pipeline configuration (a
+*lane*: pipeline, parameters, dtype, layout) collects queued images until it
+has ``batch_size`` of them or the oldest has waited ``max_delay`` seconds,
+runs them as one DALI batch on a pooled :class:`Runner`, and splits the
+output back to the requests. A request larger than ``batch_size`` is cut into
+parts that may travel in several DALI batches.
+
+Bad images never reach DALI unscreened (DALI 2.4's CPU decoder can crash the
+process on garbage behind a valid signature). An image that passes the screen
+but still fails in DALI is found by the runner's one-by-one retry. Either way
+the request gets a per-image reason and its other images come back.
+
+Bounded: at most ``max_queued`` images wait across all lanes (more is
+``OverCapacity``), at most ``MAX_LANES`` lanes exist at once, and a lane idle
+for ``IDLE_SECONDS`` ends its thread and returns its pipeline to the pool.
+Never imports grpc.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server._formats import unsupported_reason
+from batchwire.server._pipelines import OutputSpec, ParamError, PipelineSpec
+from batchwire.server._runner import Job, Runner, RunnerKey
+
+__all__ = [
+    "IDLE_SECONDS",
+    "MAX_LANES",
+    "ImageFailure",
+    "PreprocessBatcher",
+    "PreprocessRequest",
+    "PreprocessResult",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_LANES = 16
+IDLE_SECONDS = 30.0
+_JOIN_SECONDS = 10.0
+_DALI_FAILED = (
+    "DALI could not decode or process it (corrupt or truncated image data, or a size the "
+    "pipeline cannot handle)"
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreprocessRequest:
+    """Encoded images to run through ``pipeline``; the caller owns the buffers."""
+
+    pipeline: str
+    images: Sequence[bytes]
+    dtype: str = "uint8"
+    layout: str = "NCHW"
+    params: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFailure:
+    """Image ``index`` of a request could not be preprocessed, because ``reason``."""
+
+    index: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessResult:
+    """``images[i]`` is the request's image ``indices[i]``; the rest are in ``failures``.
+
+    ``images`` owns its memory; it has shape ``(0,)`` when nothing succeeded.
+    """
+
+    images: np.ndarray
+    indices: tuple[int, ...]
+    failures: tuple[ImageFailure, ...]
+    normalized: bool
+    layout: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def settle(
+    future: concurrent.futures.Future[PreprocessResult],
+    *,
+    result: PreprocessResult | None = None,
+    exception: BaseException | None = None,
+) -> None:
+    """Complete ``future`` unless it is already done (the client may have cancelled it)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class _Pending:
+    """A submitted request whose parts are on their way through the lanes."""
+
+    def __init__(self, size: int, parts: int, output: OutputSpec, spec: PipelineSpec) -> None:
+        self.future: concurrent.futures.Future[PreprocessResult] = concurrent.futures.Future()
+        self.rows: list[np.ndarray | None] = [None] * size
+        self.reasons: dict[int, str] = {}
+        self.parts_left = parts
+        self.output = output
+        self.spec = spec
+        self.lock = threading.Lock()
+
+    def fail(self, index: int, reason: str) -> None:
+        self.reasons[index] = reason
+
+    def part_done(self) -> None:
+        with self.lock:
+            self.parts_left -= 1
+            if self.parts_left > 0:
+                return
+        try:
+            result = self._result()
+        except Exception as exc:  # e.g. rows of different shapes from a custom pipeline
+            settle(self.future, exception=exc)
+        else:
+            settle(self.future, result=result)
+
+    def _result(self) -> PreprocessResult:
+        indices = tuple(i for i, row in enumerate(self.rows) if row is not None)
+        if indices:
+            rows = [self.rows[i] for i in indices]
+            shapes = {row.shape for row in rows}  # type: ignore[union-attr]
+            if len(shapes) > 1:
+                raise InvalidRequest(
+                    f"pipeline {self.spec.name!r} gave images of different shapes "
+                    f"{sorted(shapes)}: preprocessing needs one output shape (crop to a size)"
+                )
+            images = np.stack(rows)  # type: ignore[arg-type]
+        else:
+            images = np.zeros((0,), dtype=np.uint8)
+        failures = tuple(ImageFailure(i, self.reasons[i]) for i in sorted(self.reasons))
+        return PreprocessResult(
+            images=images,
+            indices=indices,
+            failures=failures,
+            normalized=self.output.normalized,
+            layout=self.output.layout,
+            mean=tuple(self.spec.mean),
+            std=tuple(self.spec.std),
+        )
+
+
+@dataclasses.dataclass
+class _Part:
+    """Images ``offset .. offset + len(images)`` of a request, screened and queued."""
+
+    pending: _Pending
+    offset: int
+    images: list[np.ndarray]
+    arrived: float
+
+
+class _Lane:
+    def __init__(self, key: RunnerKey, lock: threading.Lock) -> None:
+        self.key = key
+        self.parts: collections.deque[_Part] = collections.deque()
+        self.queued = 0
+        self.wake = threading.Condition(lock)
+        self.thread: threading.Thread | None = None
+
+
+class PreprocessBatcher:
+    """Batches concurrent preprocessing requests into DALI runs; see the module docstring.
+
+    ``acquire``/``release`` lend pipelines (a :class:`RunnerPool`);
+    ``device``/``next_device`` say where they run; ``draining`` is polled at
+    submit. ``batch_size`` is the largest DALI batch; ``max_images`` and
+    ``max_bytes`` bound one request; ``max_queued`` bounds the images waiting.
+    """
+
+    def __init__(
+        self,
+        *,
+        pipelines: Mapping[str, PipelineSpec],
+        acquire: Callable[[RunnerKey], Runner],
+        release: Callable[[Runner], None],
+        device: str,
+        next_device: Callable[[], int | None],
+        draining: Callable[[], bool],
+        batch_size: int,
+        max_delay: float,
+        max_images: int,
+        max_bytes: int,
+        max_queued: int,
+    ) -> None:
+        self._pipelines = pipelines
+        self._acquire = acquire
+        self._release = release
+        self._device = device
+        self._next_device = next_device
+        self._draining = draining
+        self.batch_size = batch_size
+        self.max_delay = max_delay
+        self.max_images = max_images
+        self.max_bytes = max_bytes
+        self.max_queued = max_queued
+        self._lock = threading.Lock()
+        self._lanes: dict[tuple[object, ...], _Lane] = {}
+        self._queued = 0
+        self._stop = threading.Event()
+        self._serial = 0
+        self.batches_run = 0  # DALI batches run so far (for metrics and tests)
+        self.images_run = 0
+
+    @property
+    def queued(self) -> int:
+        """Images waiting for a DALI batch now."""
+        return self._queued
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(self, request: PreprocessRequest) -> concurrent.futures.Future[PreprocessResult]:
+        """Validate and queue ``request``; raises ServiceErrors for request-level problems."""
+        if self._draining() or self._stop.is_set():
+            raise Draining("the server is shutting down; send the request to another server")
+        spec = self._pipelines.get(request.pipeline)
+        if spec is None:
+            known = ", ".join(sorted(self._pipelines))
+            raise NotFound(f"no pipeline named {request.pipeline!r} (this server has: {known})")
+        count = len(request.images)
+        if count == 0:
+            raise InvalidRequest("send at least one encoded image")
+        if count > self.max_images:
+            raise InvalidRequest(
+                f"{count} images exceed this server's limit of {self.max_images} per request "
+                "(server setting max_batch_size): send them in several requests"
+            )
+        if count > self.max_queued:
+            raise InvalidRequest(
+                f"{count} images exceed this server's preprocessing queue of {self.max_queued} "
+                "(server setting preprocess_max_queued): send them in several requests"
+            )
+        size = sum(len(image) for image in request.images)
+        if size > self.max_bytes:
+            raise OverCapacity(
+                f"the request holds {size} bytes of images, over this server's limit of "
+                f"{self.max_bytes} (server setting max_request_bytes): send fewer images per request"
+            )
+        try:
+            params = spec.resolve(request.params)
+            output = OutputSpec(
+                dtype=request.dtype, layout=request.layout, mean=spec.mean, std=spec.std
+            )
+        except ParamError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+        pending = _Pending(count, 0, output, spec)
+        good: list[tuple[int, np.ndarray]] = []
+        for index, image in enumerate(request.images):
+            reason = "empty: no bytes" if not image else unsupported_reason(image)
+            if reason is None:
+                # A view of the request's buffer, not a copy; DALI copies it in.
+                good.append((index, np.frombuffer(image, dtype=np.uint8)))
+            else:
+                pending.fail(index, reason)
+        if not good:
+            pending.parts_left = 1
+            pending.part_done()
+            return pending.future
+        key = RunnerKey(
+            pipeline=spec.name,
+            params=tuple(sorted(params.items())),
+            dtype=output.dtype,
+            layout=output.layout,
+            batch_size=self.batch_size,
+            device=self._device,
+            device_id=None,
+        )
+        self._enqueue(key, pending, good)
+        return pending.future
+
+    def _enqueue(
+        self, key: RunnerKey, pending: _Pending, good: list[tuple[int, np.ndarray]]
+    ) -> None:
+        # Parts are runs of consecutive good images, at most batch_size long, so
+        # any part fits one DALI batch. Failed images split runs.
+        parts: list[_Part] = []
+        now = time.monotonic()
+        for index, array in good:
+            last = parts[-1] if parts else None
+            if (
+                last is not None
+                and last.offset + len(last.images) == index
+                and len(last.images) < self.batch_size
+            ):
+                last.images.append(array)
+            else:
+                parts.append(_Part(pending, index, [array], now))
+        pending.parts_left = len(parts)
+        lane_id = (key.pipeline, key.params, key.dtype, key.layout)
+        with self._lock:
+            if self._queued + len(good) > self.max_queued:
+                raise OverCapacity(
+                    f"the server's preprocessing queue is full ({self._queued} images waiting, "
+                    f"limit {self.max_queued}); retry with backoff or add servers"
+                )
+            lane = self._lanes.get(lane_id)
+            if lane is None:
+                if len(self._lanes) >= MAX_LANES:
+                    raise OverCapacity(
+                        f"the server already preprocesses with {MAX_LANES} different pipeline "
+                        "settings at once; retry later, or use fewer parameter combinations"
+                    )
+                lane = self._start_lane(lane_id, key)
+            lane.parts.extend(parts)
+            lane.queued += len(good)
+            self._queued += len(good)
+            lane.wake.notify()
+
+    def _start_lane(self, lane_id: tuple[object, ...], key: RunnerKey) -> _Lane:
+        key = dataclasses.replace(key, device_id=self._next_device())
+        lane = _Lane(key, self._lock)
+        self._serial += 1
+        lane.thread = threading.Thread(
+            target=self._work,
+            args=(lane_id, lane),
+            name=f"batchwire-preprocess-{key.pipeline}-{self._serial}",
+            daemon=True,
+        )
+        self._lanes[lane_id] = lane
+        lane.thread.start()
+        return lane
+
+    # -- lanes -------------------------------------------------------------------------
+
+    def _take(self, lane_id: tuple[object, ...], lane: _Lane) -> list[_Part] | None:
+        """The parts of the next DALI batch, or None when the lane should end."""
+        with self._lock:
+            idle_until = time.monotonic() + IDLE_SECONDS
+            while not lane.parts and not self._stop.is_set():
+                remaining = idle_until - time.monotonic()
+                if remaining <= 0:
+                    del self._lanes[lane_id]
+                    return None
+                lane.wake.wait(remaining)
+            if self._stop.is_set():
+                return None
+            # Wait for company until the batch is full or the oldest waited enough.
+            deadline = lane.parts[0].arrived + self.max_delay
+            while lane.queued < self.batch_size and not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                lane.wake.wait(remaining)
+            if self._stop.is_set():
+                return None
+            taken: list[_Part] = []
+            size = 0
+            while lane.parts and size + len(lane.parts[0].images) <= self.batch_size:
+                part = lane.parts.popleft()
+                taken.append(part)
+                size += len(part.images)
+            lane.queued -= size
+            self._queued -= size
+            return taken
+
+    def _work(self, lane_id: tuple[object, ...], lane: _Lane) -> None:
+        runner: Runner | None = None
+        try:
+            while True:
+                parts = self._take(lane_id, lane)
+                if parts is None:
+                    return
+                parts = [p for p in parts if not p.pending.future.cancelled()]
+                if not parts:
+                    continue
+                try:
+                    if runner is None:
+                        runner = self._acquire(lane.key)
+                    self._run(runner, parts)
+                except Exception as exc:
+                    log.exception("preprocessing with pipeline %r failed", lane.key.pipeline)
+                    if runner is not None:
+                        runner.healthy = False  # rebuilt for the next batch
+                        runner = None
+                    for part in parts:
+                        settle(part.pending.future, exception=exc)
+        finally:
+            if runner is not None:
+                self._release(runner)
+            self._fail_waiting(lane)
+
+    def _run(self, runner: Runner, parts: list[_Part]) -> None:
+        images = [image for part in parts for image in part.images]
+        job = Job(
+            seq=0,
+            ids=np.arange(len(images), dtype=np.int64),
+            images=images,
+            labels=np.zeros(len(images), dtype=np.int64),
+        )
+        (result,) = list(runner.run(iter([job])))
+        with self._lock:
+            self.batches_run += 1
+            self.images_run += len(images)
+        rows = dict(zip(result.ids.tolist(), result.images, strict=True))
+        skipped = set(result.skipped)
+        start = 0
+        for part in parts:
+            for k in range(len(part.images)):
+                index = part.offset + k
+                row = rows.get(start + k)
+                if row is not None:
+                    part.pending.rows[index] = np.array(row)  # owns its memory
+                else:
+                    reason = _DALI_FAILED if start + k in skipped else "no output from DALI"
+                    part.pending.fail(index, reason)
+            start += len(part.images)
+            part.pending.part_done()
+
+    def _fail_waiting(self, lane: _Lane) -> None:
+        """Requests still queued in an ending lane (only when closing) learn why."""
+        with self._lock:
+            parts = list(lane.parts)
+            lane.parts.clear()
+            self._queued -= lane.queued
+            lane.queued = 0
+        for part in parts:
+            settle(
+                part.pending.future,
+                exception=Draining(
+                    "the server is shutting down; send the request to another server"
+                ),
+            )
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the lanes: queued requests fail with Draining; waits for batches running."""
+        self._stop.set()
+        with self._lock:
+            lanes = list(self._lanes.values())
+            for lane in lanes:
+                lane.wake.notify_all()
+        for lane in lanes:
+            if lane.thread is not None:
+                lane.thread.join(_JOIN_SECONDS)
