@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["SHAPES", "write_image_folders"]
+__all__ = ["SHAPES", "write_image_folders", "write_photo_folders"]
 
 SHAPES = ("circle", "square", "triangle", "cross")
 
@@ -64,4 +64,55 @@ def write_image_folders(
             count += 1
             if on_image is not None:
                 on_image()
+    return count
+
+
+def _photo(size: tuple[int, int], rng: np.random.Generator) -> object:
+    """An image with a photo's statistics: detail at every scale, falling with frequency."""
+    from PIL import Image
+
+    width, height = size
+    coarse = np.zeros((height // 4, width // 4, 3), dtype=np.float64)
+    for level, weight in ((4, 70.0), (16, 40.0), (48, 24.0)):
+        layer = rng.normal(0, weight, (max(2, level * height // width), level, 3)).astype(
+            np.float32
+        )
+        coarse += np.stack(
+            [
+                np.asarray(
+                    Image.fromarray(layer[..., c]).resize(
+                        coarse.shape[1::-1], Image.Resampling.BICUBIC
+                    )
+                )
+                for c in range(3)
+            ],
+            axis=-1,
+        )
+    coarse += rng.normal(0, 20, coarse.shape)
+    base = Image.fromarray(np.clip(coarse + rng.uniform(60, 190, 3), 0, 255).astype(np.uint8))
+    fine = np.asarray(base.resize(size, Image.Resampling.BICUBIC), dtype=np.int16)
+    fine = fine + rng.integers(-18, 19, fine.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(fine, 0, 255).astype(np.uint8))
+
+
+def write_photo_folders(
+    root: pathlib.Path,
+    *,
+    count: int,
+    classes: int = 10,
+    size: tuple[int, int] = (500, 375),
+    seed: int = 0,
+    on_image: Callable[[], None] | None = None,
+) -> int:
+    """Write ``count`` ImageNet-sized JPEGs (quality 90, about 100 KB) in ``classes`` folders.
+
+    For benchmarks: their decode cost is that of photos, unlike flat synthetic shapes.
+    """
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        folder = root / f"class{i % classes:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        _photo(size, rng).save(folder / f"{i:06d}.jpg", quality=90)  # type: ignore[attr-defined]
+        if on_image is not None:
+            on_image()
     return count

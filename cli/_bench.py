@@ -1,0 +1,416 @@
+"""``batchwire bench``: throughput, trainer CPU and memory, measured side by side.
+
+    batchwire bench --address HOST:PORT --dataset D     # a running server, as a trainer sees it
+    batchwire bench --compare [--json F] [--plot F.png] # (a)..(e) alternated on this host
+    batchwire bench --messages                          # gRPC message sizes, parts vs whole
+    batchwire bench --scaling                           # one server vs two pinned to their own core
+    batchwire bench --duration 600                      # a long run: memory at start and end
+
+Without ``--data-dir``, a dataset of generated ImageNet-sized JPEGs is built once in
+the cache (``~/.cache/batchwire/bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import platform
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure throughput, trainer CPU and memory (remote vs in-process vs PIL)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--address", help="a running server (HOST:PORT) to measure as a trainer")
+    parser.add_argument("--dataset", help="dataset name (default: the generated one)")
+    parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
+    parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
+    parser.add_argument("--images", type=int, default=2048, help="images per run (default 2048)")
+    parser.add_argument("--compare", action="store_true", help="runs (a)..(e) side by side")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
+    parser.add_argument("--messages", action="store_true", help="measure gRPC message sizes")
+    parser.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
+    parser.add_argument(
+        "--duration", type=float, help="stream for this many seconds; report memory"
+    )
+    parser.add_argument(
+        "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
+    )
+    parser.add_argument("--photos", type=int, default=1024, help="generated photos (default 1024)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="DataLoader workers for (c) (default: cores)",
+    )
+    parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
+    parser.add_argument("--plot", type=pathlib.Path, help="draw a chart (PNG)")
+    parser.set_defaults(func=run, default_log_level="WARNING")
+    return parser
+
+
+def _cache() -> pathlib.Path:
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return (
+        pathlib.Path(os.environ.get("BATCHWIRE_CACHE", pathlib.Path(base) / "batchwire")) / "bench"
+    )
+
+
+def _dataset(args: argparse.Namespace) -> tuple[pathlib.Path, str]:
+    """The data directory and dataset name to measure on (generated once if needed)."""
+    if args.data_dir is not None:
+        if not args.dataset:
+            raise SystemExit("error: --data-dir needs --dataset NAME")
+        return args.data_dir, args.dataset
+    from tqdm import tqdm
+
+    from batchwire.server._ingest import ingest
+    from batchwire.server._synthetic import write_photo_folders
+
+    name = f"photos-{args.photos}"
+    data_dir = _cache() / "datasets"
+    if not (data_dir / name / "manifest.json").is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="batchwire-bench-", dir=data_dir.parent) as tmp:
+            source = pathlib.Path(tmp) / "images"
+            with tqdm(total=args.photos, desc="generating photos", unit="img") as bar:
+                write_photo_folders(source, count=args.photos, on_image=lambda: bar.update())
+            ingest(source, data_dir, name=name, overwrite=True, progress=True)
+    return data_dir, name
+
+
+def _machine() -> dict[str, Any]:
+    from batchwire.server._devices import visible_gpu_count
+
+    cpu = "unknown"
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "gpus": visible_gpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def _progress(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="img", leave=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.images < args.batch_size or args.repeats < 1:
+        print(
+            "error: need --batch-size >= 1, --images >= --batch-size, --repeats >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    if args.address and not (args.compare or args.messages or args.scaling):
+        return _against(args)
+    if args.compare:
+        return _compare(args)
+    if args.messages:
+        return _messages(args)
+    if args.scaling:
+        return _scaling(args)
+    if args.duration:
+        return _long_run(args)
+    print("error: give --address, --compare, --messages, --scaling or --duration", file=sys.stderr)
+    return 2
+
+
+def _against(args: argparse.Namespace) -> int:
+    """A running server, as a trainer sees it: rate, MB/s, first batch, client CPU."""
+    from batchwire.cli._bench_probe import CpuClock, rss_mib
+    from batchwire.client import RemoteLoader
+
+    if not args.dataset:
+        print("error: --address needs --dataset NAME", file=sys.stderr)
+        return 2
+    loader = RemoteLoader(
+        args.address,
+        dataset=args.dataset,
+        pipeline=args.pipeline,
+        batch_size=args.batch_size,
+        normalize=False,
+    )
+    deadline = time.monotonic() + args.duration if args.duration else None
+    target = args.images
+    cpu = CpuClock()
+    rss_start = rss_mib([os.getpid()])
+    images = nbytes = 0
+    first = None
+    started = time.perf_counter()
+    with _progress(0 if deadline else target, "streaming") as bar:
+        while (deadline and time.monotonic() < deadline) or (not deadline and images < target):
+            for batch, _ in loader:
+                first = first or time.perf_counter() - started
+                images += len(batch)
+                nbytes += batch.numel() * batch.element_size()
+                bar.update(len(batch))
+                if (deadline and time.monotonic() >= deadline) or (
+                    not deadline and images >= target
+                ):
+                    break
+    seconds = time.perf_counter() - started
+    loader.close()
+    print(
+        f"{images} images in {seconds:.1f}s: {images / seconds:.0f} images/s, {nbytes / seconds / 1e6:.0f} MB/s"
+    )
+    print(
+        f"time to first batch {first:.2f}s; client CPU {cpu.seconds() / images * 1000:.3f} s per 1000 images"
+    )
+    print(f"client RSS {rss_start:.0f} MiB at start, {rss_mib([os.getpid()]):.0f} MiB at end")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from batchwire.cli._bench_report import draw_chart, summarize, table, write_json
+    from batchwire.cli._bench_runs import (
+        IMAGE_BYTES,
+        LocalServer,
+        raw_server,
+        run_inprocess,
+        run_pil,
+        run_raw,
+        run_remote,
+        transport_server,
+    )
+    from batchwire.server._config import ServerConfig
+    from batchwire.server._dataset import Manifest
+
+    data_dir, dataset = _dataset(args)
+    num_samples = Manifest.load(data_dir / dataset).num_samples
+    message_bytes = min(args.batch_size * IMAGE_BYTES, ServerConfig.max_message_bytes)
+    per_message = message_bytes / IMAGE_BYTES
+    results = []
+    with (
+        tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
+        LocalServer(data_dir, pathlib.Path(work)) as server,
+        transport_server(dataset, num_samples) as (transport_address, transport_pid),
+        raw_server(round(per_message) * IMAGE_BYTES) as (raw_address, raw_pid),
+    ):
+        runs = {
+            "inprocess": lambda: run_inprocess(data_dir, dataset, args.batch_size, args.images),
+            "remote": lambda: run_remote(
+                "remote",
+                [server.address],
+                [server.pid],
+                dataset,
+                "train",
+                args.batch_size,
+                args.images,
+            ),
+            "pil": lambda: run_pil(data_dir / dataset, args.batch_size, args.images, args.workers),
+            "transport": lambda: run_remote(
+                "transport",
+                [transport_address],
+                [transport_pid],
+                dataset,
+                "transport",
+                args.batch_size,
+                args.images,
+            ),
+            "raw": lambda: run_raw(
+                raw_address,
+                raw_pid,
+                round(per_message) * IMAGE_BYTES,
+                round(per_message),
+                args.images,
+            ),
+        }
+        for name, measure in runs.items():  # warm-up: pipelines built, caches filled
+            print(f"warming up {name} ...", file=sys.stderr)
+            measure()
+        for repeat in range(args.repeats):
+            for name, measure in runs.items():
+                result = measure()
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {name:<10} {result.images_per_second:8.0f} images/s",
+                    file=sys.stderr,
+                )
+                results.append(result)
+    summary = summarize(results)
+    machine = _machine()
+    print(
+        f"\nbatchwire bench --compare: {args.images} images per run, batch {args.batch_size}, "
+        f"median of {args.repeats}; {machine['cores']} cores ({machine['cpu']}), {machine['gpus']} GPUs"
+    )
+    print(table(summary))
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "machine": machine,
+                "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+                "summary": summary,
+                "runs": [r.__dict__ for r in results],
+            },
+        )
+    if args.plot:
+        draw_chart(
+            args.plot,
+            summary,
+            f"batchwire bench --compare ({machine['cores']} cores, batch {args.batch_size})",
+        )
+    return 0
+
+
+def _messages(args: argparse.Namespace) -> int:
+    """Raw gRPC throughput by message size, and a large batch in parts vs whole."""
+    from batchwire.cli._bench_runs import (
+        IMAGE_BYTES,
+        raw_server,
+        run_raw,
+        run_remote,
+        transport_server,
+    )
+
+    print(f"{'message':>10} {'GB/s':>7} {'client CPU-s/GB':>16}")
+    rows: list[dict[str, Any]] = []
+    for mb in (1, 4, 8, 16, 32):
+        size = mb * 2**20
+        with raw_server(size) as (address, pid):
+            result = run_raw(address, pid, size, 1.0, max(8, 4 * 2**30 // size))
+        gigabytes = result.images * size / 1e9
+        rows.append(
+            {
+                "message_mb": mb,
+                "gb_per_s": gigabytes / result.seconds,
+                "cpu_s_per_gb": result.trainer_cpu / gigabytes,
+            }
+        )
+        print(
+            f"{mb:>8} MB {gigabytes / result.seconds:7.2f} {result.trainer_cpu / gigabytes:16.2f}"
+        )
+    batch = max(args.batch_size, 512)
+    print(f"\nbatches of {batch} ({batch * IMAGE_BYTES / 2**20:.0f} MiB), transport only (d):")
+    for label, limit in (
+        ("parts of 1 MiB", 2**20),
+        ("parts of 2 MiB", 2 * 2**20),
+        ("parts of 4 MiB", 4 * 2**20),
+        ("parts of 8 MiB", 8 * 2**20),
+        ("parts of 16 MiB", 16 * 2**20),
+        ("whole", 2**30),
+    ):
+        with transport_server("memory", 4096, max_message_bytes=limit) as (address, pid):
+            result = run_remote(
+                "transport", [address], [pid], "memory", "transport", batch, batch * 8
+            )
+        rows.append({"batch": batch, "messages": label, "images_per_s": result.images_per_second})
+        print(
+            f"  {label:<16} {result.images_per_second:8.0f} images/s ({result.images_per_second * IMAGE_BYTES / 1e9:.2f} GB/s)"
+        )
+    if args.json:
+        from batchwire.cli._bench_report import write_json
+
+        write_json(args.json, {"machine": _machine(), "messages": rows})
+    return 0
+
+
+def _scaling(args: argparse.Namespace) -> int:
+    """One server pinned to core 0, then two pinned to cores 0 and 1 with a lane each."""
+    from batchwire.cli._bench_runs import LocalServer, run_remote
+
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        print("error: --scaling needs at least 2 cores", file=sys.stderr)
+        return 2
+    data_dir, dataset = _dataset(args)
+    print(f"{'servers':>8} {'cores':>6} {'images/s':>9}")
+    with tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work:
+        with LocalServer(data_dir, pathlib.Path(work), cpus="0", threads=1) as one:
+            single = run_remote(
+                "remote",
+                [one.address],
+                [one.pid],
+                dataset,
+                args.pipeline,
+                args.batch_size,
+                args.images,
+            )
+        print(f"{1:>8} {'0':>6} {single.images_per_second:9.0f}")
+        with (
+            LocalServer(data_dir, pathlib.Path(work), cpus="0", threads=1) as a,
+            LocalServer(data_dir, pathlib.Path(work), cpus="1", threads=1) as b,
+        ):
+            double = run_remote(
+                "remote",
+                [a.address, b.address],
+                [a.pid, b.pid],
+                dataset,
+                args.pipeline,
+                args.batch_size,
+                args.images,
+            )
+        print(f"{2:>8} {'0,1':>6} {double.images_per_second:9.0f}")
+    print(
+        f"scaling: {double.images_per_second / single.images_per_second:.2f}x with 2 servers (ideal 2.00x)"
+    )
+    return 0
+
+
+def _long_run(args: argparse.Namespace) -> int:
+    """Stream from a local server for --duration seconds; memory at start and end."""
+    from batchwire.cli._bench_probe import process_tree, rss_mib
+    from batchwire.cli._bench_runs import LocalServer
+    from batchwire.client import RemoteLoader
+
+    data_dir, dataset = _dataset(args)
+    with (
+        tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
+        LocalServer(data_dir, pathlib.Path(work)) as server,
+    ):
+        loader = RemoteLoader(
+            server.address,
+            dataset=dataset,
+            pipeline=args.pipeline,
+            batch_size=args.batch_size,
+            normalize=False,
+        )
+        samples: list[tuple[float, float, float]] = []
+        started = time.monotonic()
+        images = 0
+        next_sample = started
+        with _progress(0, "streaming") as bar:
+            while time.monotonic() - started < args.duration:
+                for batch, _ in loader:
+                    images += len(batch)
+                    bar.update(len(batch))
+                    now = time.monotonic()
+                    if now >= next_sample:
+                        samples.append(
+                            (
+                                now - started,
+                                rss_mib(process_tree(server.pid)),
+                                rss_mib([os.getpid()]),
+                            )
+                        )
+                        next_sample = now + max(1.0, args.duration / 20)
+                    if now - started >= args.duration:
+                        break
+        loader.close()
+    print(f"{images} images in {args.duration:.0f}s ({images / args.duration:.0f} images/s)")
+    print(f"{'t (s)':>8} {'server RSS MiB':>15} {'client RSS MiB':>15}")
+    for t, server_rss, client_rss in samples:
+        print(f"{t:8.0f} {server_rss:15.0f} {client_rss:15.0f}")
+    if len(samples) >= 2:
+        (_, s0, c0), (_, s1, c1) = samples[1], samples[-1]
+        print(f"after warm-up to end: server {s1 - s0:+.0f} MiB, client {c1 - c0:+.0f} MiB")
+    return 0

@@ -1,0 +1,127 @@
+"""How ``batchwire bench --compare`` reports: a table, the target ratios, JSON, a chart."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from batchwire.cli._bench_runs import RunResult
+
+__all__ = ["TARGETS", "draw_chart", "ratios", "summarize", "table", "write_json"]
+
+LABELS = {
+    "inprocess": "(a) DALI in-process",
+    "remote": "(b) remote: server -> RemoteLoader",
+    "pil": "(c) torch DataLoader + PIL",
+    "transport": "(d) transport only (no decode)",
+    "raw": "(e) raw gRPC ceiling",
+}
+# name, how it is computed, target, "at least"/"at most"
+TARGETS = (
+    ("b/a images/s", lambda m: m["remote"]["images_per_s"] / m["inprocess"]["images_per_s"], 0.95),
+    (
+        "c/b trainer CPU per image",
+        lambda m: m["pil"]["trainer_cpu_per_1000"] / m["remote"]["trainer_cpu_per_1000"],
+        20.0,
+    ),
+    ("d/e images/s", lambda m: m["transport"]["images_per_s"] / m["raw"]["images_per_s"], 0.8),
+    ("b/c images/s", lambda m: m["remote"]["images_per_s"] / m["pil"]["images_per_s"], 1.0),
+)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
+    """Medians per run name over the repetitions."""
+    by_name: dict[str, list[RunResult]] = {}
+    for result in results:
+        by_name.setdefault(result.name, []).append(result)
+    summary: dict[str, dict[str, Any]] = {}
+    for name, runs in by_name.items():
+        summary[name] = {
+            "runs": len(runs),
+            "images": runs[0].images,
+            "images_per_s": _median([r.images_per_second for r in runs]),
+            "images_per_s_all": [round(r.images_per_second, 1) for r in runs],
+            "trainer_cpu_per_1000": _median([r.per_1000(r.trainer_cpu) for r in runs]),
+            "server_cpu_per_1000": _median([r.per_1000(r.server_cpu) for r in runs]),
+            "trainer_peak_rss_mib": max(r.trainer_rss_mib for r in runs),
+            "server_peak_rss_mib": _median([r.server_rss_mib for r in runs]),
+            "first_batch_s": _median([r.first_batch_seconds for r in runs]),
+        }
+    return summary
+
+
+def ratios(summary: dict[str, dict[str, Any]]) -> list[tuple[str, float | None, float]]:
+    """(name, value or None when a run is missing, target) for each target ratio."""
+    out = []
+    for name, compute, target in TARGETS:
+        try:
+            value = float(compute(summary))
+        except (KeyError, TypeError, ZeroDivisionError):
+            value = None
+        out.append((name, value, target))
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        f"{'run':<38} {'images/s':>9} {'trainer CPU-s':>14} {'server CPU-s':>13} "
+        f"{'trainer RSS':>12} {'server RSS':>11}",
+        f"{'':<38} {'(median)':>9} {'/1000 img':>14} {'/1000 img':>13} {'peak MiB':>12} {'peak MiB':>11}",
+    ]
+    for name in LABELS:
+        if name not in summary:
+            continue
+        row = summary[name]
+        lines.append(
+            f"{LABELS[name]:<38} {_fmt(row['images_per_s'], '9.0f')} "
+            f"{_fmt(row['trainer_cpu_per_1000'], '14.2f')} {_fmt(row['server_cpu_per_1000'], '13.2f')} "
+            f"{_fmt(row['trainer_peak_rss_mib'], '12.0f')} {_fmt(row['server_peak_rss_mib'], '11.0f')}"
+        )
+    lines.append("")
+    for name, value, target in ratios(summary):
+        verdict = "-" if value is None else ("meets" if value >= target else "MISSES")
+        lines.append(f"{name:<28} {_fmt(value, '8.2f')}   target >= {target:<5}  {verdict}")
+    return "\n".join(lines)
+
+
+def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def draw_chart(path: pathlib.Path, summary: dict[str, dict[str, Any]], title: str) -> None:
+    """A bar chart of images/s per run (Pillow; no plotting library needed)."""
+    from PIL import Image, ImageDraw
+
+    names = [n for n in LABELS if n in summary and summary[n]["images_per_s"]]
+    width, bar_height, left = 900, 46, 300
+    image = Image.new("RGB", (width, 80 + bar_height * len(names) + 90), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((20, 20), title, fill="black")
+    top = max(summary[n]["images_per_s"] for n in names)
+    for i, name in enumerate(names):
+        y = 60 + i * bar_height
+        value = summary[name]["images_per_s"]
+        length = int((width - left - 90) * value / top)
+        draw.text((20, y + 12), LABELS[name], fill="black")
+        draw.rectangle((left, y + 6, left + length, y + bar_height - 10), fill=(70, 120, 200))
+        draw.text((left + length + 8, y + 12), f"{value:,.0f} img/s", fill="black")
+    y = 70 + bar_height * len(names)
+    for name, value, target in ratios(summary):
+        text = f"{name}: {_fmt(value, '.2f')} (target {target})"
+        draw.text(
+            (20, y), text, fill="black" if value is None or value >= target else (200, 30, 30)
+        )
+        y += 16
+    image.save(path)

@@ -1,0 +1,146 @@
+"""``Batch`` messages with their image payload copied once on each side.
+
+The bytes on the wire are an ordinary ``batchwire.v1.Batch`` protobuf that any
+language parses. What differs is how this package builds and reads them:
+protobuf's Python runtime copies a ``bytes`` field when it parses a message and
+again each time the field is read, and again when a message is built and
+serialized. For a 77 MB batch those copies cost more CPU than the network.
+
+* ``encode_batch`` serializes everything except the image data with protobuf
+  and splices the data in as field ``images.data``: one copy, into the message.
+* ``decode_batch`` walks the top-level fields of the raw message (tags and
+  lengths only), parses the small fields with protobuf, and returns the image
+  data as a read-only NumPy view into the received bytes: no copy. The caller
+  copies it once, into the tensor it hands to the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+
+from batchwire.common.tensors import DTYPES, to_proto
+from batchwire.v1 import batchwire_pb2 as pb
+
+__all__ = ["DecodedBatch", "decode_batch", "encode_batch"]
+
+_LENGTH_DELIMITED = 2
+_BATCH_IMAGES = pb.Batch.DESCRIPTOR.fields_by_name["images"].number
+_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buffer: memoryview, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if position >= len(buffer) or shift > 63:
+            raise ValueError("truncated or malformed varint in a Batch message")
+        byte = buffer[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
+
+
+def _fields(buffer: memoryview) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, start of the field's tag, start of its value, end) per field."""
+    position = 0
+    while position < len(buffer):
+        start = position
+        tag, position = _read_varint(buffer, position)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            _, position = _read_varint(buffer, position)
+            yield number, start, start, position
+            continue
+        if wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        elif wire_type == _LENGTH_DELIMITED:
+            length, value = _read_varint(buffer, position)
+            position = value + length
+            if position > len(buffer):
+                raise ValueError("a field runs past the end of the Batch message")
+            yield number, start, value, position
+            continue
+        else:
+            raise ValueError(f"unsupported wire type {wire_type} in a Batch message")
+        if position > len(buffer):
+            raise ValueError("a field runs past the end of the Batch message")
+        yield number, start, start, position
+
+
+def _split(buffer: memoryview, wanted: int) -> tuple[bytes, tuple[int, int] | None]:
+    """The message without field ``wanted`` (copied: it is small) and where that
+    field's value lies in ``buffer`` (start, end)."""
+    rest: list[memoryview] = []
+    found: tuple[int, int] | None = None
+    for number, start, value, end in _fields(buffer):
+        if number == wanted and found is None and value != start:
+            found = (value, end)
+        else:
+            rest.append(buffer[start:end])
+    return b"".join(rest), found
+
+
+def encode_batch(header: pb.Batch, images: np.ndarray, layout: str) -> bytes:
+    """``header`` (every field but images) plus ``images``, as Batch message bytes."""
+    tensor = to_proto("images", images[:0], layout)  # name, dtype, layout: no data
+    del tensor.shape[:]
+    tensor.shape.extend(images.shape)
+    data = memoryview(np.ascontiguousarray(images)).cast("B")  # type: ignore[arg-type]
+    tensor_head = tensor.SerializeToString()
+    data_key = _varint(_TENSOR_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(data))
+    tensor_length = len(tensor_head) + len(data_key) + len(data)
+    images_key = _varint(_BATCH_IMAGES << 3 | _LENGTH_DELIMITED) + _varint(tensor_length)
+    return b"".join((header.SerializeToString(), images_key, tensor_head, data_key, data))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedBatch:
+    """A received Batch: ``header`` has every field but ``images.data``; ``images``
+    is a read-only view into the received bytes (copy it before they go away)."""
+
+    header: pb.Batch
+    images: np.ndarray
+    layout: str
+
+
+def decode_batch(raw: bytes) -> DecodedBatch:
+    """Parse Batch message bytes without copying the image data."""
+    buffer = memoryview(raw)
+    header_bytes, images_span = _split(buffer, _BATCH_IMAGES)
+    header = pb.Batch.FromString(header_bytes)
+    if images_span is None:
+        return DecodedBatch(header, np.zeros((0,), np.uint8), "NCHW")
+    images_start, images_end = images_span
+    tensor_bytes, data_span = _split(buffer[images_start:images_end], _TENSOR_DATA)
+    tensor = pb.Tensor.FromString(tensor_bytes)
+    dtype = DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown images dtype {tensor.dtype}")
+    shape = tuple(tensor.shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    start, end = (0, 0) if data_span is None else data_span
+    if end - start != count * dtype.itemsize:
+        raise ValueError(f"images: {end - start} bytes do not hold shape {shape} of {dtype}")
+    layout = tensor.layout or "NCHW"
+    if count == 0:
+        return DecodedBatch(header, np.zeros(shape, dtype), layout)
+    view = np.frombuffer(raw, dtype=dtype, count=count, offset=images_start + start)
+    return DecodedBatch(header, view.reshape(shape), layout)

@@ -1,0 +1,75 @@
+"""The Batch wire format: plain protobuf for any client, one payload copy for ours."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from batchwire.client import RemoteLoader
+from batchwire.client._reader import TransferStats, assemble
+from batchwire.common.batch_codec import decode_batch, encode_batch
+from batchwire.common.tensors import from_proto, to_proto
+from batchwire.server import BatchwireServer
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
+
+
+def test_encoded_batches_are_plain_protobuf_and_decode_without_copying() -> None:
+    images = np.random.default_rng(0).integers(0, 255, (5, 3, 8, 8), dtype=np.uint8)
+    header = pb.Batch(
+        index=3, ids=[1, 2, 3, 4, 5], labels=to_proto("labels", np.arange(5), "N"), cursor=40
+    )
+    raw = encode_batch(header, images, "NCHW")
+    parsed = pb.Batch.FromString(raw)  # what any protobuf library sees
+    assert np.array_equal(from_proto(parsed.images), images)
+    assert list(parsed.ids) == [1, 2, 3, 4, 5] and parsed.cursor == 40
+    decoded = decode_batch(raw)
+    assert np.array_equal(decoded.images, images)
+    assert np.shares_memory(decoded.images, np.frombuffer(raw, np.uint8)), "a view, not a copy"
+    assert decoded.header.cursor == 40 and not decoded.header.HasField("images")
+    assert np.array_equal(decode_batch(parsed.SerializeToString()).images, images)
+    stats = TransferStats()
+    delivery = assemble([decoded], stats=stats)
+    assert np.array_equal(delivery.images, images)  # type: ignore[arg-type]
+    assert stats.received == stats.copied == images.nbytes
+
+
+def test_malformed_batches_are_errors_not_crashes() -> None:
+    raw = encode_batch(pb.Batch(index=1), np.zeros((2, 3), np.uint8), "N")
+    for broken in (raw[:-1], raw[:5], b"\xff" * 12):
+        with pytest.raises(ValueError):
+            decode_batch(broken)
+
+
+def test_large_batches_travel_in_parts_a_plain_client_can_join(server: BatchwireServer) -> None:
+    # 64 x 3 x 224 x 224 uint8 is 9.6 MB: above the server's 8 MiB message size.
+    request = pb.StreamBatchesRequest(
+        dataset="shapes", pipeline="val", batch_size=64, shuffle=False
+    )
+    with grpc.insecure_channel(
+        server.target, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+    ) as channel:
+        call = pb_grpc.BatchwireStub(channel).StreamBatches(request, timeout=60)
+        first = next(call)
+        parts = [first] + [next(call) for _ in range(first.parts - 1)]
+        call.cancel()
+    assert first.parts == 2 and first.samples == 64
+    assert [p.part for p in parts] == [0, 1]
+    assert parts[0].cursor == 0 and parts[1].cursor == 64, "the cursor comes with the last part"
+    joined = np.concatenate([from_proto(p.images) for p in parts])
+    ids = [i for p in parts for i in p.ids]
+    loader = RemoteLoader(
+        server.target,
+        dataset="shapes",
+        pipeline="val",
+        batch_size=64,
+        shuffle=False,
+        normalize=False,
+        return_ids=True,
+    )
+    images, _, loader_ids = next(iter(loader))
+    assert ids == loader_ids.tolist() == list(range(64))
+    assert np.array_equal(joined, images.numpy())
+    assert loader.transfer.copied == loader.transfer.received >= images.numel()
+    loader.close()
