@@ -1,4 +1,5 @@
-"""The ``batchwire`` command: ``ingest``, ``inspect``, ``serve``, ``health``, ``bench``, ``demo``.
+"""The ``batchwire`` command: ``ingest``, ``inspect``, ``serve``, ``health``, ``bench``,
+``preview``, ``demo``.
 
 Each subcommand lives in its own module ``_<name>.py`` with ``add_parser(subparsers)``
 (registering its arguments and ``func=run``) and ``run(args) -> int`` (the exit code).
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+import os
 import sys
 from collections.abc import Sequence
 
+from batchwire.cli import _logs
+
 __all__ = ["main"]
 
-_COMMANDS = ("ingest", "inspect", "serve", "health", "demo")
+_COMMANDS = ("ingest", "inspect", "serve", "health", "bench", "preview", "demo")
 # What the [server] extra adds; the thin client has none of them.
 _SERVER_PACKAGES = frozenset({"nvidia", "lmdb", "uvloop", "PIL", "yaml", "grpc_reflection"})
 
@@ -26,22 +29,45 @@ def build_parser() -> argparse.ArgumentParser:
         prog="batchwire",
         description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
     )
-    parser.add_argument(
-        "--log-level",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity (default INFO; WARNING for demo)",
-    )
+    _add_log_options(parser, default=None)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:
         module = importlib.import_module(f"batchwire.cli._{name}")
         module.add_parser(subparsers)
+    # Also after the command (`batchwire serve --log-format json`), as a container's
+    # arguments follow its `batchwire serve` entrypoint.
+    for subparser in subparsers.choices.values():
+        _add_log_options(subparser, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level",
+        choices=_logs.LEVELS,
+        default=default,
+        help="log verbosity (default INFO; WARNING for demo) [BATCHWIRE_LOG_LEVEL]",
+    )
+    group.add_argument(
+        "--log-format",
+        choices=_logs.FORMATS,
+        default=default,
+        help="plain lines, or one JSON object per line with structured fields "
+        "(default plain) [BATCHWIRE_LOG_FORMAT]",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = args.log_level or getattr(args, "default_log_level", "INFO")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level, log_format = _logs.choose(
+        args.log_level, args.log_format, os.environ, getattr(args, "default_log_level", "INFO")
+    )
+    try:
+        _logs.configure(level, log_format)
+    except ValueError as exc:
+        print(f"error: {exc} (check BATCHWIRE_LOG_LEVEL and BATCHWIRE_LOG_FORMAT)", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -1,4 +1,6 @@
-"""``batchwire ingest SRC OUT --name NAME``: build a dataset from class folders or a file list."""
+"""``batchwire ingest SRC OUT --name NAME``: build a dataset from class folders, a file list,
+or an existing LMDB (Caffe's ``convert_imageset`` output, or pickled ``(image bytes, label)``
+records)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=(
             "Write OUT/NAME/: LMDB shards of Caffe Datum records (the original image bytes) "
             "and manifest.json. Classes are SRC's subdirectories in sorted order (labels "
-            "0..C-1), or come from --file-list. Every file is decoded with DALI; files that "
-            "fail are skipped and listed with a reason."
+            "0..C-1), or come from --file-list. SRC may also be an existing LMDB: Caffe's "
+            "convert_imageset output (Datum values) or pickled (image bytes, label) records "
+            "with __keys__; its images are copied as they are, pickles are read without running "
+            "any code. Every image is decoded with DALI; those that fail are skipped and listed "
+            "with a reason."
         ),
     )
-    parser.add_argument("src", type=pathlib.Path, metavar="SRC", help="folder of images")
+    parser.add_argument(
+        "src", type=pathlib.Path, metavar="SRC", help="folder of images, or an existing LMDB"
+    )
     parser.add_argument("out", type=pathlib.Path, metavar="OUT", help="where OUT/NAME/ goes")
     parser.add_argument("--name", required=True, help="dataset name (the served name)")
     parser.add_argument(

@@ -28,6 +28,29 @@ __all__ = ["add_parser", "run"]
 log = logging.getLogger("batchwire.serve")
 
 
+def device_ids(text: str) -> tuple[int, ...]:
+    """``--devices``: GPU ids as ``0,1,...``; ``all`` (or nothing) is every visible GPU."""
+    value = text.strip().lower()
+    if value in ("", "all"):
+        return ()
+    try:
+        ids = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"not a list of GPU ids: {text!r} (use comma-separated numbers like 0,1 or 'all')"
+        ) from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"GPU ids must be distinct numbers >= 0, got {text!r}")
+    return ids
+
+
+def _device_ids_flag(text: str) -> tuple[int, ...]:
+    try:
+        return device_ids(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def boolean(text: str) -> bool:
     """An environment variable's truth value: 1/true/yes/on or 0/false/no/off."""
     value = text.strip().lower()
@@ -48,6 +71,8 @@ _SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "prefetch": ("BATCHWIRE_PREFETCH", int),
     "max_batch_size": ("BATCHWIRE_MAX_BATCH_SIZE", int),
     "max_streams": ("BATCHWIRE_MAX_STREAMS", int),
+    "devices": ("BATCHWIRE_DEVICES", device_ids),
+    "metrics_port": ("BATCHWIRE_METRICS_PORT", int),
     "tls_cert": ("BATCHWIRE_TLS_CERT", pathlib.Path),
     "tls_key": ("BATCHWIRE_TLS_KEY", pathlib.Path),
     "tls_client_ca": ("BATCHWIRE_TLS_CLIENT_CA", pathlib.Path),
@@ -78,16 +103,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="where pipelines run (default auto) [BATCHWIRE_DEVICE]",
     )
     parser.add_argument(
-        "--num-threads", type=int, help="DALI threads per pipeline (default: cores)"
+        "--devices",
+        type=_device_ids_flag,
+        metavar="IDS",
+        help="GPU ids to run pipelines on, e.g. 0,1; new streams are spread over them "
+        "(default all: every visible GPU) [BATCHWIRE_DEVICES]",
     )
     parser.add_argument(
-        "--prefetch", type=int, help="batches each pipeline computes ahead (default 2)"
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free) "
+        "[BATCHWIRE_METRICS_PORT]",
     )
     parser.add_argument(
-        "--max-batch-size", type=int, help="largest batch a client may ask for (default 1024)"
+        "--num-threads",
+        type=int,
+        help="DALI threads per pipeline (default: cores) [BATCHWIRE_NUM_THREADS]",
     )
     parser.add_argument(
-        "--max-streams", type=int, help="concurrent streams before RESOURCE_EXHAUSTED (default 64)"
+        "--prefetch",
+        type=int,
+        help="batches each pipeline computes ahead (default 2) [BATCHWIRE_PREFETCH]",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        help="largest batch a client may ask for (default 1024) [BATCHWIRE_MAX_BATCH_SIZE]",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        help="concurrent streams before RESOURCE_EXHAUSTED (default 64) [BATCHWIRE_MAX_STREAMS]",
     )
     parser.add_argument(
         "--grace",
@@ -150,7 +197,7 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
             except ValueError as exc:
                 raise ConfigError(
                     f"{variable}={environ[variable]!r} is not a valid "
-                    f"{getattr(kind, '__name__', 'value')}"
+                    f"{getattr(kind, '__name__', 'value')} ({exc})"
                 ) from exc
     if "data_dir" not in values:
         raise ConfigError("no data directory: pass --data-dir DIR (or set BATCHWIRE_DATA_DIR)")
@@ -158,7 +205,11 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         values["devices"] = tuple(values["devices"])
     known = {f.name for f in dataclasses.fields(ServerConfig)}
     return ServerConfig(
-        pipelines=pipelines_from_config(file.get("pipelines")),
+        pipelines=pipelines_from_config(
+            # A custom pipeline's "file.py:function" is relative to the config file.
+            file.get("pipelines"),
+            base_dir=pathlib.Path(config_path).parent if config_path else None,
+        ),
         **{k: v for k, v in values.items() if k in known},
     )
 
@@ -167,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
     from batchwire.server import BatchwireServer, ConfigError, ServerError
     from batchwire.server._dataset import DatasetError
     from batchwire.server._devices import DeviceError
+    from batchwire.server._malloc import tune_for_large_buffers
 
+    tune_for_large_buffers()
     try:
         config = resolve_config(args, dict(os.environ))
         server = BatchwireServer(config)
@@ -175,7 +228,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ServerError, DatasetError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"batchwire serving {config.data_dir} on {config.host}:{server.port}", flush=True)
+    metrics = f"; metrics on port {server.metrics_port}" if server.metrics_port is not None else ""
+    print(
+        f"batchwire serving {config.data_dir} on {config.host}:{server.port}{metrics}", flush=True
+    )
     stop = threading.Event()
     received: list[str] = []
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchwire.client._exceptions import (
     AuthenticationError,
+    BadImagesError,
     BatchwireError,
     InvalidArgumentError,
     NotFoundError,
@@ -27,12 +28,17 @@ from batchwire.client._exceptions import (
 
 if TYPE_CHECKING:
     from batchwire.client._loader import RemoteLoader
+    from batchwire.client._preprocessor import ImageError, Preprocessed, Preprocessor
 
 __all__ = [
     "AuthenticationError",
+    "BadImagesError",
     "BatchwireError",
+    "ImageError",
     "InvalidArgumentError",
     "NotFoundError",
+    "Preprocessed",
+    "Preprocessor",
     "RemoteLoader",
     "ResourceExhaustedError",
     "UnavailableError",
@@ -47,4 +53,8 @@ def __getattr__(name: str) -> Any:
         from batchwire.client._loader import RemoteLoader
 
         return RemoteLoader
+    if name in ("ImageError", "Preprocessed", "Preprocessor"):
+        from batchwire.client import _preprocessor
+
+        return getattr(_preprocessor, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,9 @@ __all__ = ["CHANNEL_OPTIONS", "open_channel", "stub"]
 # gRPC's 4 MB default; the server caps batch sizes, so the client need not.
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", 4 * 1024 * 1024),
+    # Preprocess requests carry encoded images; the server bounds what it
+    # accepts (max_request_bytes) and answers RESOURCE_EXHAUSTED beyond it.
+    ("grpc.max_send_message_length", -1),
     ("grpc.so_reuseport", 0),
 )
 

@@ -3,6 +3,7 @@
     BatchwireError                .code: grpc.StatusCode, .details: str
     ├── NotFoundError             NOT_FOUND: unknown dataset or pipeline
     ├── InvalidArgumentError      INVALID_ARGUMENT (also a ValueError): bad arguments
+    │   └── BadImagesError        Preprocessed.raise_for_errors(): images that failed, in .errors
     ├── ResourceExhaustedError    RESOURCE_EXHAUSTED: a server limit was reached
     ├── UnavailableError          UNAVAILABLE, DEADLINE_EXCEEDED: no server answered in time
     └── AuthenticationError       UNAUTHENTICATED, PERMISSION_DENIED: bad or missing credentials
@@ -12,10 +13,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 __all__ = [
     "AuthenticationError",
+    "BadImagesError",
     "BatchwireError",
     "InvalidArgumentError",
     "NotFoundError",
@@ -40,6 +44,16 @@ class NotFoundError(BatchwireError):
 
 class InvalidArgumentError(BatchwireError, ValueError):
     pass
+
+
+class BadImagesError(InvalidArgumentError):
+    """Some images of a Preprocessor call failed; ``errors`` holds ``(index, reason)`` pairs."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, *, errors: tuple[Any, ...] = ()
+    ) -> None:
+        super().__init__(code, details)
+        self.errors = errors
 
 
 class ResourceExhaustedError(BatchwireError):

@@ -21,7 +21,7 @@ from batchwire.client._exceptions import (
     error_for,
     from_rpc_error,
 )
-from batchwire.client._reader import END, Delivery, LaneReader
+from batchwire.client._reader import END, Delivery, LaneReader, TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import RETRIABLE, Server, ServerSet
 from batchwire.common.sampler import Plan
@@ -32,6 +32,12 @@ __all__ = ["RemoteLoader"]
 _STATE_VERSION = 1
 _JOIN_TIMEOUT = 5.0
 _DTYPES = {"uint8": pb.UINT8, "float16": pb.FLOAT16, "float32": pb.FLOAT32}
+_TORCH_DTYPES = {
+    np.dtype("u1"): torch.uint8,
+    np.dtype("<f2"): torch.float16,
+    np.dtype("<f4"): torch.float32,
+}
+_STREAM_METHOD = "/batchwire.v1.Batchwire/StreamBatches"
 _LAYOUTS = {"NCHW": pb.NCHW, "NHWC": pb.NHWC}
 
 
@@ -160,6 +166,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.layout = layout
         self.timeout = timeout
         self.skipped_ids: list[int] = []
+        # Image payload bytes received and copied: one copy each, by design.
+        self.transfer = TransferStats()
         self._epoch = 0
         self._cursor = 0
         self._info: pb.DatasetInfo | None = None
@@ -327,6 +335,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                     convert=lambda d: self._convert(d, mean, std),
                     stop=stop,
                     retry_timeout=self.retry_timeout,
+                    allocate=self._allocate,
+                    stats=self.transfer,
                 )
                 readers[lane].start()
             first = plan.start // self.batch_size
@@ -372,7 +382,14 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 layout=_LAYOUTS[self.layout],
                 params=self.params,
             )
-            return stub(self._channel(server)).StreamBatches(request, metadata=metadata)  # type: ignore[no-any-return]
+            # Raw message bytes (no deserializer): the reader parses them without
+            # copying the image payload (batchwire.common.batch_codec).
+            stream = self._channel(server).unary_stream(
+                _STREAM_METHOD,
+                request_serializer=pb.StreamBatchesRequest.SerializeToString,
+                response_deserializer=None,
+            )
+            return stream(request, metadata=metadata)  # type: ignore[no-any-return]
 
         return open_stream
 
@@ -403,12 +420,23 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         std = torch.tensor(list(spec.std) or [1.0], dtype=torch.float32).reshape(shape)
         return mean.to(self.device), std.to(self.device)
 
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[object, np.ndarray]:
+        """Where a batch's images are assembled, so that the one copy from the received
+        bytes is also the last: pinned memory (torch's caching host allocator) when
+        bound for a GPU; otherwise NumPy memory, which NumPy backs with huge pages:
+        a fresh torch.empty of a batch costs page faults worth several times the copy."""
+        if self.device.type == "cuda":
+            tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True)
+            return tensor, tensor.numpy()
+        array = np.empty(shape, dtype)
+        return torch.from_numpy(array), array
+
     def _convert(self, d: Delivery, mean: torch.Tensor, std: torch.Tensor) -> Delivery:
-        """Runs in the reader thread: arrays -> tensors, pinned or normalized early."""
-        images = torch.from_numpy(d.images)  # type: ignore[arg-type]
+        """Runs in the reader thread: labels to tensors, CPU images normalized early."""
+        images: torch.Tensor = d.images  # type: ignore[assignment]
         labels = torch.from_numpy(d.labels)  # type: ignore[arg-type]
         if self.device.type == "cuda":
-            images, labels = images.pin_memory(), labels.pin_memory()
+            labels = labels.pin_memory()
         elif self.normalize and not d.normalized and images.numel():
             images = images.float().sub_(mean).div_(std)
         return Delivery(

@@ -23,10 +23,10 @@ import numpy as np
 
 from batchwire.client._exceptions import BatchwireError, error_for, from_rpc_error
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
+from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.tensors import from_proto
-from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["END", "Delivery", "LaneReader"]
+__all__ = ["END", "Allocator", "Delivery", "LaneReader", "TransferStats", "assemble"]
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,59 @@ class Delivery:
     layout: str
 
 
-def decode(message: pb.Batch) -> Delivery:
+@dataclasses.dataclass
+class TransferStats:
+    """Image payload bytes received, and bytes copied on their way to tensors.
+
+    ``copied == received`` means each payload byte was copied exactly once
+    between the bytes gRPC hands over and the tensor the user gets.
+    """
+
+    received: int = 0
+    copied: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, received: int, copied: int) -> None:
+        with self.lock:
+            self.received += received
+            self.copied += copied
+
+
+# allocate(shape, dtype) -> (owner, writable NumPy view of the owner's memory)
+Allocator = Callable[[tuple[int, ...], np.dtype], tuple[object, np.ndarray]]
+
+
+def _numpy_allocator(shape: tuple[int, ...], dtype: np.dtype) -> tuple[object, np.ndarray]:
+    array = np.empty(shape, dtype)
+    return array, array
+
+
+def assemble(
+    parts: list[DecodedBatch],
+    allocate: Allocator = _numpy_allocator,
+    stats: TransferStats | None = None,
+) -> Delivery:
+    """One Delivery from a batch's parts: image data copied once, into ``allocate``'d memory."""
+    first, last = parts[0].header, parts[-1].header
+    views = [p.images for p in parts]
+    samples = sum(len(v) for v in views)
+    owner, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
+    position = 0
+    for view in views:
+        out[position : position + len(view)] = view
+        position += len(view)
+    if stats is not None:
+        stats.add(sum(v.nbytes for v in views), out.nbytes)
+    labels = [from_proto(p.header.labels) for p in parts]
     return Delivery(
-        index=message.index,
-        ids=np.asarray(message.ids, dtype=np.int64),
-        images=from_proto(message.images),
-        labels=from_proto(message.labels),
-        cursor=message.cursor,
-        skipped_ids=tuple(message.skipped_ids),
-        normalized=message.normalized,
-        layout=message.images.layout or "NCHW",
+        index=first.index,
+        ids=np.concatenate([np.asarray(p.header.ids, dtype=np.int64) for p in parts]),
+        images=owner,
+        labels=np.concatenate(labels) if labels else np.zeros((0,), np.int64),
+        cursor=last.cursor,
+        skipped_ids=tuple(last.skipped_ids),
+        normalized=first.normalized,
+        layout=parts[0].layout,
     )
 
 
@@ -73,6 +116,8 @@ class LaneReader(threading.Thread):
         convert: Callable[[Delivery], Delivery],
         stop: threading.Event,
         retry_timeout: float,
+        allocate: Allocator = _numpy_allocator,
+        stats: TransferStats | None = None,
     ) -> None:
         super().__init__(name=f"batchwire-lane-{lane}", daemon=True)
         self._lane = lane
@@ -83,6 +128,8 @@ class LaneReader(threading.Thread):
         self._convert = convert
         self._halt = stop
         self._retry_timeout = retry_timeout
+        self._allocate = allocate
+        self._stats = stats
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
 
@@ -107,8 +154,20 @@ class LaneReader(threading.Thread):
                     if self._halt.is_set():
                         return
                     self._call = self._open_stream(server, self._cursor)
-                for message in self._call:  # type: ignore[attr-defined]
-                    delivery = self._convert(decode(message))
+                parts: list[DecodedBatch] = []
+                for raw in self._call:  # type: ignore[attr-defined]
+                    part = decode_batch(raw)
+                    if part.header.part != len(parts):
+                        raise BatchwireError(
+                            grpc.StatusCode.INTERNAL,
+                            f"batch {part.header.index}: part {part.header.part} arrived "
+                            f"after {len(parts)} parts",
+                        )
+                    parts.append(part)
+                    if len(parts) < (part.header.parts or 1):
+                        continue
+                    delivery = self._convert(assemble(parts, self._allocate, self._stats))
+                    parts = []
                     self._cursor = delivery.cursor
                     attempt, stalled_since = 0, None
                     self._servers.mark_ok(server)

@@ -5,6 +5,8 @@ A config file is TOML (``.toml``) or YAML (``.yaml``/``.yml``)::
     [server]
     port = 50051
     device = "auto"          # auto | cpu | gpu
+    devices = [0, 1]         # GPU ids to use (default: every visible GPU)
+    metrics_port = 9405      # Prometheus /metrics (default: off)
     max_batch_size = 1024
     max_streams = 64
     tls_cert = "/etc/batchwire/server.pem"     # PEM; TLS needs both cert and key
@@ -12,6 +14,10 @@ A config file is TOML (``.toml``) or YAML (``.yaml``/``.yml``)::
     tls_client_ca = "/etc/batchwire/ca.pem"    # mutual TLS: client certs signed by this CA
     token_file = "/etc/batchwire/tokens"       # one bearer token per line
     health_open = true                         # health reachable without a token
+    preprocess_batch_size = 64     # Preprocess RPC: images per DALI batch,
+    preprocess_max_delay_ms = 5    # gathered for at most this long,
+    preprocess_max_queued = 1024   # with at most this many waiting
+    max_request_bytes = 67108864   # largest request message (encoded images)
 
     [pipelines.train]        # a preset with other defaults
     preset = "train"
@@ -21,7 +27,7 @@ A config file is TOML (``.toml``) or YAML (``.yaml``/``.yml``)::
     preset = "val"
 
     [pipelines.small]        # a custom graph (see docs), never chosen by clients' code
-    function = "my_module:build"
+    function = "my_module:build"   # or "pipelines.py:build", relative to this file
     params = { size = { default = 128, low = 32, high = 512, integer = true } }
 
 Without a ``[pipelines]`` table the server offers the ``train`` and ``val`` presets.
@@ -34,10 +40,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import tomllib
 from collections.abc import Mapping
 from typing import Any
-
-import tomllib
 
 from batchwire.server._pipelines import (
     PRESETS,
@@ -68,6 +73,19 @@ class ServerConfig:
     max_batch_size: int = 1024
     max_streams: int = 64
     max_idle_pipelines: int = 8
+    # Prometheus /metrics on this port (same host as gRPC); None: off, 0: any free port.
+    metrics_port: int | None = None
+    # Preprocess RPC (inference): images of concurrent requests share DALI
+    # batches of up to preprocess_batch_size, gathered for at most
+    # preprocess_max_delay_ms; at most preprocess_max_queued images wait.
+    # max_request_bytes bounds any request message (gRPC's receive limit).
+    preprocess_batch_size: int = 64
+    preprocess_max_delay_ms: float = 5.0
+    preprocess_max_queued: int = 1024
+    max_request_bytes: int = 64 * 1024 * 1024
+    # Larger batches travel as several messages: gRPC Python moves 8-16 MB
+    # messages fastest on loopback and slows sharply at 32 MB.
+    max_message_bytes: int = 8 * 1024 * 1024
     # Security (see batchwire.server._security): PEM files and a token file, read
     # and checked when the server is built.
     tls_cert: pathlib.Path | None = None
@@ -93,6 +111,40 @@ class ServerConfig:
             (1 <= self.max_batch_size <= 65536, "max_batch_size must be in [1, 65536]"),
             (1 <= self.max_streams <= 4096, "max_streams must be in [1, 4096]"),
             (0 <= self.max_idle_pipelines <= 256, "max_idle_pipelines must be in [0, 256]"),
+            (
+                self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+                "metrics_port must be in [0, 65535] (0: any free port; leave it out for none)",
+            ),
+            (
+                all(isinstance(i, int) and i >= 0 for i in self.devices)
+                and len(set(self.devices)) == len(self.devices),
+                f"devices must be distinct GPU ids >= 0 (e.g. --devices 0,1), got {self.devices}",
+            ),
+            (
+                not self.devices or self.device != "cpu",
+                "devices picks GPUs: it cannot be combined with device = cpu "
+                "(use --device auto or gpu, or leave --devices out)",
+            ),
+            (
+                1 <= self.preprocess_batch_size <= 4096,
+                "preprocess_batch_size must be in [1, 4096]",
+            ),
+            (
+                0 <= self.preprocess_max_delay_ms <= 1000,
+                "preprocess_max_delay_ms must be in [0, 1000]",
+            ),
+            (
+                1 <= self.preprocess_max_queued <= 1 << 20,
+                "preprocess_max_queued must be in [1, 1048576]",
+            ),
+            (
+                64 * 1024 <= self.max_request_bytes <= 1024**3,
+                "max_request_bytes must be in [65536, 1073741824]",
+            ),
+            (
+                64 * 1024 <= self.max_message_bytes <= 1024**3,
+                "max_message_bytes must be in [65536, 1073741824]",
+            ),
             (bool(self.pipelines), "at least one pipeline must be configured"),
             (
                 (self.tls_cert is None) == (self.tls_key is None),
@@ -149,8 +201,14 @@ def load_file(path: pathlib.Path | str) -> dict[str, Any]:
     return data
 
 
-def pipelines_from_config(table: Mapping[str, Any] | None) -> dict[str, PipelineSpec]:
-    """PipelineSpecs from a config's ``[pipelines]`` table (presets when absent)."""
+def pipelines_from_config(
+    table: Mapping[str, Any] | None, base_dir: pathlib.Path | None = None
+) -> dict[str, PipelineSpec]:
+    """PipelineSpecs from a config's ``[pipelines]`` table (presets when absent).
+
+    ``base_dir`` (the config file's directory) anchors relative ``file.py:function``
+    references of custom pipelines.
+    """
     if not table:
         return dict(PRESETS)
     specs: dict[str, PipelineSpec] = {}
@@ -167,7 +225,7 @@ def pipelines_from_config(table: Mapping[str, Any] | None) -> dict[str, Pipeline
                     )
                 spec = dataclasses.replace(preset.with_defaults(entry), name=name)
             elif "function" in entry:
-                spec = _custom(name, entry)
+                spec = _custom(name, entry, base_dir)
             else:
                 raise ConfigError(f"[pipelines.{name}] needs either preset = ... or function = ...")
         except ParamError as exc:
@@ -176,8 +234,8 @@ def pipelines_from_config(table: Mapping[str, Any] | None) -> dict[str, Pipeline
     return specs
 
 
-def _custom(name: str, entry: dict[str, Any]) -> PipelineSpec:
-    function = load_function(str(entry.pop("function")))
+def _custom(name: str, entry: dict[str, Any], base_dir: pathlib.Path | None = None) -> PipelineSpec:
+    function = load_function(str(entry.pop("function")), base_dir)
     params: dict[str, Param] = {}
     for pname, decl in dict(entry.pop("params", {})).items():
         if not isinstance(decl, Mapping) or "default" not in decl:

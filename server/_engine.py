@@ -15,6 +15,7 @@ import pathlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCap
 from batchwire.server._formats import unsupported_reason
 from batchwire.server._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
 from batchwire.server._pool import RunnerPool
+from batchwire.server._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
 from batchwire.server._runner import Job, Runner, RunnerKey
 
 __all__ = ["Batch", "BatchStream", "Engine", "StreamRequest"]
@@ -194,6 +196,19 @@ class Engine:
         self._device_cycle = itertools.cycle(self.devices.device_ids)
         self._open_streams: weakref.WeakSet[BatchStream] = weakref.WeakSet()
         self.draining = False
+        self.preprocessing = PreprocessBatcher(
+            pipelines=config.pipelines,
+            acquire=self._pool.acquire,
+            release=self._pool.release,
+            device=self.devices.kind,
+            next_device=lambda: next(self._device_cycle),
+            draining=lambda: self.draining,
+            batch_size=config.preprocess_batch_size,
+            max_delay=config.preprocess_max_delay_ms / 1000,
+            max_images=config.max_batch_size,
+            max_bytes=config.max_request_bytes,
+            max_queued=config.preprocess_max_queued,
+        )
 
     # -- datasets --------------------------------------------------------------------
 
@@ -376,7 +391,12 @@ class Engine:
         else:
             log.info("pipeline %r warm on %s (%s)", pipeline, name, self.devices.kind)
 
+    def preprocess(self, request: PreprocessRequest) -> Future[PreprocessResult]:
+        """Validate and queue encoded images for a pipeline (see ``_preprocess``)."""
+        return self.preprocessing.submit(request)
+
     def close(self) -> None:
+        self.preprocessing.close()
         self._pool.clear()
         for dataset in self.datasets.values():
             dataset.close()

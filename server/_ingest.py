@@ -1,7 +1,9 @@
 """Ingest: image files on disk become a batchwire dataset directory.
 
 ``ingest(SRC, OUT, name=NAME)`` reads class folders under ``SRC`` (or a
-``path label`` file list), checks that every file decodes with DALI's CPU
+``path label`` file list) or the records of an existing LMDB (Caffe's
+``convert_imageset`` output, or pickled ``(image bytes, label)`` records; see
+``_lmdb_sources``), checks that every image decodes with DALI's CPU
 decoder, and writes ``OUT/NAME/``: LMDB shards of Caffe ``Datum`` records
 holding the original file bytes, plus ``manifest.json`` (see ``_dataset``).
 Files that do not decode are skipped and listed, with a reason, in the report
@@ -40,6 +42,7 @@ from batchwire.server._dataset import (
     Shard,
     sample_key,
 )
+from batchwire.server._lmdb_sources import LmdbSource, LmdbSourceError, Record, open_lmdb_source
 from batchwire.server._validate import DEFAULT_BATCH_SIZE, Decoded, ImageValidator
 from batchwire.v1 import datum_pb2
 
@@ -190,6 +193,10 @@ def ingest(
 ) -> IngestReport:
     """Write the dataset ``OUT/NAME`` from the images under ``src``; see the module docstring.
 
+    ``src`` is a folder of class folders, a folder with ``file_list``, or an
+    existing LMDB (a directory holding ``data.mdb``, or a single LMDB file),
+    recognised by its contents.
+
     Ids ``0..N-1`` follow the source order, counting only files that decode.
     ``shard_size`` is samples per shard; ``batch_size`` bounds how many images
     DALI decodes at once. ``progress`` draws a tqdm bar on stderr. An existing
@@ -208,24 +215,77 @@ def ingest(
         raise IngestError(f"shard size must be at least 1, got {shard_size}")
     if batch_size < 1 or (num_threads is not None and num_threads < 1):
         raise IngestError("batch size and thread count must be at least 1")
-    if not src.is_dir():
-        raise IngestError(f"source {src} is not a directory")
     final = out / name
-    _check_replaceable(final, overwrite)
-    sources = (
-        read_file_list(src, pathlib.Path(file_list))
-        if file_list is not None
-        else scan_class_folders(src)
-    )
-    if not sources.files:
-        raise IngestError(f"no files found in the class folders under {src}")
-    logger.info(
-        "ingesting %d files in %d classes from %s into %s",
-        len(sources.files),
-        len(sources.classes),
-        src,
-        final,
-    )
+    try:
+        existing = open_lmdb_source(src)
+    except LmdbSourceError as exc:
+        raise IngestError(str(exc)) from None
+    sources: Sources | LmdbSource
+    if existing is not None:
+        if file_list is not None:
+            existing.close()
+            raise IngestError(f"{src} is an LMDB: it carries its own labels, so drop --file-list")
+        sources = existing
+        logger.info(
+            "ingesting %d records of the %s LMDB %s into %s",
+            existing.total,
+            "Caffe" if existing.kind == "caffe" else "pickled",
+            src,
+            final,
+        )
+    else:
+        if not src.is_dir():
+            raise IngestError(
+                f"source {src} is not a directory of images nor an LMDB (a directory holding "
+                "data.mdb, or an LMDB file)"
+            )
+        sources = (
+            read_file_list(src, pathlib.Path(file_list))
+            if file_list is not None
+            else scan_class_folders(src)
+        )
+        if not sources.files:
+            raise IngestError(f"no files found in the class folders under {src}")
+        logger.info(
+            "ingesting %d files in %d classes from %s into %s",
+            len(sources.files),
+            len(sources.classes),
+            src,
+            final,
+        )
+    try:
+        _check_replaceable(final, overwrite)
+        return _ingest(
+            sources,
+            src=src,
+            out=out,
+            name=name,
+            shard_size=shard_size,
+            overwrite=overwrite,
+            batch_size=batch_size,
+            num_threads=num_threads,
+            progress=progress,
+            started=started,
+        )
+    finally:
+        if isinstance(sources, LmdbSource):
+            sources.close()
+
+
+def _ingest(
+    sources: Sources | LmdbSource,
+    *,
+    src: pathlib.Path,
+    out: pathlib.Path,
+    name: str,
+    shard_size: int,
+    overwrite: bool,
+    batch_size: int,
+    num_threads: int | None,
+    progress: bool,
+    started: float,
+) -> IngestReport:
+    final = out / name
     try:
         out.mkdir(parents=True, exist_ok=True)
         partial = _new_dir(out, f".{name}.partial-")
@@ -266,7 +326,7 @@ def ingest(
 
 
 def _write(
-    sources: Sources,
+    sources: Sources | LmdbSource,
     directory: pathlib.Path,
     *,
     name: str,
@@ -279,11 +339,12 @@ def _write(
     from tqdm import tqdm
 
     rejected = list(sources.ignored)
-    counts = [0] * len(sources.classes)
+    # An LMDB's classes are its label numbers: counted as they come.
+    counts = [0] * len(sources.classes or ())
     total_bytes = 0
     writer = _ShardWriter(directory, shard_size)
     bar = tqdm(
-        total=len(sources.files),
+        total=len(sources.files) if isinstance(sources, Sources) else sources.total,
         desc=f"ingest {name}",
         unit="file",
         file=sys.stderr,
@@ -292,7 +353,7 @@ def _write(
     )
     try:
         with ImageValidator(batch_size=batch_size, num_threads=num_threads) as validator:
-            for batch, unreadable in _read_batches(sources.files, batch_size):
+            for batch, unreadable in _batches(sources, batch_size):
                 rejected.extend(unreadable)
                 verdicts = validator.check([data for _, data in batch])
                 for (file, data), verdict in zip(batch, verdicts, strict=True):
@@ -309,6 +370,8 @@ def _write(
                         encoded=True,
                     )
                     writer.add(datum.SerializeToString())
+                    if file.label >= len(counts):
+                        counts.extend([0] * (file.label + 1 - len(counts)))
                     counts[file.label] += 1
                     total_bytes += len(data)
                 bar.update(len(batch) + len(unreadable))
@@ -322,15 +385,18 @@ def _write(
             f"no decodable image in {source}: all {len(rejected)} files were rejected"
             + (f" ({first}{', ...' if len(rejected) > 3 else ''})" if first else "")
         )
+    classes = sources.classes
+    if classes is None:
+        classes = tuple(str(label) for label in range(len(counts)))
     manifest = Manifest(
         name=name,
         num_samples=sum(s.count for s in shards),
-        classes=sources.classes,
+        classes=classes,
         class_counts=tuple(counts),
         shards=tuple(shards),
         total_bytes=total_bytes,
         source=source,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         rejected=tuple({"path": r.path, "reason": r.reason} for r in rejected),
     )
     path = directory / MANIFEST
@@ -339,6 +405,19 @@ def _write(
         f.flush()
         os.fsync(f.fileno())
     return manifest
+
+
+def _batches(
+    sources: Sources | LmdbSource, batch_size: int
+) -> Iterator[tuple[list[tuple[SourceFile | Record, bytes]], list[Rejected]]]:
+    if isinstance(sources, Sources):
+        yield from _read_batches(sources.files, batch_size)  # type: ignore[misc]
+        return
+    try:
+        for batch, rejects in sources.batches(batch_size):
+            yield batch, [Rejected(key, reason) for key, reason in rejects]  # type: ignore[misc]
+    except LmdbSourceError as exc:
+        raise IngestError(str(exc)) from None
 
 
 def _read_batches(

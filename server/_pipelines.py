@@ -12,8 +12,13 @@ the parameters its :class:`PipelineSpec` declares, within declared ranges.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
 import math
+import pathlib
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -240,16 +245,53 @@ PRESETS: dict[str, PipelineSpec] = {
 }
 
 
-def load_function(reference: str) -> PipelineFn:
-    """Import ``module:function`` named in the server config (never by a client)."""
-    module_name, _, attr = reference.partition(":")
+def load_function(reference: str, base_dir: pathlib.Path | None = None) -> PipelineFn:
+    """Import ``module:function`` named in the server config (never by a client).
+
+    The module part may also be a Python file, ``path/to/file.py:function``,
+    relative to ``base_dir`` (the config file's directory) unless absolute.
+    """
+    module_name, _, attr = reference.rpartition(":")
     if not module_name or not attr:
-        raise ParamError(f"a custom pipeline must be named as 'module:function', got {reference!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ParamError(f"cannot import pipeline module {module_name!r}: {exc}") from exc
+        raise ParamError(
+            f"a custom pipeline must be named as 'module:function' or 'file.py:function', "
+            f"got {reference!r}"
+        )
+    if module_name.endswith(".py"):
+        module = _load_file(pathlib.Path(module_name), base_dir)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ParamError(f"cannot import pipeline module {module_name!r}: {exc}") from exc
     function = getattr(module, attr, None)
     if not callable(function):
         raise ParamError(f"{reference!r}: module {module_name!r} has no function {attr!r}")
     return function  # type: ignore[no-any-return]
+
+
+def _load_file(path: pathlib.Path, base_dir: pathlib.Path | None) -> types.ModuleType:
+    if not path.is_absolute():
+        path = (base_dir or pathlib.Path.cwd()) / path
+    path = path.resolve()
+    if not path.is_file():
+        raise ParamError(
+            f"pipeline file {path} does not exist (a relative path starts at the config file)"
+        )
+    # One module per file, whichever config names it; registered so that the
+    # file's own imports and dataclasses work.
+    name = f"batchwire_pipelines_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{path.stem}"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ParamError(f"cannot load pipeline file {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ParamError(f"pipeline file {path} failed to import: {exc!r}") from exc
+    return module

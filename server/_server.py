@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.metadata
 import logging
 import threading
 
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from batchwire.server._config import ServerConfig
 from batchwire.server._engine import Engine
+from batchwire.server._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server._security import ServerSecurity
 from batchwire.server._servicer import BatchwireServicer, add_to_server
 from batchwire.v1 import batchwire_pb2
@@ -39,6 +41,15 @@ SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
 _START_TIMEOUT = 30.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Methods whose errors are counted under their own name (anything else: "other").
+_METHODS = tuple(
+    f"/{service.full_name}/{method.name}"
+    for service in (
+        batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"],
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
+    )
+    for method in service.methods
+)
 
 
 class ServerError(RuntimeError):
@@ -60,6 +71,9 @@ class BatchwireServer:
         self.config = config
         self.security = ServerSecurity.from_config(config)
         self.engine = Engine(config)
+        self.metrics = ServerMetrics()
+        self.metrics.info.info(_server_info(self.engine))
+        self._metrics_http: MetricsHTTPServer | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"
         )
@@ -81,6 +95,11 @@ class BatchwireServer:
         return self._port
 
     @property
+    def metrics_port(self) -> int | None:
+        """The port of ``/metrics`` once started, or ``None`` without ``metrics_port``."""
+        return None if self._metrics_http is None else self._metrics_http.port
+
+    @property
     def target(self) -> str:
         """An address clients on this host can use."""
         return f"localhost:{self._port}"
@@ -88,6 +107,14 @@ class BatchwireServer:
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
         self.engine.open_datasets()
+        if self.config.metrics_port is not None:
+            try:
+                self._metrics_http = MetricsHTTPServer(
+                    self.metrics.registry, self.config.host, self.config.metrics_port
+                )
+            except MetricsError as exc:
+                self.engine.close()
+                raise ServerError(str(exc)) from exc
         self._thread = threading.Thread(target=self._run, name="batchwire-server", daemon=True)
         self._thread.start()
         if not self._listening.wait(_START_TIMEOUT):
@@ -140,6 +167,8 @@ class BatchwireServer:
             # before the datasets they read from are closed.
             self._executor.shutdown(wait=True, cancel_futures=True)
             self.engine.close()
+            if self._metrics_http is not None:
+                self._metrics_http.stop()
             loop.close()
 
     async def _main(self) -> None:
@@ -148,11 +177,13 @@ class BatchwireServer:
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", -1),
-                ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+                # Preprocess requests carry encoded images (config max_request_bytes).
+                ("grpc.max_receive_message_length", self.config.max_request_bytes),
             ],
-            interceptors=self.security.interceptors(),
+            # The metrics interceptor comes first, so it also counts the token check's refusals.
+            interceptors=(self.metrics.interceptor(_METHODS), *self.security.interceptors()),
         )
-        add_to_server(BatchwireServicer(self.engine, self._executor), server)
+        add_to_server(BatchwireServicer(self.engine, self._executor, self.metrics), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -172,6 +203,11 @@ class BatchwireServer:
             ) from exc
         await server.start()
         log.info("listening on %s (port %d; %s)", address, self._port, self.security.describe())
+        if self._metrics_http is not None:
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self._metrics_http.port)
+        devices = self.engine.devices
+        if devices.kind == "gpu":
+            log.info("pipelines on GPUs %s; new streams spread over them", list(devices.device_ids))
         if self.security.tokens and not self.security.tls:
             log.warning("bearer tokens without TLS: anyone on the network path can read them")
         self._listening.set()
@@ -197,6 +233,7 @@ class BatchwireServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _SERVING)
         self._serving.set()
+        self.metrics.serving.set(1)
         log.info("SERVING %d datasets", len(self.engine.datasets))
 
     async def _drain(self, server: grpc.aio.Server) -> None:
@@ -205,6 +242,20 @@ class BatchwireServer:
         cursors); whatever is still running after ``grace`` seconds is cancelled."""
         log.info("draining: NOT_SERVING, refusing new streams, grace %ss", self._grace)
         self._serving.clear()
+        self.metrics.serving.set(0)
         await self._health.enter_graceful_shutdown()
         await server.stop(self._grace)
         log.info("stopped")
+
+
+def _server_info(engine: Engine) -> dict[str, str]:
+    try:
+        version = importlib.metadata.version("batchwire")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    ids = engine.devices.device_ids
+    return {
+        "version": version,
+        "device": engine.devices.kind,
+        "gpus": ",".join(str(i) for i in ids if i is not None),
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,10 +19,14 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from batchwire.common.batch_codec import encode_batch
+from batchwire.common.sampler import Plan
 from batchwire.common.tensors import to_proto
 from batchwire.server._dataset import NAME_PATTERN, DatasetError
 from batchwire.server._engine import Batch, BatchStream, DatasetSummary, Engine, StreamRequest
 from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity, ServiceError
+from batchwire.server._metrics import ServerMetrics
+from batchwire.server._preprocess import PreprocessRequest, PreprocessResult
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -116,22 +121,89 @@ def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamRe
     )
 
 
-def batch_to_proto(batch: Batch) -> pb.Batch:
-    return pb.Batch(
-        index=batch.index,
-        ids=batch.ids.tolist(),
-        images=to_proto("images", batch.images, batch.layout),
-        labels=to_proto("labels", batch.labels, "N"),
-        cursor=batch.cursor,
-        skipped_ids=batch.skipped_ids,
-        normalized=batch.normalized,
-        num_batches=batch.num_batches,
+@dataclasses.dataclass(frozen=True)
+class EncodedBatch:
+    """One batch as the Batch messages that carry it (several parts if large)."""
+
+    messages: list[bytes]
+    samples: int
+    nbytes: int
+    skipped: int = 0  # samples left out of the batch (undecodable)
+
+
+def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
+    """Batch message bytes, split into parts of at most ``max_message_bytes`` of
+    images each (at least one sample per part); each image byte is copied once."""
+    total = len(batch.ids)
+    per_sample = max(1, batch.images[:1].nbytes)
+    step = max(1, max_message_bytes // per_sample)
+    parts = max(1, -(-total // step))
+    messages = []
+    for part in range(parts):
+        lo, hi = part * step, min(total, (part + 1) * step)
+        last = part == parts - 1
+        header = pb.Batch(
+            index=batch.index,
+            ids=batch.ids[lo:hi].tolist(),
+            labels=to_proto("labels", batch.labels[lo:hi], "N"),
+            cursor=batch.cursor if last else 0,
+            skipped_ids=batch.skipped_ids if last else (),
+            normalized=batch.normalized,
+            num_batches=batch.num_batches,
+            part=part,
+            parts=parts,
+            samples=total,
+        )
+        messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
+    return EncodedBatch(
+        messages, total, sum(len(m) for m in messages), skipped=len(batch.skipped_ids)
     )
 
 
-def _next_message(stream: BatchStream) -> pb.Batch | None:
+def lane_batches(plan: Plan) -> int:
+    """How many batches ``plan.batches()`` yields, by arithmetic (no permutation)."""
+    if plan.start >= plan.share_size:
+        return 0
+    first = plan.start // plan.batch_size
+    return len(range(first + (plan.lane - first) % plan.lanes, plan.num_batches, plan.lanes))
+
+
+def _next_encoded(stream: BatchStream, max_message_bytes: int) -> EncodedBatch | None:
     batch = next(stream, None)
-    return None if batch is None else batch_to_proto(batch)
+    return None if batch is None else encode_parts(batch, max_message_bytes)
+
+
+def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> PreprocessRequest:
+    """Convert a Preprocess request; anything malformed is InvalidRequest."""
+    check_message(request)
+    assert not isinstance(request, Malformed)
+    check_name("pipeline", request.pipeline)
+    dtype = _DTYPES.get(request.dtype)
+    if dtype is None:
+        raise InvalidRequest(
+            f"dtype {request.dtype} is not an output dtype (UINT8, FLOAT16, FLOAT32)"
+        )
+    layout = _LAYOUTS.get(request.layout)
+    if layout is None:
+        raise InvalidRequest(f"layout {request.layout} is not NCHW or NHWC")
+    return PreprocessRequest(
+        pipeline=request.pipeline,
+        images=request.images,
+        dtype=dtype,
+        layout=layout,
+        params=dict(request.params),
+    )
+
+
+def preprocess_result_to_proto(result: PreprocessResult) -> pb.PreprocessResponse:
+    return pb.PreprocessResponse(
+        images=to_proto("images", result.images, result.layout if result.indices else ""),
+        indices=result.indices,
+        errors=[pb.ImageError(index=f.index, reason=f.reason) for f in result.failures],
+        normalized=result.normalized,
+        mean=result.mean,
+        std=result.std,
+    )
 
 
 def _tolerant(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | Malformed]:
@@ -161,7 +233,12 @@ def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
         "StreamBatches": grpc.unary_stream_rpc_method_handler(
             servicer.StreamBatches,
             request_deserializer=_tolerant(pb.StreamBatchesRequest.FromString),
-            response_serializer=pb.Batch.SerializeToString,
+            response_serializer=None,  # StreamBatches yields encoded bytes (encode_parts)
+        ),
+        "Preprocess": grpc.unary_unary_rpc_method_handler(
+            servicer.Preprocess,
+            request_deserializer=_tolerant(pb.PreprocessRequest.FromString),
+            response_serializer=pb.PreprocessResponse.SerializeToString,
         ),
     }
     service = pb.DESCRIPTOR.services_by_name["Batchwire"].full_name
@@ -169,9 +246,15 @@ def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
 
 
 class BatchwireServicer(pb_grpc.BatchwireServicer):
-    def __init__(self, engine: Engine, executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self._engine = engine
         self._executor = executor
+        self._metrics = metrics or ServerMetrics()
 
     def _info(self, summary: DatasetSummary) -> pb.DatasetInfo:
         pipelines = [
@@ -214,6 +297,28 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             await context.abort(status_for(exc), str(exc))
             raise  # unreachable: abort raises
 
+    async def Preprocess(
+        self, request: pb.PreprocessRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreprocessResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            core = preprocess_request_from_proto(request)
+            # Screening the images' headers is CPU work: off the event loop.
+            future = await loop.run_in_executor(self._executor, self._engine.preprocess, core)
+            # Cancelling this await (the client went away) cancels the queued work.
+            result = await asyncio.wrap_future(future)
+            return await loop.run_in_executor(self._executor, preprocess_result_to_proto, result)
+        except ServiceError as exc:
+            await context.abort(status_for(exc), str(exc))
+            raise  # unreachable: abort raises
+        except Exception as exc:
+            log.exception("preprocessing failed: pipeline=%s", request.pipeline)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"the server failed while preprocessing ({exc}); see its log",
+            )
+            raise
+
     async def StreamBatches(
         self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Batch]:
@@ -227,6 +332,18 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             await context.abort(status_for(exc), str(exc))
             return
         peer = context.peer()
+        # Structured copies of the start and end lines (JSON logs: --log-format json).
+        fields = {
+            "peer": peer,
+            "dataset": stream_request.dataset,
+            "pipeline": stream_request.pipeline,
+            "rank": stream_request.rank,
+            "world_size": stream_request.world_size,
+            "lane": stream_request.lane,
+            "lanes": stream_request.lanes,
+            "epoch": stream_request.epoch,
+            "start": stream_request.start,
+        }
         log.info(
             "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d lane=%d/%d epoch=%d start=%d",
             peer,
@@ -238,32 +355,71 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             stream_request.lanes,
             stream_request.epoch,
             stream_request.start,
+            extra={"event": "stream_start", **fields},
         )
+        metrics = self._metrics.stream(stream_request.dataset, stream_request.pipeline)
+        metrics.opened()
+        expected = lane_batches(stream.plan)
         sent = 0
+        batches = 0
+        status = "CANCELLED"  # unless the loop ends otherwise: the client went away
         started = time.monotonic()
         try:
+            max_bytes = self._engine.config.max_message_bytes
             while True:
-                message = await loop.run_in_executor(self._executor, _next_message, stream)
-                if message is None:
+                computing = time.perf_counter()
+                encoded = await loop.run_in_executor(
+                    self._executor, _next_encoded, stream, max_bytes
+                )
+                if encoded is None:
                     break
-                sent += len(message.ids)
-                yield message
+                metrics.produced(time.perf_counter() - computing, encoded.skipped)
+                # Counted when handed to gRPC: a client can hold the batch (and hang up)
+                # before this generator resumes after its last yield.
+                sent += encoded.samples
+                batches += 1
+                metrics.sent(encoded.samples, encoded.nbytes)
+                waited = 0.0  # each yield returns once gRPC has taken the message
+                for message in encoded.messages:
+                    writing = time.perf_counter()
+                    yield message
+                    waited += time.perf_counter() - writing
+                metrics.waited(waited)
+            status = "OK"
         except (ServiceError, DatasetError) as exc:
+            status = status_for(exc).name
             await context.abort(status_for(exc), str(exc))
         except Exception as exc:
+            status = grpc.StatusCode.INTERNAL.name
             log.exception("stream failed: dataset=%s", stream_request.dataset)
             await context.abort(
                 grpc.StatusCode.INTERNAL, f"the server failed while streaming ({exc}); see its log"
             )
         finally:
-            # Runs on cancellation too: the pipeline drains and returns to the pool.
-            await asyncio.shield(loop.run_in_executor(self._executor, stream.close))
+            if status == "CANCELLED" and batches == expected:
+                status = "OK"  # the client had every batch and hung up before the end
+            metrics.closed(status)
+            duration = time.monotonic() - started
             log.info(
-                "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f",
+                "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f "
+                "status=%s",
                 peer,
                 stream_request.dataset,
                 stream_request.pipeline,
                 stream_request.rank,
                 sent,
-                time.monotonic() - started,
+                duration,
+                status,
+                extra={
+                    "event": "stream_end",
+                    **fields,
+                    "samples": sent,
+                    "batches": batches,
+                    "duration_s": round(duration, 3),
+                    "status": status,
+                },
             )
+            # Runs on cancellation too: the pipeline drains and returns to the pool. A
+            # cancellation arriving during this await ends the handler here (the shielded
+            # close goes on), so everything else is done before it.
+            await asyncio.shield(loop.run_in_executor(self._executor, stream.close))

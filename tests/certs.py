@@ -58,7 +58,7 @@ class Authority:
         """A leaf certificate for ``name``: a server certificate whose SAN holds
         ``hosts`` (DNS names or IP addresses), or a client certificate."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
         builder = (
             x509.CertificateBuilder()
@@ -95,7 +95,7 @@ def _san(host: str) -> x509.GeneralName:
 def make_authority(directory: pathlib.Path, name: str) -> Authority:
     """A new CA whose certificate is written to ``directory/name-ca.pem``."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(_name(name))
