@@ -88,12 +88,8 @@ def check_name(kind: str, name: str) -> None:
         )
 
 
-def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamRequest:
-    """Convert a request message; anything malformed is InvalidRequest."""
-    check_message(request)
-    assert not isinstance(request, Malformed)
-    check_name("dataset", request.dataset)
-    check_name("pipeline", request.pipeline)
+def output_format(request: pb.StreamBatchesRequest | pb.PreprocessRequest) -> tuple[str, str]:
+    """The (dtype, layout) a request asks its images in; unknown enums are InvalidRequest."""
     dtype = _DTYPES.get(request.dtype)
     if dtype is None:
         raise InvalidRequest(
@@ -102,6 +98,16 @@ def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamRe
     layout = _LAYOUTS.get(request.layout)
     if layout is None:
         raise InvalidRequest(f"layout {request.layout} is not NCHW or NHWC")
+    return dtype, layout
+
+
+def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamRequest:
+    """Convert a request message; anything malformed is InvalidRequest."""
+    check_message(request)
+    assert not isinstance(request, Malformed)
+    check_name("dataset", request.dataset)
+    check_name("pipeline", request.pipeline)
+    dtype, layout = output_format(request)
     return StreamRequest(
         dataset=request.dataset,
         pipeline=request.pipeline,
@@ -178,14 +184,7 @@ def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> 
     check_message(request)
     assert not isinstance(request, Malformed)
     check_name("pipeline", request.pipeline)
-    dtype = _DTYPES.get(request.dtype)
-    if dtype is None:
-        raise InvalidRequest(
-            f"dtype {request.dtype} is not an output dtype (UINT8, FLOAT16, FLOAT32)"
-        )
-    layout = _LAYOUTS.get(request.layout)
-    if layout is None:
-        raise InvalidRequest(f"layout {request.layout} is not NCHW or NHWC")
+    dtype, layout = output_format(request)
     return PreprocessRequest(
         pipeline=request.pipeline,
         images=request.images,
