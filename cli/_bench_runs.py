@@ -223,11 +223,14 @@ class LocalServer:
         cpus: str | None = None,
         threads: int = 0,
         max_message_bytes: int | None = None,
+        max_streams: int | None = None,
     ) -> None:
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
         server = f"[server]\nnum_threads = {threads}\n"
         if max_message_bytes is not None:
             server += f"max_message_bytes = {max_message_bytes}\n"
+        if max_streams is not None:
+            server += f"max_streams = {max_streams}\n"
         config.write_text(server + '\n[pipelines.train]\npreset = "train"\n')
         command = [
             sys.executable,

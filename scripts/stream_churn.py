@@ -17,14 +17,13 @@ import argparse
 import concurrent.futures
 import pathlib
 import re
-import subprocess
-import sys
 import tempfile
 import time
 
 import grpc
 from tqdm import tqdm
 
+from batchwire.cli._bench_runs import LocalServer
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -82,31 +81,8 @@ def main() -> int:
             write_image_folders(pathlib.Path(tmp) / "images", per_class=64, size=96)
             ingest(pathlib.Path(tmp) / "images", pathlib.Path(tmp) / "data", name="shapes")
             data_dir = pathlib.Path(tmp) / "data"
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "batchwire.cli",
-                "--log-level",
-                "WARNING",
-                "serve",
-                "--data-dir",
-                str(data_dir),
-                "--host",
-                "localhost",
-                "--port",
-                "0",
-                "--max-streams",
-                str(args.concurrency * 2),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            line = server.stdout.readline()  # type: ignore[union-attr]
-            address = "localhost:" + re.search(r":(\d+)$", line.strip()).group(1)  # type: ignore[union-attr]
-            with grpc.insecure_channel(address) as channel:
-                grpc.channel_ready_future(channel).result(timeout=60)
+        with LocalServer(data_dir, pathlib.Path(tmp), max_streams=args.concurrency * 2) as server:
+            address = server.address
             # Warm up at full concurrency: the server's pipeline pool and stream
             # threads grow to what this load needs, and that is the baseline.
             warm = churn(
@@ -123,9 +99,6 @@ def main() -> int:
             for comm in pathlib.Path(f"/proc/{server.pid}/task").glob("*/comm"):
                 name = re.sub(r"\d+", "N", comm.read_text().strip())
                 names[name] = names.get(name, 0) + 1
-        finally:
-            server.terminate()
-            server.wait(30)
     print(f"warm-up ({args.concurrency * 4} streams): {warm}")
     print(f"{'':>8} {'streams':>8} {'seconds':>8} {'RSS MiB':>8} {'threads':>8}  outcomes")
     for n, (seconds, outcomes, (rss, threads)) in enumerate(rounds, 1):
