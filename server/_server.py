@@ -65,6 +65,16 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
+def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on ``loop`` and run it to completion, then close async generators."""
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+
+
 class BatchwireServer:
     def __init__(self, config: ServerConfig) -> None:
         """Raises ``ConfigError`` when a TLS or token file is missing or malformed."""
@@ -163,6 +173,9 @@ class BatchwireServer:
             log.exception("server stopped with an error")
         finally:
             self._listening.set()
+            # Let handlers still closing their streams finish (as asyncio.run
+            # does), so none is destroyed pending when the loop closes.
+            _finish_tasks(loop)
             # Wait for stream threads (each at most one batch away from done)
             # before the datasets they read from are closed.
             self._executor.shutdown(wait=True, cancel_futures=True)
