@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Any
 
+from batchwire.cli import _credentials as credentials
+
 __all__ = ["add_parser", "run"]
 
 
@@ -55,6 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
     parser.add_argument("--plot", type=pathlib.Path, help="draw a chart (PNG)")
+    credentials.add_arguments(parser)
     parser.set_defaults(func=run, default_log_level="WARNING")
     return parser
 
@@ -149,6 +152,7 @@ def _against(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         batch_size=args.batch_size,
         normalize=False,
+        **credentials.loader_options(args),
     )
     deadline = time.monotonic() + args.duration if args.duration else None
     target = args.images

@@ -8,9 +8,10 @@ needs unless it runs with ``--health-open``.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 from typing import TYPE_CHECKING
+
+from batchwire.cli import _credentials as credentials
 
 if TYPE_CHECKING:
     from batchwire.client._security import ChannelSecurity
@@ -31,27 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)"
     )
-    security = parser.add_argument_group("security (for a server run with TLS or tokens)")
-    security.add_argument(
-        "--tls-ca", type=pathlib.Path, metavar="FILE", help="PEM CA that signed the server's cert"
-    )
-    security.add_argument(
-        "--tls-cert", type=pathlib.Path, metavar="FILE", help="PEM client certificate (mutual TLS)"
-    )
-    security.add_argument(
-        "--tls-key", type=pathlib.Path, metavar="FILE", help="PEM key of --tls-cert"
-    )
-    security.add_argument(
-        "--tls-name",
-        metavar="NAME",
-        help="host name the server certificate must carry, when --address is an IP",
-    )
-    security.add_argument(
-        "--token-file",
-        type=pathlib.Path,
-        metavar="FILE",
-        help="send its first token as a bearer token (else BATCHWIRE_TOKEN, if set)",
-    )
+    credentials.add_arguments(parser, tls_name=True)
     parser.set_defaults(func=run)
     return parser
 

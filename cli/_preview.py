@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from batchwire.cli import _credentials as credentials
+
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
@@ -91,20 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds to wait for the batch (default 60)"
     )
-    security = parser.add_argument_group("security (for a server run with TLS or tokens)")
-    security.add_argument("--tls-ca", type=pathlib.Path, metavar="FILE", help="PEM CA")
-    security.add_argument(
-        "--tls-cert", type=pathlib.Path, metavar="FILE", help="PEM client certificate (mutual TLS)"
-    )
-    security.add_argument(
-        "--tls-key", type=pathlib.Path, metavar="FILE", help="PEM key of --tls-cert"
-    )
-    security.add_argument(
-        "--token-file",
-        type=pathlib.Path,
-        metavar="FILE",
-        help="send its first token as a bearer token (else BATCHWIRE_TOKEN, if set)",
-    )
+    credentials.add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -211,10 +200,7 @@ def run(args: argparse.Namespace) -> int:
             params=params,
             timeout=args.timeout,
             retry_timeout=min(args.timeout, 10.0),
-            token=_token(args.token_file),
-            tls_ca=args.tls_ca,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
+            **credentials.loader_options(args),
         )
         with loader:
             loader.set_epoch(args.epoch)
@@ -241,11 +227,3 @@ def run(args: argparse.Namespace) -> int:
         f"({width}x{height} each, {grid.width}x{grid.height} grid)"
     )
     return 0
-
-
-def _token(path: pathlib.Path | None) -> str | None:
-    if path is None:
-        return None
-    from batchwire.client._security import _first_token
-
-    return _first_token(path)
