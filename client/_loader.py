@@ -21,6 +21,7 @@ from batchwire.client._exceptions import (
     error_for,
     from_rpc_error,
 )
+from batchwire.client._normalize import channel_stats
 from batchwire.client._reader import END, Delivery, LaneReader, TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import RETRIABLE, Server, ServerSet
@@ -415,10 +416,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _stats(self, info: pb.DatasetInfo) -> tuple[torch.Tensor, torch.Tensor]:
         spec = next(p for p in info.pipelines if p.name == self.pipeline)
-        shape = (1, -1, 1, 1) if self.layout == "NCHW" else (1, 1, 1, -1)
-        mean = torch.tensor(list(spec.mean) or [0.0], dtype=torch.float32).reshape(shape)
-        std = torch.tensor(list(spec.std) or [1.0], dtype=torch.float32).reshape(shape)
-        return mean.to(self.device), std.to(self.device)
+        return channel_stats(spec.mean, spec.std, self.layout, self.device)
 
     def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[object, np.ndarray]:
         """Where a batch's images are assembled, so that the one copy from the received

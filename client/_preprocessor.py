@@ -24,6 +24,7 @@ from batchwire.client._exceptions import (
     InvalidArgumentError,
     from_rpc_error,
 )
+from batchwire.client._normalize import channel_stats
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
@@ -227,10 +228,8 @@ class Preprocessor:
             images = images.pin_memory().to(self.device, non_blocking=True)
         if not self.normalize or normalized:
             return images
-        shape = (1, -1, 1, 1) if self.layout == "NCHW" else (1, 1, 1, -1)
-        m = torch.tensor(list(mean) or [0.0], dtype=torch.float32, device=self.device)
-        s = torch.tensor(list(std) or [1.0], dtype=torch.float32, device=self.device)
-        return images.float().sub_(m.reshape(shape)).div_(s.reshape(shape))
+        m, s = channel_stats(mean, std, self.layout, self.device)
+        return images.float().sub_(m).div_(s)
 
     # -- life cycle --------------------------------------------------------------------
 
