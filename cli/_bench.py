@@ -5,6 +5,7 @@
     batchwire bench --messages                          # gRPC message sizes, parts vs whole
     batchwire bench --scaling                           # one server vs two pinned to their own core
     batchwire bench --duration 600                      # a long run: memory at start and end
+    batchwire bench --reading                           # the server's record path: inline or parallel
 
 Without ``--data-dir``, a dataset of generated ImageNet-sized JPEGs is built once in
 the cache (``~/.cache/batchwire/bench``).
@@ -42,6 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
     parser.add_argument("--messages", action="store_true", help="measure gRPC message sizes")
     parser.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
+    parser.add_argument(
+        "--reading",
+        action="store_true",
+        help="the server's record path (LMDB, parse, screen) inline vs threads vs DALI workers",
+    )
     parser.add_argument(
         "--duration", type=float, help="stream for this many seconds; report memory"
     )
@@ -132,9 +138,14 @@ def run(args: argparse.Namespace) -> int:
         return _messages(args)
     if args.scaling:
         return _scaling(args)
+    if args.reading:
+        return _reading(args)
     if args.duration:
         return _long_run(args)
-    print("error: give --address, --compare, --messages, --scaling or --duration", file=sys.stderr)
+    print(
+        "error: give --address, --compare, --messages, --scaling, --reading or --duration",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -367,6 +378,35 @@ def _scaling(args: argparse.Namespace) -> int:
     print(
         f"scaling: {double.images_per_second / single.images_per_second:.2f}x with 2 servers (ideal 2.00x)"
     )
+    return 0
+
+
+def _reading(args: argparse.Namespace) -> int:
+    """The record path inline, in threads and in DALI's parallel workers, next to decoding."""
+    from batchwire.cli._bench_reading import measure_reading, reading_table
+    from batchwire.cli._bench_runs import run_inprocess
+
+    data_dir, dataset = _dataset(args)
+    results = measure_reading(
+        data_dir,
+        dataset,
+        args.batch_size,
+        args.images,
+        args.repeats,
+        decode=lambda: run_inprocess(data_dir, dataset, args.batch_size, args.images),
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    text, rows = reading_table(results)
+    machine = _machine()
+    print(
+        f"\nbatchwire bench --reading: {args.images} records per run, batch {args.batch_size}, "
+        f"median of {args.repeats}; {machine['cores']} cores ({machine['cpu']})"
+    )
+    print(text)
+    if args.json:
+        from batchwire.cli._bench_report import write_json
+
+        write_json(args.json, {"machine": machine, "reading": rows})
     return 0
 
 

@@ -30,7 +30,7 @@ from batchwire.server._pool import RunnerPool
 from batchwire.server._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
 from batchwire.server._runner import Job, Runner, RunnerKey
 
-__all__ = ["Batch", "BatchStream", "Engine", "StreamRequest"]
+__all__ = ["Batch", "BatchStream", "Engine", "StreamRequest", "read_job"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,31 @@ class DatasetSummary:
     format_version: int
 
 
+def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job:
+    """The records of ``ids`` ready for a pipeline: read from LMDB, parsed, screened.
+
+    This is the server's whole record path, run in the thread that feeds DALI.
+    Records that are missing, not a ``Datum`` or not a decodable image are left
+    out and named in ``Job.skipped`` (and the log).
+    """
+    images, labels = dataset.read(ids)
+    good, skipped = [], []
+    for i, image in enumerate(images):
+        reason = "missing or not a Datum" if image is None else unsupported_reason(image)
+        if reason is None:
+            good.append(i)
+            continue
+        skipped.append(int(ids[i]))
+        log.warning("dataset %r: skipping sample %d: %s", dataset.name, ids[i], reason)
+    return Job(
+        seq=seq,
+        ids=ids[good],
+        images=[images[i] for i in good],  # type: ignore[misc]
+        labels=labels[good],
+        skipped=skipped,
+    )
+
+
 class BatchStream:
     """The batches of one request, computed by a pooled pipeline.
 
@@ -128,24 +153,7 @@ class BatchStream:
         for seq, planned in enumerate(self._planned):
             if self._stop.is_set():
                 return
-            images, labels = self._dataset.read(planned.ids)
-            good, skipped = [], []
-            for i, image in enumerate(images):
-                reason = "missing or not a Datum" if image is None else unsupported_reason(image)
-                if reason is None:
-                    good.append(i)
-                    continue
-                skipped.append(int(planned.ids[i]))
-                log.warning(
-                    "dataset %r: skipping sample %d: %s", self._dataset.name, planned.ids[i], reason
-                )
-            yield Job(
-                seq=seq,
-                ids=planned.ids[good],
-                images=[images[i] for i in good],  # type: ignore[misc]
-                labels=labels[good],
-                skipped=skipped,
-            )
+            yield read_job(self._dataset, seq, planned.ids)
 
     def __iter__(self) -> BatchStream:
         return self

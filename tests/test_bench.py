@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +77,40 @@ def test_against_a_running_server_reports_rate_and_client_cpu(
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "images/s" in out and "time to first batch" in out and "per 1000 images" in out
+
+
+def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A child process: DALI forks its workers, which must not inherit this test
+    # process's gRPC threads or LMDB environments.
+    result = tmp_path / "reading.json"
+    env = {**os.environ, "BATCHWIRE_CACHE": str(tmp_path / "cache")}
+    args = ["bench", "--reading", "--photos", "48", "--images", "96", "--batch-size", "16"]
+    args += ["--repeats", "1", "--json", str(result)]
+    done = subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "records/s" in done.stdout and "decode rate" in done.stdout
+    rows = {row["run"]: row for row in json.loads(result.read_text())["reading"]}
+    cores = os.cpu_count() or 1
+    reading = [
+        "inline",
+        f"threads-{cores}",
+        "dali-inline",
+        "dali-workers-1",
+        f"dali-workers-{cores}",
+    ]
+    assert set(rows) == {*reading, "decode"}
+    for name in reading:
+        # Every way of reading hands over every record of the 96 asked for.
+        assert rows[name]["records"] == 96, name
+        assert rows[name]["records_per_s"] > 0 and rows[name]["main_cpu_us_per_record"] > 0, name
+    # The parallel runs did their reading in worker processes.
+    assert rows["dali-workers-1"]["worker_cpu_us_per_record"] > 0
+    assert rows["inline"]["worker_cpu_us_per_record"] == 0
