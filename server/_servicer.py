@@ -318,18 +318,31 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             )
             raise
 
+    def _close_opened(self, opening: asyncio.Future[BatchStream]) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        try:
+            self._executor.submit(opening.result().close)  # close drains: not on the loop
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            opening.result().close()
+
     async def StreamBatches(
         self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Batch]:
         loop = asyncio.get_running_loop()
         try:
             stream_request = request_from_proto(request)
-            stream = await loop.run_in_executor(
-                self._executor, self._engine.open_stream, stream_request
-            )
+            opening = loop.run_in_executor(self._executor, self._engine.open_stream, stream_request)
+            stream = await asyncio.shield(opening)
         except ServiceError as exc:
             await context.abort(status_for(exc), str(exc))
             return
+        except asyncio.CancelledError:
+            # The client went away while its pipeline was being built: the stream
+            # opens all the same, and must be closed or it holds a stream slot.
+            log.info("client went away while its stream was opening; closing it when open")
+            opening.add_done_callback(self._close_opened)
+            raise
         peer = context.peer()
         # Structured copies of the start and end lines (JSON logs: --log-format json).
         fields = {

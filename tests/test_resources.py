@@ -67,6 +67,29 @@ def test_a_client_that_goes_away_stops_its_pipeline_within_a_second(
     assert within(1.0, lambda: server.engine.active_streams == 0)
 
 
+def test_a_client_that_goes_away_while_its_pipeline_builds_gives_the_slot_back(
+    server: BatchwireServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    open_stream_now = server.engine.open_stream
+
+    def slow_open(request):  # type: ignore[no-untyped-def]  # a pipeline that takes a while
+        entered.set()
+        assert release.wait(30)
+        return open_stream_now(request)
+
+    monkeypatch.setattr(server.engine, "open_stream", slow_open)
+    caplog.set_level("INFO", logger="batchwire.server._servicer")
+    with grpc.insecure_channel(server.target) as channel:
+        call = open_stream(channel)
+        assert entered.wait(30)
+        call.cancel()
+        # The server has seen the cancellation before the stream finishes opening.
+        assert within(10.0, lambda: "went away while its stream was opening" in caplog.text)
+        release.set()
+    assert within(5.0, lambda: server.engine.active_streams == 0)
+
+
 def lane_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("batchwire-lane")]
 
