@@ -383,7 +383,7 @@ def _scaling(args: argparse.Namespace) -> int:
 
 def _reading(args: argparse.Namespace) -> int:
     """The record path inline, in threads and in DALI's parallel workers, next to decoding."""
-    from batchwire.cli._bench_reading import measure_reading, reading_table
+    from batchwire.cli._bench_reading import measure_reading, measure_serving, reading_table
     from batchwire.cli._bench_runs import run_inprocess
 
     data_dir, dataset = _dataset(args)
@@ -397,16 +397,28 @@ def _reading(args: argparse.Namespace) -> int:
         log=lambda line: print(line, file=sys.stderr),
     )
     text, rows = reading_table(results)
+    workers = os.cpu_count() or 1
+    serving, serving_rows = measure_serving(
+        data_dir,
+        dataset,
+        args.batch_size,
+        args.images,
+        args.repeats,
+        workers,
+        log=lambda line: print(line, file=sys.stderr),
+    )
     machine = _machine()
     print(
         f"\nbatchwire bench --reading: {args.images} records per run, batch {args.batch_size}, "
         f"median of {args.repeats}; {machine['cores']} cores ({machine['cpu']})"
     )
     print(text)
+    print(f"\nremote (b) from a server reading inline vs with --read-workers {workers}:")
+    print(serving)
     if args.json:
         from batchwire.cli._bench_report import write_json
 
-        write_json(args.json, {"machine": machine, "reading": rows})
+        write_json(args.json, {"machine": machine, "reading": rows, "serving": serving_rows})
     return 0
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from batchwire.cli._bench_probe import CpuClock, process_tree
 
-__all__ = ["ReadingResult", "measure_reading", "reading_table"]
+__all__ = ["ReadingResult", "measure_reading", "measure_serving", "reading_table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,4 +230,55 @@ def reading_table(results: Sequence[ReadingResult]) -> tuple[str, list[dict[str,
     lines.append(
         f"the record path read inline runs at {inline / decode:.1f}x the pipeline's decode rate"
     )
+    return "\n".join(lines), rows
+
+
+def measure_serving(
+    data_dir: pathlib.Path,
+    dataset: str,
+    batch_size: int,
+    images: int,
+    repeats: int,
+    workers: int,
+    log: Callable[[str], None] = print,
+) -> tuple[str, list[dict[str, Any]]]:
+    """Run (b) of ``--compare`` against a server reading inline and one with ``workers``
+    read workers, alternated; the medians as a table and as rows for JSON."""
+    import tempfile
+
+    from batchwire.cli._bench_runs import LocalServer, RunResult, run_remote
+
+    results: dict[str, list[RunResult]] = {"inline": [], f"read_workers={workers}": []}
+    with (
+        tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
+        LocalServer(data_dir, pathlib.Path(work)) as inline,
+        LocalServer(data_dir, pathlib.Path(work), read_workers=workers) as parallel,
+    ):
+        servers = dict(zip(results, (inline, parallel), strict=True))
+        for repeat in range(repeats + 1):  # the first round warms up
+            for name, server in servers.items():
+                result = run_remote(
+                    name, [server.address], [server.pid], dataset, "train", batch_size, images
+                )
+                if repeat:
+                    results[name].append(result)
+                    log(f"[{repeat}/{repeats}] {name:<16} {result.images_per_second:8.0f} images/s")
+    lines = [
+        f"{'server':<16} {'images/s':>9} {'first batch s':>14} {'server main CPU-s/1000 img':>27}"
+    ]
+    rows: list[dict[str, Any]] = []
+    for name, runs in results.items():
+        row = {
+            "server": name,
+            "images_per_s": statistics.median(r.images_per_second for r in runs),
+            "first_batch_s": statistics.median(r.first_batch_seconds or 0.0 for r in runs),
+            "server_main_cpu_per_1000": statistics.median(
+                (r.server_cpu or 0.0) / r.images * 1000 for r in runs
+            ),
+        }
+        rows.append(row)
+        lines.append(
+            f"{name:<16} {row['images_per_s']:9.0f} {row['first_batch_s']:14.2f} "
+            f"{row['server_main_cpu_per_1000']:27.2f}"
+        )
     return "\n".join(lines), rows

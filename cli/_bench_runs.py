@@ -224,9 +224,10 @@ class LocalServer:
         threads: int = 0,
         max_message_bytes: int | None = None,
         max_streams: int | None = None,
+        read_workers: int = 0,
     ) -> None:
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
-        server = f"[server]\nnum_threads = {threads}\n"
+        server = f"[server]\nnum_threads = {threads}\nread_workers = {read_workers}\n"
         if max_message_bytes is not None:
             server += f"max_message_bytes = {max_message_bytes}\n"
         if max_streams is not None:

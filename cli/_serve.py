@@ -69,6 +69,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "device": ("BATCHWIRE_DEVICE", str),
     "num_threads": ("BATCHWIRE_NUM_THREADS", int),
     "prefetch": ("BATCHWIRE_PREFETCH", int),
+    "read_workers": ("BATCHWIRE_READ_WORKERS", int),
     "max_batch_size": ("BATCHWIRE_MAX_BATCH_SIZE", int),
     "max_streams": ("BATCHWIRE_MAX_STREAMS", int),
     "devices": ("BATCHWIRE_DEVICES", device_ids),
@@ -125,6 +126,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--prefetch",
         type=int,
         help="batches each pipeline computes ahead (default 2) [BATCHWIRE_PREFETCH]",
+    )
+    parser.add_argument(
+        "--read-workers",
+        type=int,
+        help="processes per stream that read records through DALI's parallel external_source "
+        "(default 0: read in the pipeline's feeding thread) [BATCHWIRE_READ_WORKERS]",
     )
     parser.add_argument(
         "--max-batch-size",

@@ -70,6 +70,10 @@ class ServerConfig:
     devices: tuple[int, ...] = ()
     num_threads: int = 0
     prefetch: int = 2
+    # Worker processes that read each stream's records (LMDB, Datum parse, format
+    # screen) through DALI's parallel external_source; 0 reads them in the thread
+    # that feeds the pipeline. See README "Reading records in parallel".
+    read_workers: int = 0
     max_batch_size: int = 1024
     max_streams: int = 64
     max_idle_pipelines: int = 8
@@ -108,6 +112,7 @@ class ServerConfig:
             (self.device in ("auto", "cpu", "gpu"), "device must be auto, cpu or gpu"),
             (self.num_threads >= 0, "num_threads must be >= 0 (0: one per core)"),
             (1 <= self.prefetch <= 16, "prefetch must be in [1, 16]"),
+            (0 <= self.read_workers <= 64, "read_workers must be in [0, 64] (0: read inline)"),
             (1 <= self.max_batch_size <= 65536, "max_batch_size must be in [1, 65536]"),
             (1 <= self.max_streams <= 4096, "max_streams must be in [1, 4096]"),
             (0 <= self.max_idle_pipelines <= 256, "max_idle_pipelines must be in [0, 256]"),

@@ -8,13 +8,14 @@ errors of ``batchwire.server._errors`` to status codes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future
 
 import numpy as np
@@ -28,7 +29,7 @@ from batchwire.server._formats import unsupported_reason
 from batchwire.server._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
 from batchwire.server._pool import RunnerPool
 from batchwire.server._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
-from batchwire.server._runner import Job, Runner, RunnerKey
+from batchwire.server._runner import Job, ParallelRunner, PlannedSource, Result, Runner, RunnerKey
 
 __all__ = ["Batch", "BatchStream", "Engine", "StreamRequest", "read_job"]
 
@@ -123,23 +124,34 @@ class BatchStream:
         draining: Callable[[], bool],
         dataset: Dataset,
         plan: Plan,
-        runner: Runner,
+        acquire: Callable[[], Runner],
         normalized: bool,
         layout: str,
+        parallel: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
     ) -> None:
         self._release = release
         self._draining = draining
         self._dataset = dataset
         self._plan = plan
-        self._runner = runner
+        self._acquire = acquire
         self._normalized = normalized
         self._layout = layout
         self._planned = list(plan.batches())
-        self._results = runner.run(self._jobs())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
         self.produced = 0  # batches handed to the servicer so far
+        # The pooled inline pipeline: from the start, or from the batch where
+        # a pipeline reading in worker processes failed.
+        self._runner: Runner | None = None
+        if parallel is None:
+            self._results = self._inline(0)
+        else:
+            self._results = parallel([p.ids for p in self._planned]).run(self._inline)
+
+    def _inline(self, first: int) -> Generator[Result, None, None]:
+        self._runner = self._acquire()
+        return self._runner.run(self._jobs(first), first)
 
     @property
     def plan(self) -> Plan:
@@ -149,11 +161,11 @@ class BatchStream:
     def closed(self) -> bool:
         return self._closed
 
-    def _jobs(self) -> Iterator[Job]:
-        for seq, planned in enumerate(self._planned):
+    def _jobs(self, first: int) -> Iterator[Job]:
+        for seq in range(first, len(self._planned)):
             if self._stop.is_set():
                 return
-            yield read_job(self._dataset, seq, planned.ids)
+            yield read_job(self._dataset, seq, self._planned[seq].ids)
 
     def __iter__(self) -> BatchStream:
         return self
@@ -303,15 +315,18 @@ class Engine:
                 device=self.devices.kind,
                 device_id=device_id,
             )
-            runner = self._pool.acquire(key)
+            parallel = None
+            if self.config.read_workers:
+                parallel = functools.partial(self._build_parallel, key, dataset)
             stream = BatchStream(
                 self._release,
                 lambda: self.draining,
                 dataset,
                 plan,
-                runner,
+                functools.partial(self._pool.acquire, key),
                 output.normalized,
                 output.layout,
+                parallel,
             )
             self._open_streams.add(stream)
             return stream
@@ -348,18 +363,33 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    def _build_runner(self, key: RunnerKey) -> Runner:
+    def _context(self, key: RunnerKey) -> tuple[PipelineSpec, BuildContext]:
         spec = self.pipelines[key.pipeline]
-        ctx = BuildContext(
-            device=key.device,
-            output=OutputSpec(dtype=key.dtype, layout=key.layout, mean=spec.mean, std=spec.std),
-        )
+        output = OutputSpec(dtype=key.dtype, layout=key.layout, mean=spec.mean, std=spec.std)
+        return spec, BuildContext(device=key.device, output=output)
+
+    def _build_runner(self, key: RunnerKey) -> Runner:
+        spec, ctx = self._context(key)
         return Runner(
             key,
             spec,
             ctx,
             num_threads=self.config.num_threads or (os.cpu_count() or 1),
             prefetch=self.config.prefetch,
+        )
+
+    def _build_parallel(
+        self, key: RunnerKey, dataset: Dataset, batches: list[np.ndarray]
+    ) -> ParallelRunner:
+        spec, ctx = self._context(key)
+        return ParallelRunner(
+            key,
+            spec,
+            ctx,
+            PlannedSource(str(dataset.directory), batches, read_job),
+            num_threads=self.config.num_threads or (os.cpu_count() or 1),
+            prefetch=self.config.prefetch,
+            workers=self.config.read_workers,
         )
 
     def _release(self, runner: Runner | None) -> None:

@@ -16,15 +16,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import pathlib
+import pickle
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
 
 from batchwire.server._pipelines import BuildContext, PipelineSpec
 
-__all__ = ["Job", "Result", "Runner", "RunnerKey"]
+__all__ = ["Job", "ParallelRunner", "PlannedSource", "Result", "Runner", "RunnerKey"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ def _build(
     prefetch: int,
     source: Any,
     synchronous: bool = False,
+    read_workers: int = 0,
 ) -> Any:
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
@@ -113,7 +116,21 @@ def _build(
         # nothing in flight: what the one-sample probe needs.
         exec_pipelined=not synchronous,
         exec_async=not synchronous,
+        # Parallel sources run in worker processes. They are started with
+        # "spawn": pipelines are built while the server runs, when its process
+        # has threads and may hold a CUDA context, and DALI's "fork" is only
+        # safe before either.
+        py_num_workers=max(read_workers, 1),
+        py_start_method="spawn",
     )
+    parallel: dict[str, Any] = {}
+    if read_workers:
+        # Each worker reads whole batches; keep every worker busy and DALI fed.
+        parallel = {
+            "parallel": True,
+            "batch_info": True,
+            "prefetch_queue_depth": max(prefetch, read_workers),
+        }
     with pipe:
         encoded, labels, meta = fn.external_source(
             source=source,
@@ -121,6 +138,7 @@ def _build(
             batch=True,
             dtype=[types.UINT8, types.INT64, types.INT64],
             ndim=[1, 0, 1],
+            **parallel,
         )
         images, labels = spec.function(encoded, labels, ctx, params)
         pipe.set_outputs(images, labels, meta)
@@ -171,8 +189,8 @@ class Runner:
             synchronous=synchronous,
         )
 
-    def run(self, jobs: Iterator[Job]) -> Iterator[Result]:
-        """Run ``jobs`` (seq 0, 1, 2, …) and yield their results in seq order.
+    def run(self, jobs: Iterator[Job], first: int = 0) -> Generator[Result, None, None]:
+        """Run ``jobs`` (seq first, first + 1, …) and yield their results in seq order.
 
         Closing the generator early drains what DALI still has in flight, so
         the runner can serve the next stream. One stream at a time.
@@ -187,7 +205,7 @@ class Runner:
         finished = False
         try:
             done: dict[int, Result] = {}
-            next_seq = 0
+            next_seq = first
             while True:
                 for job in source.empty:
                     done[job.seq] = _empty_result(job)
@@ -306,6 +324,140 @@ class Runner:
         except RuntimeError as exc:
             log.info("pipeline %r failed while draining (%s); discarding it", self._spec.name, exc)
         self.healthy = False
+
+
+class UnreadableBatch(Exception):
+    """No record of a batch can be fed to DALI (it cannot run an empty batch)."""
+
+
+class PlannedSource:
+    """A stream's batches, read in DALI's worker processes by ``read``.
+
+    The parallel external_source calls it with the batch number; ``read`` is the
+    engine's record path (``read_job``). It is pickled into each worker, which
+    opens its own LMDB environment on first use.
+    """
+
+    def __init__(
+        self, directory: str, batches: list[np.ndarray], read: Callable[[Any, int, np.ndarray], Job]
+    ) -> None:
+        self.directory = directory
+        self.batches = batches
+        self.read = read
+        self._dataset: Any = None
+        # The workers log skipped records as this process does (level, plain or JSON).
+        root = logging.getLogger()
+        formatter = next((h.formatter for h in root.handlers if h.formatter), None)
+        try:
+            pickle.dumps(formatter)
+        except Exception:  # a formatter bound to something local: plain lines then
+            formatter = None
+        self._logging = (root.level, formatter)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_dataset": None}
+
+    def __call__(self, info: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        if info.iteration >= len(self.batches):
+            raise StopIteration
+        if self._dataset is None:
+            from batchwire.server._dataset import Dataset
+
+            root = logging.getLogger()
+            if not root.handlers:  # a fresh worker process
+                level, formatter = self._logging
+                handler = logging.StreamHandler()
+                handler.setFormatter(formatter)
+                root.addHandler(handler)
+                root.setLevel(level)
+            self._dataset = Dataset(pathlib.Path(self.directory))
+        job = self.read(self._dataset, info.iteration, self.batches[info.iteration])
+        if not job.images:
+            raise UnreadableBatch(f"no record of batch {job.seq} can be decoded")
+        meta = np.stack([np.full(len(job.ids), job.seq, np.int64), job.ids], axis=1)
+        return job.images, job.labels, meta
+
+
+class ParallelRunner:
+    """One stream's pipeline whose records are read by DALI worker processes.
+
+    It is built for its stream (the source holds the stream's batches) and shut
+    down after it. A batch that fails ends the parallel part: the stream goes on
+    from that batch through ``fallback``, an inline :class:`Runner` that finds
+    the culprits one by one and skips them.
+    """
+
+    def __init__(
+        self,
+        key: RunnerKey,
+        spec: PipelineSpec,
+        ctx: BuildContext,
+        source: PlannedSource,
+        *,
+        num_threads: int,
+        prefetch: int,
+        workers: int,
+    ) -> None:
+        self.key = key
+        self._name = spec.name
+        self._batches = source.batches
+        self._pipe: Any = _build(
+            spec,
+            dict(key.params),
+            ctx,
+            batch_size=key.batch_size,
+            num_threads=num_threads,
+            device_id=key.device_id,
+            prefetch=prefetch,
+            source=source,
+            read_workers=workers,
+        )
+
+    def run(self, fallback: Callable[[int], Iterator[Result]]) -> Generator[Result, None, None]:
+        """Every batch's result in order; ``fallback(seq)`` yields from batch ``seq`` on."""
+        seq = 0
+        try:
+            while seq < len(self._batches):
+                try:
+                    outputs = self._pipe.run()
+                except Exception as exc:  # a worker's error comes back as its own type
+                    message = str(exc).strip().splitlines()
+                    log.warning(
+                        "pipeline %r failed at batch %d or a batch read ahead of it by the "
+                        "worker processes (%s); reading the rest of the stream inline",
+                        self._name,
+                        seq,
+                        message[-1] if message else type(exc).__name__,
+                    )
+                    self.close()
+                    yield from fallback(seq)
+                    return
+                yield self._result(seq, outputs)
+                seq += 1
+        finally:
+            self.close()
+
+    def _result(self, seq: int, outputs: Any) -> Result:
+        images, labels, meta = (_to_numpy(out) for out in outputs)
+        if meta.shape[0] == 0 or np.any(meta[:, 0] != seq):
+            raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match batch {seq}")
+        ids = meta[:, 1].copy()
+        read = set(ids.tolist())
+        skipped = tuple(int(i) for i in self._batches[seq] if int(i) not in read)
+        if skipped:
+            # The workers log each record's reason.
+            log.warning("skipping sample ids %s: unreadable records", list(skipped))
+        return Result(
+            seq=seq,
+            ids=ids,
+            images=images,
+            labels=labels.reshape(-1).astype(np.int64, copy=False),
+            skipped=skipped,
+        )
+
+    def close(self) -> None:
+        """Let the pipeline go: DALI stops its worker processes with it. Idempotent."""
+        self._pipe = None
 
 
 def _empty_result(job: Job) -> Result:

@@ -97,7 +97,8 @@ def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "records/s" in done.stdout and "decode rate" in done.stdout
-    rows = {row["run"]: row for row in json.loads(result.read_text())["reading"]}
+    measured = json.loads(result.read_text())
+    rows = {row["run"]: row for row in measured["reading"]}
     cores = os.cpu_count() or 1
     reading = [
         "inline",
@@ -114,3 +115,7 @@ def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
     # The parallel runs did their reading in worker processes.
     assert rows["dali-workers-1"]["worker_cpu_us_per_record"] > 0
     assert rows["inline"]["worker_cpu_us_per_record"] == 0
+    # And the product itself: a server reading inline, and one with --read-workers.
+    serving = {row["server"]: row for row in measured["serving"]}
+    assert set(serving) == {"inline", f"read_workers={cores}"}
+    assert all(row["images_per_s"] > 0 for row in serving.values())

@@ -40,9 +40,11 @@ def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
     return datum.SerializeToString()
 
 
-@pytest.mark.parametrize("pipeline", ["train", "val"])
+@pytest.mark.parametrize(
+    ("pipeline", "read_workers"), [("train", 0), ("val", 0), ("train", 2), ("val", 2)]
+)
 def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
-    data_dir: pathlib.Path, tmp_path: pathlib.Path, pipeline: str
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, pipeline: str, read_workers: int
 ) -> None:
     copy = tmp_path / "datasets"
     shutil.copytree(data_dir, copy)
@@ -58,7 +60,7 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         ).SerializeToString(),
     }
     corrupt(dataset, damage)
-    server = start_server(copy)
+    server = start_server(copy, read_workers=read_workers)
     try:
         loader = RemoteLoader(
             server.target,

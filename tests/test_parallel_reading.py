@@ -1,0 +1,111 @@
+"""Records read by DALI worker processes (``read_workers``): the same batches as reading
+inline, the same skipping of bad records, and no worker left behind a stream."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import start_server
+from test_corrupt import corrupt
+
+from batchwire.cli._bench_probe import process_tree
+from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
+from batchwire.v1 import datum_pb2
+
+
+@pytest.fixture(scope="module")
+def parallel(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
+    server = start_server(data_dir, read_workers=2)
+    yield server
+    server.stop(grace=1.0)
+
+
+def epoch(target: str, **options: object) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    loader = RemoteLoader(
+        target, dataset="shapes", batch_size=32, return_ids=True, drop_last=False, **options
+    )
+    with loader:
+        return [(images.numpy(), labels.numpy(), ids.numpy()) for images, labels, ids in loader]
+
+
+def test_workers_serve_exactly_what_inline_reading_serves(
+    server: BatchwireServer, parallel: BatchwireServer
+) -> None:
+    for pipeline, options in (("val", {}), ("train", {"seed": 7})):
+        inline = epoch(server.target, pipeline=pipeline, **options)
+        workers = epoch(parallel.target, pipeline=pipeline, **options)
+        assert len(workers) == len(inline) == 17  # 520 samples, batches of 32
+        for (a_images, a_labels, a_ids), (b_images, b_labels, b_ids) in zip(
+            inline, workers, strict=True
+        ):
+            np.testing.assert_array_equal(b_ids, a_ids)
+            np.testing.assert_array_equal(b_labels, a_labels)
+            if pipeline == "val":  # deterministic: the same pixels
+                np.testing.assert_array_equal(b_images, a_images)
+
+
+def test_a_batch_with_no_readable_record_continues_inline(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    copy = tmp_path / "datasets"
+    shutil.copytree(data_dir, copy)
+    rng = np.random.default_rng(1)
+    # Every record of the second batch (no shuffle, batches of 8) rotted, and one later.
+    damage = {
+        i: datum_pb2.Datum(encoded=True, label=0, data=rng.bytes(900)).SerializeToString()
+        for i in range(8, 16)
+    }
+    damage[100] = b""
+    corrupt(copy / "shapes", damage)
+    server = start_server(copy, read_workers=2)
+    try:
+        loader = RemoteLoader(
+            server.target,
+            dataset="shapes",
+            pipeline="val",
+            batch_size=8,
+            shuffle=False,
+            drop_last=False,
+            return_ids=True,
+            params={"size": 32},
+        )
+        delivered = [int(i) for _, _, ids in loader for i in ids]
+        assert delivered == [i for i in range(520) if i not in damage]
+        assert sorted(loader.skipped_ids) == sorted(damage)
+    finally:
+        server.stop(grace=1.0)
+
+
+def read_workers_alive() -> list[int]:
+    """This process's children running DALI's spawned workers."""
+    found = []
+    for pid in process_tree(os.getpid())[1:]:
+        try:
+            command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone already
+        if b"spawn_main" in command:
+            found.append(pid)
+    return found
+
+
+def test_worker_processes_stop_with_their_stream(parallel: BatchwireServer) -> None:
+    before = set(read_workers_alive())
+    loader = RemoteLoader(parallel.target, dataset="shapes", batch_size=16, params={"size": 32})
+    iterator = iter(loader)
+    next(iterator)
+    during = set(read_workers_alive()) - before
+    assert len(during) == 2  # the stream's two read workers
+    loader.close()
+    deadline = time.monotonic() + 30
+    while set(read_workers_alive()) & during and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(read_workers_alive()) & during
+    assert parallel.engine.active_streams == 0
