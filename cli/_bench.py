@@ -41,6 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--images", type=int, default=2048, help="images per run (default 2048)")
     parser.add_argument("--compare", action="store_true", help="runs (a)..(e) side by side")
     parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
+    parser.add_argument(
+        "--runs",
+        default="inprocess,remote,pil,transport,raw",
+        help="with --compare: which of inprocess, remote, pil, transport, raw (default all; "
+        "e.g. transport,raw to profile the transport)",
+    )
     parser.add_argument("--messages", action="store_true", help="measure gRPC message sizes")
     parser.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
     parser.add_argument(
@@ -250,6 +256,12 @@ def _compare(args: argparse.Namespace) -> int:
                 args.images,
             ),
         }
+        wanted = [name.strip() for name in args.runs.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - set(runs))
+        if unknown or not wanted:
+            print(f"error: --runs takes names from {', '.join(runs)}", file=sys.stderr)
+            return 2
+        runs = {name: measure for name, measure in runs.items() if name in wanted}
         for name, measure in runs.items():  # warm-up: pipelines built, caches filled
             print(f"warming up {name} ...", file=sys.stderr)
             measure()

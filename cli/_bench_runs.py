@@ -43,6 +43,9 @@ __all__ = [
 ]
 
 IMAGE_BYTES = 3 * 224 * 224  # one uint8 NCHW sample of the train pipeline
+# What the transport (d) and raw (e) servers hold in memory and cycle through: far
+# more than a CPU cache, as a real stream's data is.
+IN_MEMORY_BYTES = 1024 * IMAGE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,9 @@ def _transport_server(
 
     tune_for_large_buffers()  # as `batchwire serve` does
 
-    images = np.random.default_rng(0).integers(0, 255, (1024, 3, size, size), dtype=np.uint8)
+    images = np.random.default_rng(0).integers(
+        0, 255, (IN_MEMORY_BYTES // (3 * size * size), 3, size, size), dtype=np.uint8
+    )
     info = pb.DatasetInfo(
         name=dataset,
         num_samples=num_samples,
@@ -103,12 +108,14 @@ def _transport_server(
             lane=request.lane,
         )
         loop = asyncio.get_running_loop()
+        offset = 0
         for planned in plan.batches():
             n = len(planned.ids)
+            offset = 0 if offset + n > len(images) else offset  # cycle through all of them
             batch = Batch(
                 index=planned.index,
                 ids=planned.ids,
-                images=images[:n],
+                images=images[offset : offset + n],
                 labels=np.zeros(n, np.int64),
                 cursor=planned.end,
                 skipped_ids=(),
@@ -116,6 +123,7 @@ def _transport_server(
                 num_batches=plan.num_batches,
                 layout="NCHW",
             )
+            offset += n
             encoded = await loop.run_in_executor(None, encode_parts, batch, limit)
             for message in encoded.messages:
                 yield message
@@ -456,11 +464,16 @@ def _raw_server(port_queue: Any, message_bytes: int) -> None:
 
     tune_for_large_buffers()  # the same allocator settings as the batchwire servers
 
-    payload = os.urandom(message_bytes)
+    # As many distinct bytes as the transport server's batches in memory, cycled: one
+    # payload sent again and again would be read from the CPU's cache, which no
+    # real stream enjoys.
+    payloads = [
+        os.urandom(message_bytes) for _ in range(max(1, -(-IN_MEMORY_BYTES // message_bytes)))
+    ]
 
     def stream(request: bytes, context: Any) -> Iterator[bytes]:
-        for _ in range(int.from_bytes(request, "little")):
-            yield payload
+        for i in range(int.from_bytes(request, "little")):
+            yield payloads[i % len(payloads)]
 
     handler = grpc.method_handlers_generic_handler(
         "bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}

@@ -119,3 +119,16 @@ def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
     serving = {row["server"]: row for row in measured["serving"]}
     assert set(serving) == {"inline", f"read_workers={cores}"}
     assert all(row["images_per_s"] > 0 for row in serving.values())
+
+
+def test_compare_can_run_a_subset_to_profile_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    result = tmp_path / "bench.json"
+    common = ["bench", "--compare", "--photos", "48", "--images", "64", "--batch-size", "16"]
+    assert main([*common, "--repeats", "1", "--runs", "transport,raw", "--json", str(result)]) == 0
+    assert set(json.loads(result.read_text())["summary"]) == {"transport", "raw"}
+    assert "d/e images/s" in capsys.readouterr().out
+    assert main([*common, "--runs", "transport,nope"]) == 2
+    assert "--runs takes names from" in capsys.readouterr().err
