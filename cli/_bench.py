@@ -6,6 +6,7 @@
     batchwire bench --scaling                           # one server vs two pinned to their own core
     batchwire bench --duration 600                      # a long run: memory at start and end
     batchwire bench --reading                           # the server's record path: inline or parallel
+    batchwire bench --stages                            # CPU per image of each stage, DALI vs PIL
 
 Without ``--data-dir``, a dataset of generated ImageNet-sized JPEGs is built once in
 the cache (``~/.cache/batchwire/bench``).
@@ -38,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--dataset", help="dataset name (default: the generated one)")
     parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
     parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
-    parser.add_argument("--images", type=int, default=2048, help="images per run (default 2048)")
+    parser.add_argument(
+        "--images", type=int, default=4096, help="images per run (default 4096: one epoch)"
+    )
     parser.add_argument("--compare", action="store_true", help="runs (a)..(e) side by side")
     parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
     parser.add_argument(
@@ -50,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--messages", action="store_true", help="measure gRPC message sizes")
     parser.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
     parser.add_argument(
+        "--stages", action="store_true", help="CPU per image of each stage, DALI next to PIL"
+    )
+    parser.add_argument(
         "--reading",
         action="store_true",
         help="the server's record path (LMDB, parse, screen) inline vs threads vs DALI workers",
@@ -60,7 +66,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
     )
-    parser.add_argument("--photos", type=int, default=1024, help="generated photos (default 1024)")
+    parser.add_argument(
+        "--photos",
+        type=int,
+        default=4096,
+        help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -146,10 +157,17 @@ def run(args: argparse.Namespace) -> int:
         return _scaling(args)
     if args.reading:
         return _reading(args)
+    if args.stages:
+        from batchwire.cli._bench_stages import measure_stages
+
+        data_dir, dataset = _dataset(args)
+        print(measure_stages(data_dir / dataset))
+        return 0
     if args.duration:
         return _long_run(args)
     print(
-        "error: give --address, --compare, --messages, --scaling, --reading or --duration",
+        "error: give --address, --compare, --messages, --scaling, --reading, --stages "
+        "or --duration",
         file=sys.stderr,
     )
     return 2

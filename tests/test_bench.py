@@ -132,3 +132,18 @@ def test_compare_can_run_a_subset_to_profile_it(
     assert "d/e images/s" in capsys.readouterr().out
     assert main([*common, "--runs", "transport,nope"]) == 2
     assert "--runs takes names from" in capsys.readouterr().err
+
+
+def test_stages_times_each_stage_of_dali_and_pil(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    assert main(["bench", "--stages", "--photos", "48"]) == 0
+    rows = {
+        line[:48].strip(): float(line[48:])
+        for line in capsys.readouterr().out.splitlines()[1:]
+        if line.strip()
+    }
+    assert len(rows) == 8
+    assert rows["DALI decode, whole image"] > 0 and rows["PIL decode, whole image"] > 0
+    assert rows["DALI all of train's stages"] > 0 and rows["PIL all of run (c)'s stages"] > 0
