@@ -440,7 +440,7 @@ class ParallelRunner:
     def _result(self, seq: int, outputs: Any) -> Result:
         images, labels, meta = (_to_numpy(out) for out in outputs)
         if meta.shape[0] == 0 or np.any(meta[:, 0] != seq):
-            raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match batch {seq}")
+            raise RuntimeError(f"DALI's output does not match batch {seq} of the stream")
         ids = meta[:, 1].copy()
         read = set(ids.tolist())
         skipped = tuple(int(i) for i in self._batches[seq] if int(i) not in read)

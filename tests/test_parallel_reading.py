@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from conftest import start_server
 from test_corrupt import corrupt
+from test_resources import within
 
 from batchwire.cli._bench_probe import process_tree
 from batchwire.client import RemoteLoader
@@ -104,8 +104,6 @@ def test_worker_processes_stop_with_their_stream(parallel: BatchwireServer) -> N
     during = set(read_workers_alive()) - before
     assert len(during) == 2  # the stream's two read workers
     loader.close()
-    deadline = time.monotonic() + 30
-    while set(read_workers_alive()) & during and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not set(read_workers_alive()) & during
-    assert parallel.engine.active_streams == 0
+    # The server sees the cancellation, closes the stream and lets its pipeline go.
+    assert within(30.0, lambda: not set(read_workers_alive()) & during)
+    assert within(30.0, lambda: parallel.engine.active_streams == 0)
