@@ -435,6 +435,10 @@ class Engine:
 
     def close(self) -> None:
         self.preprocessing.close()
+        # A stream whose handler was cancelled at shutdown before closing it would
+        # otherwise outlive its pipeline and datasets.
+        for stream in self.streams():
+            stream.close()
         self._pool.clear()
         for dataset in self.datasets.values():
             dataset.close()
