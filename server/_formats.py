@@ -1,18 +1,27 @@
 """Which records may reach DALI's decoder: image formats it reads, with sane headers.
 
-A record is screened before it is fed to a pipeline: Pillow parses its header
-(no pixel decoding, tens of microseconds) and names its format. Records that
-are not images, are in a format DALI cannot decode (GIF), or whose header is
-corrupt are skipped: DALI's batched CPU decoder (DALI 2.4, nvImageCodec 0.9)
-can crash the whole process on such inputs instead of raising an error, so
-they must never get there. Damage past the header (a truncated scan) is left
-to DALI, which reports it as an ordinary error.
+A record is screened before it is fed to a pipeline, by two parsers of its header
+(no pixel decoding), and both must accept it:
+
+* Pillow names its format. Records that are not images, are in a format DALI
+  cannot decode (GIF), or whose header is corrupt are skipped.
+* nvImageCodec, the library DALI's decoder is built on, must parse the stream and
+  find the image's size (about 3 µs). Pillow accepts the header of a truncated
+  PNG; nvImageCodec does not, and DALI's CPU decoder crashed the process on some.
+
+DALI 2.4's batched CPU decoder (nvImageCodec 0.9) crashes the whole process,
+instead of raising an error, on records that either parser alone lets through:
+mutated JPEG and PNG headers and truncated PNGs found by fuzzing both. None of
+them reached it with both checks. Damage the parsers cannot see (a JPEG's scan
+data cut short) is left to DALI, which reports it as an ordinary error.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -44,4 +53,27 @@ def unsupported_reason(data: bytes | np.ndarray) -> str | None:
         return "cannot be decoded: not an image, or its header is corrupt"
     if name not in SUPPORTED_FORMATS:
         return f"{name}: DALI's image decoder does not support {name}"
+    return _codec_stream_reason(data)
+
+
+@functools.cache
+def _nvimgcodec() -> Any:
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:  # no DALI here (a thin install): Pillow's check alone
+        return None
+    return nvimgcodec
+
+
+def _codec_stream_reason(data: bytes | np.ndarray) -> str | None:
+    nvimgcodec = _nvimgcodec()
+    if nvimgcodec is None:
+        return None
+    try:
+        stream = nvimgcodec.CodeStream(data)
+        width, height = stream.width, stream.height  # reading these parses the stream
+    except Exception:  # nvImageCodec raises RuntimeError, or ValueError for odd buffers
+        return "cannot be decoded: DALI's codec library cannot parse it (corrupt or truncated)"
+    if width <= 0 or height <= 0:
+        return "cannot be decoded: DALI's codec library finds no image size in it"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pathlib
 import shutil
 
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client import RemoteLoader
 from batchwire.server._dataset import Manifest, sample_key
+from batchwire.server._formats import unsupported_reason
 from batchwire.v1 import datum_pb2
 
 
@@ -27,6 +29,23 @@ def corrupt(dataset: pathlib.Path, damage: dict[int, bytes]) -> None:
                 if shard.first_id <= sample_id < shard.first_id + shard.count:
                     txn.put(sample_key(sample_id), value)
         env.close()
+
+
+def truncated_png(fraction: float = 0.1) -> bytes:
+    """The head of a PNG, as a copy cut short leaves it: Pillow reads its header."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(2).integers(0, 255, (90, 120, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()[: int(len(out.getvalue()) * fraction)]
+
+
+def test_a_truncated_png_never_reaches_the_decoder() -> None:
+    # DALI 2.4's CPU decoder crashed the process on this one (SIGSEGV), with
+    # both pipelines; Pillow alone accepts its header.
+    reason = unsupported_reason(truncated_png())
+    assert reason is not None and "truncated" in reason
 
 
 def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
@@ -58,6 +77,7 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         519: datum_pb2.Datum(
             encoded=True, label=3, data=b"GIF89a" + rng.bytes(500)
         ).SerializeToString(),
+        400: datum_pb2.Datum(encoded=True, label=1, data=truncated_png()).SerializeToString(),
     }
     corrupt(dataset, damage)
     server = start_server(copy, read_workers=read_workers)
