@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import grpc
 import lmdb
@@ -46,6 +48,19 @@ def test_a_truncated_png_never_reaches_the_decoder() -> None:
     # both pipelines; Pillow alone accepts its header.
     reason = unsupported_reason(truncated_png())
     assert reason is not None and "truncated" in reason
+
+
+def test_no_fuzzed_image_the_screen_admits_crashes_the_decoder() -> None:
+    # A child process: DALI's crash (SIGSEGV) is the failure being looked for.
+    done = subprocess.run(
+        [sys.executable, str(pathlib.Path(__file__).parent / "fuzz_screen.py"), "7", "600"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
+    admitted, rejected = (int(w) for w in done.stdout.splitlines()[-1].split()[1:4:2])
+    assert admitted > 100 and rejected > 100  # both sides of the screen were exercised
 
 
 def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:

@@ -1,0 +1,113 @@
+"""Run as a child process: mutated images through the screen, survivors through DALI.
+
+``python fuzz_screen.py SEED COUNT`` mutates JPEG, PNG and BMP files (header bytes,
+truncation, garbage behind a signature, overwritten or flipped bytes), drops what
+``unsupported_reason`` rejects, and decodes the rest mixed into batches of good
+images with the CPU decoders of both presets (``decoders.image`` and
+``decoders.image_random_crop``). DALI 2.4 crashes the process on some inputs, so
+surviving is the result; it prints ``admitted N rejected M errors E``.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import numpy as np
+import skimage.data
+from PIL import Image
+
+from batchwire.server._formats import unsupported_reason
+
+
+def originals() -> list[bytes]:
+    files = []
+    for name, fmt, size in (
+        ("astronaut", "JPEG", (500, 375)),
+        ("chelsea", "JPEG", (320, 240)),
+        ("coffee", "PNG", (160, 120)),
+        ("rocket", "PNG", (96, 128)),
+        ("astronaut", "BMP", (64, 48)),
+    ):
+        out = io.BytesIO()
+        Image.fromarray(getattr(skimage.data, name)()).resize(size).save(out, fmt)
+        files.append(out.getvalue())
+    return files
+
+
+def mutate(data: bytes, rng: np.random.Generator) -> bytes:
+    out = bytearray(data)
+    kind = int(rng.integers(0, 6))
+    if kind == 0:  # bytes of the header changed
+        for _ in range(int(rng.integers(1, 8))):
+            out[int(rng.integers(2, min(len(out), 700)))] = int(rng.integers(0, 256))
+    elif kind == 1:  # cut short
+        out = out[: int(rng.integers(4, len(out)))]
+    elif kind == 2:  # a signature, then garbage
+        out = out[: int(rng.integers(2, 12))] + bytearray(rng.bytes(int(rng.integers(10, 5000))))
+    elif kind == 3:  # a stretch overwritten
+        start = int(rng.integers(2, len(out) - 10))
+        span = min(int(rng.integers(1, 200)), len(out) - start)
+        out[start : start + span] = rng.bytes(span)
+    elif kind == 4:  # the header kept, the rest garbage
+        cut = int(rng.integers(20, 800))
+        out = out[:cut] + bytearray(rng.bytes(len(out) - cut))
+    else:  # bytes flipped anywhere
+        for _ in range(int(rng.integers(1, 30))):
+            out[int(rng.integers(0, len(out)))] = int(rng.integers(0, 256))
+    return bytes(out)
+
+
+def decode_all(admitted: list[np.ndarray], good: list[np.ndarray], train: bool) -> int:
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+    from nvidia.dali import Pipeline
+
+    pending: list[list[np.ndarray]] = []
+
+    def source() -> list[np.ndarray]:
+        if not pending:
+            raise StopIteration
+        return pending.pop(0)
+
+    def build() -> Pipeline:
+        pipe = Pipeline(batch_size=32, num_threads=2, device_id=None)
+        with pipe:
+            encoded = fn.external_source(source=source, batch=True, dtype=types.UINT8)
+            if train:
+                images = fn.decoders.image_random_crop(encoded, device="cpu")
+            else:
+                images = fn.decoders.image(encoded, device="cpu")
+            pipe.set_outputs(fn.resize(images, resize_x=64, resize_y=64))
+        pipe.build()
+        return pipe
+
+    rng = np.random.default_rng(0)
+    pipe, errors = build(), 0
+    for start in range(0, len(admitted), 4):
+        batch = [good[int(rng.integers(0, len(good)))] for _ in range(28)]
+        for item in admitted[start : start + 4]:
+            batch.insert(int(rng.integers(0, len(batch) + 1)), item)
+        pending.append(batch)
+        try:
+            pipe.run()
+        except StopIteration:
+            pipe.reset()
+        except RuntimeError:  # an ordinary decode error: what the server recovers from
+            errors += 1
+            pipe = build()
+    return errors
+
+
+def main(seed: int, count: int) -> None:
+    rng = np.random.default_rng(seed)
+    files = originals()
+    mutated = [mutate(files[int(rng.integers(0, len(files)))], rng) for _ in range(count)]
+    admitted = [np.frombuffer(m, np.uint8) for m in mutated if unsupported_reason(m) is None]
+    good = [np.frombuffer(f, np.uint8) for f in files]
+    errors = decode_all(admitted, good, train=False) + decode_all(admitted, good, train=True)
+    print(f"admitted {len(admitted)} rejected {count - len(admitted)} errors {errors}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
