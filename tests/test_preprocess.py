@@ -14,6 +14,7 @@ from conftest import start_server
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from photos import encode
+from test_corrupt import truncated_png
 
 from batchwire.client import (
     AuthenticationError,
@@ -102,6 +103,7 @@ def test_bad_images_get_a_reason_each_and_the_others_come_back(
         records[2],
         whole[: len(whole) // 3],  # a valid JPEG header, truncated scan: fails inside DALI
         b"\xff\xd8\xff" + np.random.default_rng(8).bytes(2000),  # garbage behind a signature
+        truncated_png(),  # crashed DALI's decoder, and so the server, before the screen caught it
     ]
     with Preprocessor(server.target, normalize=False, params=SMALL) as pre:
         result = pre(batch)
@@ -109,7 +111,8 @@ def test_bad_images_get_a_reason_each_and_the_others_come_back(
     assert result.indices.tolist() == [0, 2, 5]
     assert torch.equal(result.images, alone)
     reasons = {error.index: error.reason for error in result.errors}
-    assert sorted(reasons) == [1, 3, 4, 6, 7]
+    assert sorted(reasons) == [1, 3, 4, 6, 7, 8]
+    assert "truncated" in reasons[8]
     assert "not an image" in reasons[1]
     assert "empty" in reasons[3]
     assert "GIF" in reasons[4]
@@ -117,8 +120,8 @@ def test_bad_images_get_a_reason_each_and_the_others_come_back(
     with pytest.raises(BadImagesError) as caught:
         result.raise_for_errors()
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert [e.index for e in caught.value.errors] == [1, 3, 4, 6, 7]
-    assert "5 of 8 images" in str(caught.value)
+    assert [e.index for e in caught.value.errors] == [1, 3, 4, 6, 7, 8]
+    assert "6 of 9 images" in str(caught.value)
 
     # Every image bad: an empty tensor and every reason, no exception.
     with Preprocessor(server.target) as pre:
