@@ -9,11 +9,16 @@ A record is screened before it is fed to a pipeline, by two parsers of its heade
   find the image's size (about 3 µs). Pillow accepts the header of a truncated
   PNG; nvImageCodec does not, and DALI's CPU decoder crashed the process on some.
 
+* A JPEG 2000 record must also decode fully in Pillow (milliseconds; the format
+  is rare). DALI decodes it on the CPU through OpenCV's OpenJPEG, which crashed
+  on corrupt codestreams whose headers both parsers accept.
+
 DALI 2.4's batched CPU decoder (nvImageCodec 0.9) crashes the whole process,
-instead of raising an error, on records that either parser alone lets through:
-mutated JPEG and PNG headers and truncated PNGs found by fuzzing both. None of
-them reached it with both checks. Damage the parsers cannot see (a JPEG's scan
-data cut short) is left to DALI, which reports it as an ordinary error.
+instead of raising an error, on records that any one of these checks alone lets
+through. Fuzzing found them: mutated JPEG, PNG and TIFF headers, truncated PNGs,
+corrupt JPEG 2000 codestreams. None reached the decoder with all the checks
+(``tests/fuzz_screen.py``). Damage the parsers cannot see, such as a JPEG's scan
+data cut short, is left to DALI, which reports it as an ordinary error.
 """
 
 from __future__ import annotations
@@ -53,7 +58,25 @@ def unsupported_reason(data: bytes | np.ndarray) -> str | None:
         return "cannot be decoded: not an image, or its header is corrupt"
     if name not in SUPPORTED_FORMATS:
         return f"{name}: DALI's image decoder does not support {name}"
+    if name == "JPEG2000":
+        reason = _decodes_fully(data)
+        if reason is not None:
+            return reason
     return _codec_stream_reason(data)
+
+
+def _decodes_fully(data: bytes | np.ndarray) -> str | None:
+    """JPEG 2000 only: Pillow must decode all of it (milliseconds; the format is rare)."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a truncated stream only warns otherwise
+            with Image.open(io.BytesIO(data)) as image:  # type: ignore[arg-type]
+                image.load()
+    except Exception:
+        return "cannot be decoded: its JPEG 2000 codestream is corrupt or truncated"
+    return None
 
 
 @functools.cache

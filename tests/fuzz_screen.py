@@ -1,7 +1,8 @@
 """Run as a child process: mutated images through the screen, survivors through DALI.
 
-``python fuzz_screen.py SEED COUNT`` mutates JPEG, PNG and BMP files (header bytes,
-truncation, garbage behind a signature, overwritten or flipped bytes), drops what
+``python fuzz_screen.py SEED COUNT [FORMAT,...]`` mutates image files (default JPEG,
+PNG, BMP, TIFF, WebP and PPM; header bytes, truncation, garbage behind a signature,
+overwritten or flipped bytes), drops what
 ``unsupported_reason`` rejects, and decodes the rest mixed into batches of good
 images with the CPU decoders of both presets (``decoders.image`` and
 ``decoders.image_random_crop``). DALI 2.4 crashes the process on some inputs, so
@@ -19,19 +20,18 @@ from PIL import Image
 
 from batchwire.server._formats import unsupported_reason
 
+SOURCES = ("astronaut", "chelsea", "coffee", "rocket")
+FORMATS = ("JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM")
 
-def originals() -> list[bytes]:
+
+def originals(formats: tuple[str, ...]) -> list[bytes]:
     files = []
-    for name, fmt, size in (
-        ("astronaut", "JPEG", (500, 375)),
-        ("chelsea", "JPEG", (320, 240)),
-        ("coffee", "PNG", (160, 120)),
-        ("rocket", "PNG", (96, 128)),
-        ("astronaut", "BMP", (64, 48)),
-    ):
-        out = io.BytesIO()
-        Image.fromarray(getattr(skimage.data, name)()).resize(size).save(out, fmt)
-        files.append(out.getvalue())
+    for i, fmt in enumerate(formats):
+        for j, size in enumerate(((160, 120), (96, 72))):
+            out = io.BytesIO()
+            pixels = getattr(skimage.data, SOURCES[(i + j) % len(SOURCES)])()
+            Image.fromarray(pixels).resize(size).save(out, fmt)
+            files.append(out.getvalue())
     return files
 
 
@@ -99,9 +99,9 @@ def decode_all(admitted: list[np.ndarray], good: list[np.ndarray], train: bool) 
     return errors
 
 
-def main(seed: int, count: int) -> None:
+def main(seed: int, count: int, formats: tuple[str, ...]) -> None:
     rng = np.random.default_rng(seed)
-    files = originals()
+    files = originals(formats)
     mutated = [mutate(files[int(rng.integers(0, len(files)))], rng) for _ in range(count)]
     admitted = [np.frombuffer(m, np.uint8) for m in mutated if unsupported_reason(m) is None]
     good = [np.frombuffer(f, np.uint8) for f in files]
@@ -110,4 +110,5 @@ def main(seed: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    chosen = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else FORMATS
+    main(int(sys.argv[1]), int(sys.argv[2]), chosen)
