@@ -392,19 +392,24 @@ class LmdbPilDataset:
         return datum.data, datum.label
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
-        import io
-
-        import numpy as np
-        import torch
-        from PIL import Image
-
         data, label = self._record(index)
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-        box = _random_resized_crop_box(image.size)
-        image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
-        if random.random() < 0.5:
-            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return torch.from_numpy(np.asarray(image).transpose(2, 0, 1).copy()), label
+        return pil_train_sample(data, self.size), label
+
+
+def pil_train_sample(data: bytes, size: int = 224) -> Any:
+    """Run (c)'s per-sample work: PIL decode, random-resized-crop, flip, CHW uint8 tensor."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    box = _random_resized_crop_box(image.size)
+    image = image.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    if random.random() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(image).transpose(2, 0, 1).copy())
 
 
 def _random_resized_crop_box(size: tuple[int, int]) -> tuple[float, float, float, float]:

@@ -4,16 +4,14 @@ Where a CPU pipeline spends its time, one thread, the same records. DALI's stage
 measured by adding them to the graph one at a time (the difference is the stage):
 decode with a random crop (only the crop's region is decoded), resize to 224 x 224
 with antialiasing (the default, like PIL's resampling), then crop_mirror_normalize to
-uint8 CHW with a random flip. PIL's: full decode, crop-and-resize in one call
-(``Image.resize(box=...)``), then flip and CHW, which is what run (c) does per sample.
+uint8 CHW with a random flip. PIL's: full decode, then run (c)'s own per-sample
+function (crop-and-resize in one ``Image.resize(box=...)`` call, flip, CHW).
 """
 
 from __future__ import annotations
 
 import io
-import math
 import pathlib
-import random
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,18 +60,10 @@ def _dali_stage(
 
 
 def _pil_stages(records: list[np.ndarray], count: int) -> tuple[float, float]:
-    """CPU seconds per image: (full decode, decode + crop-resize + flip + CHW)."""
+    """CPU seconds per image: (full decode, what run (c) does per sample)."""
     from PIL import Image
 
-    def crop_box(width: int, height: int) -> tuple[int, int, int, int]:
-        for _ in range(10):
-            area = width * height * random.uniform(0.08, 1.0)
-            aspect = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
-            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                x, y = random.randint(0, width - w), random.randint(0, height - h)
-                return (x, y, x + w, y + h)
-        return (0, 0, width, height)
+    from batchwire.cli._bench_runs import pil_train_sample
 
     chosen = [records[i % len(records)].tobytes() for i in range(count)]
     started = time.process_time()
@@ -82,11 +72,7 @@ def _pil_stages(records: list[np.ndarray], count: int) -> tuple[float, float]:
     decode = (time.process_time() - started) / count
     started = time.process_time()
     for data in chosen:
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-        image = image.resize((_SIZE, _SIZE), Image.Resampling.BILINEAR, box=crop_box(*image.size))
-        if random.random() < 0.5:
-            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        np.asarray(image).transpose(2, 0, 1).copy()
+        pil_train_sample(data, _SIZE)
     whole = (time.process_time() - started) / count
     return decode, whole
 
