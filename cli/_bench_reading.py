@@ -8,10 +8,10 @@ alternated, medians reported:
 ``inline``          ``read_job`` in one thread: what the server does
 ``threads-N``       ``read_job`` in N threads, a batch each
 ``dali-inline``     a pass-through DALI pipeline (external_source straight to its outputs)
-                    fed by ``read_job`` in this thread
+                    fed by the server's ``PlannedSource`` in this thread
 ``dali-workers-N``  the same pipeline with a parallel external_source: N worker processes,
                     forked before this process opens any LMDB or touches CUDA (DALI's fork
-                    rule), each running ``read_job``
+                    rule), each running the server's ``PlannedSource``
 ``decode``          the full pipeline in-process, run (a) of ``--compare``, for scale
 
 For each: records/s, and CPU microseconds per record in this process and in the
@@ -51,30 +51,7 @@ class ReadingResult:
         return self.records / self.seconds
 
 
-class _Schedule:
-    """The batches of a run as a DALI source: ``read_job`` of batch ``info.iteration``.
-
-    Picklable and opened lazily, so each forked worker opens its own LMDB environment.
-    """
-
-    def __init__(self, directory: pathlib.Path, batches: Sequence[np.ndarray]) -> None:
-        self.directory = directory
-        self.batches = list(batches)
-        self._dataset: Any = None
-
-    def __call__(self, info: Any) -> tuple[list[np.ndarray], np.ndarray]:
-        from batchwire.server._dataset import Dataset
-        from batchwire.server._engine import read_job
-
-        if info.iteration >= len(self.batches):
-            raise StopIteration
-        if self._dataset is None:
-            self._dataset = Dataset(self.directory)
-        job = read_job(self._dataset, info.iteration, self.batches[info.iteration])
-        return job.images, job.labels  # type: ignore[return-value]
-
-
-def _passthrough(source: _Schedule, batch_size: int, workers: int) -> Any:
+def _passthrough(source: Any, batch_size: int, workers: int) -> Any:
     """A DALI pipeline whose outputs are its external_source's: only the reading costs."""
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
@@ -88,15 +65,15 @@ def _passthrough(source: _Schedule, batch_size: int, workers: int) -> Any:
         py_start_method="fork",
     )
     with pipe:
-        encoded, labels = fn.external_source(
+        encoded, labels, meta = fn.external_source(
             source=source,
-            num_outputs=2,
+            num_outputs=3,
             batch=True,
             batch_info=True,
             parallel=workers > 0,
-            dtype=[types.UINT8, types.INT64],
+            dtype=[types.UINT8, types.INT64, types.INT64],
         )
-        pipe.set_outputs(encoded, labels)
+        pipe.set_outputs(encoded, labels, meta)
     if workers > 0:
         pipe.start_py_workers()  # fork now: before any LMDB is open here, before CUDA
     pipe.build()
@@ -107,7 +84,7 @@ def _epoch(pipe: Any) -> int:
     records = 0
     try:
         while True:
-            _, labels = pipe.run()
+            _, labels, _ = pipe.run()
             records += len(labels)
     except StopIteration:
         pipe.reset()
@@ -138,6 +115,7 @@ def measure_reading(
     """Every run of the module docstring, ``repeats`` times alternated, after a warm-up."""
     from batchwire.server._dataset import Dataset, Manifest
     from batchwire.server._engine import read_job
+    from batchwire.server._runner import PlannedSource
 
     directory = data_dir / dataset
     num_samples = Manifest.load(directory).num_samples
@@ -153,9 +131,9 @@ def measure_reading(
     parallel = {}
     for count in worker_counts:
         before = set(process_tree(os.getpid()))
-        pipe = _passthrough(_Schedule(directory, batches), batch_size, count)
+        pipe = _passthrough(PlannedSource(str(directory), batches, read_job), batch_size, count)
         parallel[count] = (pipe, sorted(set(process_tree(os.getpid())) - before))
-    inline_pipe = _passthrough(_Schedule(directory, batches), batch_size, 0)
+    inline_pipe = _passthrough(PlannedSource(str(directory), batches, read_job), batch_size, 0)
 
     dataset_handle = Dataset(directory)
 
