@@ -392,11 +392,15 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 batches += 1
                 metrics.sent(encoded.samples, encoded.nbytes)
                 waited = 0.0  # each yield returns once gRPC has taken the message
-                for message in encoded.messages:
-                    writing = time.perf_counter()
-                    yield message
-                    waited += time.perf_counter() - writing
-                metrics.waited(waited)
+                try:
+                    for message in encoded.messages:
+                        writing = time.perf_counter()
+                        yield message
+                        waited += time.perf_counter() - writing
+                finally:
+                    # Also when the client hangs up before this generator resumes after
+                    # the batch's last message, as the batch is counted sent above.
+                    metrics.waited(waited)
             status = "OK"
         except (ServiceError, DatasetError) as exc:
             status = status_for(exc).name
