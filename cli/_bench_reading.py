@@ -45,6 +45,7 @@ class ReadingResult:
     seconds: float
     main_cpu: float
     worker_cpu: float
+    worker_processes: int = 0  # DALI worker processes that did the reading
 
     @property
     def records_per_second(self) -> float:
@@ -98,7 +99,12 @@ def _timed(name: str, run: Callable[[], int], workers: Sequence[int] = ()) -> Re
     records = run()
     seconds = time.perf_counter() - started
     return ReadingResult(
-        name, records, seconds, main.seconds(), sum(clock.seconds() for clock in clocks)
+        name,
+        records,
+        seconds,
+        main.seconds(),
+        sum(clock.seconds() for clock in clocks),
+        len(workers),
     )
 
 
@@ -184,6 +190,7 @@ def reading_table(results: Sequence[ReadingResult]) -> tuple[str, list[dict[str,
             {
                 "run": name,
                 "records": runs[0].records,
+                "worker_processes": runs[0].worker_processes,
                 "records_per_s": statistics.median(r.records_per_second for r in runs),
                 "main_cpu_us_per_record": statistics.median(
                     r.main_cpu / r.records * 1e6 for r in runs
