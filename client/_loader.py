@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import queue
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -17,12 +16,18 @@ from batchwire.client._channel import open_channel, stub
 from batchwire.client._exceptions import (
     BatchwireError,
     InvalidArgumentError,
-    UnavailableError,
     error_for,
     from_rpc_error,
 )
+from batchwire.client._frameworks import (
+    distributed_rank_world,
+    refuse_accelerate_wrappers,
+    worker_id,
+)
+from batchwire.client._ledger import Ledger
 from batchwire.client._normalize import channel_stats
-from batchwire.client._reader import END, Delivery, LaneReader, TransferStats
+from batchwire.client._pass import Opener, StreamPass, close_at_exit
+from batchwire.client._reader import Delivery, TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import RETRIABLE, Server, ServerSet
 from batchwire.common.sampler import Plan
@@ -30,8 +35,11 @@ from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["RemoteLoader"]
 
-_STATE_VERSION = 1
-_JOIN_TIMEOUT = 5.0
+_STATE_VERSION = 2
+_READABLE_STATES = (1, 2)  # version 1: saved by batchwire 0.1, same fields and meaning
+# A state loads into a loader only if these match (the rank may differ: ranks move in
+# lockstep, and frameworks save rank 0's state and load it on every rank).
+_IDENTITY = ("dataset", "batch_size", "seed", "shuffle", "drop_last", "world_size")
 _DTYPES = {"uint8": pb.UINT8, "float16": pb.FLOAT16, "float32": pb.FLOAT32}
 _TORCH_DTYPES = {
     np.dtype("u1"): torch.uint8,
@@ -46,11 +54,12 @@ def _invalid(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def _distributed_rank_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclasses.dataclass(frozen=True)
+class _Share:
+    """Who this process streams for: a rank of a world (resolved when a pass starts)."""
+
+    rank: int
+    world_size: int
 
 
 class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -60,31 +69,41 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     (``images, labels, ids`` with ``return_ids=True``): images as float32
     normalized with the pipeline's mean/std (``normalize=True``) or as served
     (uint8 NCHW for the presets), labels and ids as int64. Each rank of a DDP
-    job (``rank``/``world_size``, detected from ``torch.distributed`` when it
-    is initialized) gets a disjoint share; every rank gets the same number of
-    batches. The order of an epoch depends only on ``(seed, epoch)``.
+    job gets a disjoint share; every rank gets the same number of batches. The
+    order of an epoch depends only on ``(seed, epoch)``.
+
+    Rank and world size are ``rank``/``world_size`` if given, else taken from
+    ``torch.distributed`` (the world, or ``process_group``) when a pass starts,
+    so a loader may be built before ``init_process_group``. Explicit values
+    that disagree with an initialized ``torch.distributed`` raise.
+
+    Each ``iter()`` is a pass: after ``load_state_dict`` it resumes the saved
+    epoch at the saved position; after ``set_epoch(e)`` it starts epoch ``e``
+    (keeping the position of a loaded state of epoch ``e``); otherwise it starts
+    the epoch after the previous pass's, whether that pass ran to its end or
+    was left early. A pass begins when its iterator is first advanced, and
+    stops the previous pass of the same loader. ``state_dict()`` counts only
+    batches handed out, never prefetched ones; a state saved on one rank loads
+    on every rank of the same job.
 
     ``address`` is ``"host:port"``, a list of them, or ``"dns:///name:port"``
     (every address behind the name). The rank's batches are split into
     ``lanes`` (default: one per server), streamed concurrently; batch ``k``
-    travels in lane ``k % lanes`` and batches reach the user in order ``k``,
-    so the sequence never depends on the servers or lanes. When a server
-    fails or drains, its lanes continue on the others from the cursor of the
-    last batch received, with backoff; after ``retry_timeout`` seconds without
-    progress the loop raises.
+    travels in lane ``k % lanes`` and batches reach the user in order ``k``.
+    When a server fails or drains, its lanes continue on the others from the
+    cursor of the last batch received, with backoff; after ``retry_timeout``
+    seconds without progress the loop raises.
 
-    Iteration resumes where the last delivered batch left off; after a full
-    epoch the loader moves to the next epoch. ``set_epoch(e)`` chooses the
-    epoch (keeping the position when ``e`` is the current epoch), and
-    ``state_dict()`` / ``load_state_dict()`` save and restore the position.
-    Since delivery is in order, one cursor is every lane's position: a state
-    loads into a loader with other servers or lanes and continues exactly once.
+    In ``DataLoader`` workers, worker 0 streams the whole share and the other
+    workers end at once, so the order and ``StatefulDataLoader``'s state are
+    exact; workers add nothing, since the server does the work.
 
-    Up to ``prefetch`` batches per lane are read ahead by a background thread;
+    Up to ``prefetch`` batches per lane are read ahead by background threads;
     a batch that takes longer than ``timeout`` seconds raises
     ``UnavailableError``. Every error is a ``BatchwireError`` with a ``code``.
     ``token``, ``tls_ca``, ``tls_cert`` and ``tls_key`` (PEM paths or bytes)
-    authenticate to secured servers.
+    authenticate to secured servers. The loader pickles (spawned workers,
+    ``ddp_spawn``) without its threads and channels.
     """
 
     def __init__(
@@ -113,6 +132,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         tls_ca: PemSource | None = None,
         tls_cert: PemSource | None = None,
         tls_key: PemSource | None = None,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         addresses = [address] if isinstance(address, str) else list(address)
@@ -120,8 +140,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             raise _invalid("address must be 'host:port', a gRPC target, or a list of them")
         if not dataset:
             raise _invalid("dataset must be named")
-        if rank is None and world_size is None:
-            rank, world_size = _distributed_rank_world()
+        explicit = rank is not None or world_size is not None
         rank = 0 if rank is None else rank
         world_size = 1 if world_size is None else world_size
         checks = (
@@ -155,8 +174,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
         self.normalize = normalize
         self.return_ids = return_ids
         self.prefetch = prefetch
@@ -169,13 +186,17 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.skipped_ids: list[int] = []
         # Image payload bytes received and copied: one copy each, by design.
         self.transfer = TransferStats()
-        self._epoch = 0
-        self._cursor = 0
+        self._explicit = _Share(rank, world_size) if explicit else None
+        self._group = process_group
+        # The share torch.distributed gave when this loader was pickled: spawned
+        # DataLoader workers have no process group of their own.
+        self._inherited: _Share | None = None
         self._info: pb.DatasetInfo | None = None
         self._servers = ServerSet(self.addresses)
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = -1
-        self._active_stop: threading.Event | None = None
+        self._ledger = Ledger()
+        self._pass: StreamPass | None = None
 
     # -- dataset facts -----------------------------------------------------------------
 
@@ -187,6 +208,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         channel = self._channels.get(server)
         if channel is None:
             channel = open_channel(server.address, self._security, tls_name=server.tls_name)
+            close_at_exit(channel)
             self._channels[server] = channel
         return channel
 
@@ -231,45 +253,103 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """Class names by label, from the dataset's manifest."""
         return list(self._describe().classes)
 
-    def _plan(self, start: int = 0, lanes: int = 1, lane: int = 0) -> Plan:
-        return Plan(
-            num_samples=self.num_samples,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            epoch=self._epoch,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            rank=self.rank,
-            world_size=self.world_size,
-            lanes=lanes,
-            lane=lane,
-            start=start,
-        )
+    # -- ranks ---------------------------------------------------------------------------
+
+    def _share(self) -> _Share:
+        """This process's rank and world size, as of now (see the class docstring)."""
+        live = distributed_rank_world(self._group)
+        if self._explicit is not None:
+            if live is not None and live != (self._explicit.rank, self._explicit.world_size):
+                raise _invalid(
+                    f"rank={self._explicit.rank}, world_size={self._explicit.world_size} were "
+                    f"given, but torch.distributed is initialized with rank {live[0]} of "
+                    f"{live[1]}: this process would train on another share than its rank's. "
+                    "Leave rank and world_size unset to take them from torch.distributed, or "
+                    "pass process_group= to shard over a subgroup"
+                )
+            return self._explicit
+        if live is not None:
+            return _Share(*live)
+        return self._inherited or _Share(0, 1)
+
+    @property
+    def rank(self) -> int:
+        return self._share().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._share().world_size
+
+    def _plan(
+        self, share: _Share, epoch: int, start: int = 0, lanes: int = 1, lane: int = 0
+    ) -> Plan:
+        try:
+            return Plan(
+                num_samples=self.num_samples,
+                batch_size=self.batch_size,
+                seed=self.seed,
+                epoch=epoch,
+                shuffle=self.shuffle,
+                drop_last=self.drop_last,
+                rank=share.rank,
+                world_size=share.world_size,
+                lanes=lanes,
+                lane=lane,
+                start=start,
+            )
+        except ValueError as exc:
+            raise _invalid(str(exc)) from exc
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (equal on every rank)."""
-        return self._plan().num_batches
+        return self._plan(self._share(), 0).num_batches
 
-    # -- epochs and state --------------------------------------------------------------
+    # -- passes and state --------------------------------------------------------------
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The epoch of the pass in progress, or of the next pass if none is."""
+        return int(self._position()[0])
 
     def set_epoch(self, epoch: int) -> None:
-        """Stream ``epoch`` next; a new epoch starts at its beginning."""
+        """The next pass starts ``epoch`` (at the loaded position if a loaded state is
+        about to resume ``epoch``, as after ``load_state_dict``)."""
+        refuse_accelerate_wrappers()
         if epoch < 0:
             raise _invalid(f"epoch must be >= 0, got {epoch}")
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._cursor = 0
+        with self._ledger.update() as record:
+            if record.fresh and record.epoch == epoch:
+                return
+            record.epoch, record.cursor, record.fresh = epoch, 0, True
+            record.pass_id, record.in_workers = 0, False
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, cursor) after the last batch handed out, or where the next pass starts."""
+        record = self._ledger.read()
+        current = self._pass
+        if current is not None and not record.fresh and record.pass_id == current.id:
+            return current.epoch, current.cursor
+        if record.fresh:
+            return record.epoch, record.cursor
+        return record.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed out (prefetched ones don't count).
+        """Where this loader stands: the position after the last batch handed out
+        (prefetched ones don't count), or where the next pass starts.
 
-        ``cursor`` is a position in this rank's share of ``epoch``; every lane
-        resumes from it, whatever the number of lanes or servers.
+        ``cursor`` is a position in a rank's share of ``epoch``; it is the same on
+        every rank, so the state loads on any rank of the job.
         """
+        if worker_id() is None and self._ledger.read().in_workers:
+            raise _invalid(
+                "this loader's last pass ran in DataLoader worker processes, so this process "
+                "cannot tell how many of its batches training has used. Checkpoint through "
+                "torchdata's StatefulDataLoader(loader, batch_size=None, num_workers=N) (Lightning "
+                "saves its state_dict() itself), or use num_workers=0, where the server does the "
+                "work all the same"
+            )
+        epoch, cursor = self._position()
+        share = self._share()
         return {
             "version": _STATE_VERSION,
             "dataset": self.dataset_name,
@@ -278,26 +358,91 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "epoch": self._epoch,
-            "cursor": self._cursor,
+            "world_size": share.world_size,
+            "rank": share.rank,
+            "epoch": epoch,
+            "cursor": cursor,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a ``state_dict()``: exactly the rest of that epoch comes next."""
-        if state.get("version") != _STATE_VERSION:
-            raise _invalid(f"state version {state.get('version')!r} is not {_STATE_VERSION}")
-        for key in ("dataset", "batch_size", "seed", "shuffle", "drop_last", "rank", "world_size"):
-            mine = self.dataset_name if key == "dataset" else getattr(self, key)
-            if state.get(key) != mine:
+        """The next pass continues from ``state``: exactly the rest of its epoch.
+
+        Refuses a state of another dataset, seed, batch size, shuffle, drop_last or
+        world size, with a message.
+        """
+        if state.get("version") not in _READABLE_STATES:
+            raise _invalid(
+                f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
+            )
+        share = self._share()
+        mine = {
+            "dataset": self.dataset_name,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "world_size": share.world_size,
+        }
+        for key in _IDENTITY:
+            if state.get(key) != mine[key]:
+                hint = "create the loader with the same settings to resume"
+                if key == "world_size" and distributed_rank_world(self._group) is None:
+                    hint = "load it after torch.distributed is initialized"
                 raise _invalid(
                     f"state was saved with {key}={state.get(key)!r} but this loader has "
-                    f"{key}={mine!r}; create the loader with the same settings to resume"
+                    f"{key}={mine[key]!r}; {hint}"
                 )
-        self._epoch = int(state["epoch"])
-        self._cursor = int(state["cursor"])
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if epoch < 0 or cursor < 0:
+            raise _invalid(f"state has epoch={epoch}, cursor={cursor}; both must be >= 0")
+        if worker_id() not in (None, 0):
+            return  # workers other than 0 stream nothing (see the class docstring)
+        with self._ledger.update() as record:
+            record.epoch, record.cursor, record.fresh = epoch, cursor, True
+            record.pass_id, record.in_workers = 0, False
         self.skipped_ids = []
+
+    def _begin(self, share: _Share) -> StreamPass:
+        """Stop the previous pass, claim the next one in the ledger, start its readers."""
+        previous, self._pass = self._pass, None
+        if previous is not None:
+            previous.supersede()
+        info = self._describe()
+        mean, std = self._stats(info)
+        worker = worker_id()
+        with self._ledger.update() as record:
+            epoch, start = (record.epoch, record.cursor) if record.fresh else (record.epoch + 1, 0)
+            plan = self._plan(share, epoch, start)  # validates a loaded cursor
+            lanes = self._lanes or len(self._servers.servers())
+            stream_pass = StreamPass(
+                epoch=epoch,
+                start=start,
+                num_batches=plan.num_batches,
+                batch_size=self.batch_size,
+                lanes=lanes,
+                opener=lambda lanes, lane: self._opener(share, epoch, lanes, lane),
+                servers=self._servers,
+                convert=lambda d: self._convert(d, mean, std),
+                allocate=self._allocate,
+                stats=self.transfer,
+                prefetch=self.prefetch,
+                retry_timeout=self.retry_timeout,
+                timeout=self.timeout,
+            )
+            record.epoch, record.cursor, record.fresh = epoch, start, False
+            record.pass_id, record.in_workers = stream_pass.id, worker is not None
+        if start == 0:
+            self.skipped_ids = []
+        self._pass = stream_pass
+        stream_pass.start_readers()
+        return stream_pass
+
+    def _end(self, stream_pass: StreamPass) -> None:
+        """A pass that ran to its end: the next one starts the following epoch."""
+        stream_pass.ended = True
+        with self._ledger.update() as record:
+            if record.pass_id == stream_pass.id and not record.fresh:
+                record.epoch, record.cursor, record.fresh = stream_pass.epoch + 1, 0, True
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -305,67 +450,32 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         return self._iterate()
 
     def _iterate(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        info = self._describe()
-        plan = self._plan(start=self._cursor)
-        if self._cursor >= plan.share_size and plan.share_size > 0:
-            self.set_epoch(self._epoch + 1)
-            plan = self._plan()
-        if plan.start == 0:
-            self.skipped_ids = []
-        lanes = self._lanes or len(self._servers.servers())
-        mine = range(lanes)
-        worker = torch.utils.data.get_worker_info()
-        if worker is not None:
-            # Inside DataLoader workers: worker w streams lane w only, and the
-            # DataLoader's round-robin over workers restores the batch order.
-            lanes, mine = worker.num_workers, range(worker.id, worker.id + 1)
-        mean, std = self._stats(info)
-        stop = threading.Event()
-        self._active_stop = stop
-        queues: dict[int, queue.Queue[object]] = {}
-        readers: dict[int, LaneReader] = {}
+        # A generator: nothing below runs until the iterator is first advanced, so
+        # frameworks that call iter() and drop the result start no pass.
+        refuse_accelerate_wrappers()
+        if worker_id() not in (None, 0):
+            return  # worker 0 streams the whole share, in order
+        share = self._share()
+        stream_pass = self._begin(share)
+        mean, std = self._stats(self._describe())
         try:
-            for lane in mine:
-                queues[lane] = queue.Queue(maxsize=self.prefetch)
-                readers[lane] = LaneReader(
-                    lane=lane,
-                    start=plan.start,
-                    open_stream=self._opener(lanes, lane),
-                    servers=self._servers,
-                    out=queues[lane],
-                    convert=lambda d: self._convert(d, mean, std),
-                    stop=stop,
-                    retry_timeout=self.retry_timeout,
-                    allocate=self._allocate,
-                    stats=self.transfer,
-                )
-                readers[lane].start()
-            first = plan.start // self.batch_size
-            for index in range(first, plan.num_batches):
-                lane = index % lanes
-                if lane not in queues:
-                    continue
-                delivery = self._take(queues[lane], index)
-                self._cursor = delivery.cursor
+            for index in range(stream_pass.first, stream_pass.num_batches):
+                delivery = stream_pass.take(index)
+                stream_pass.cursor = delivery.cursor
                 self.skipped_ids.extend(delivery.skipped_ids)
                 if len(delivery.ids) == 0:
                     continue  # every sample of this batch was unreadable
                 yield self._output(delivery, mean, std)
-            if worker is None:
-                self.set_epoch(self._epoch + 1)
+            self._end(stream_pass)
         finally:
-            stop.set()
-            for reader in readers.values():
-                reader.cancel()
-            for reader in readers.values():
-                reader.join(_JOIN_TIMEOUT)
+            stream_pass.stop()
 
-    def _opener(self, lanes: int, lane: int) -> Callable[[Server, int], grpc.Call]:
+    def _opener(self, share: _Share, epoch: int, lanes: int, lane: int) -> Opener:
         """How a lane opens (and after a failure re-opens) its stream from a cursor."""
         metadata = self._security.metadata()
 
         def open_stream(server: Server, start: int) -> grpc.Call:
-            plan = self._plan(start, lanes, lane)
+            plan = self._plan(share, epoch, start, lanes, lane)
             request = pb.StreamBatchesRequest(
                 dataset=self.dataset_name,
                 pipeline=self.pipeline,
@@ -393,24 +503,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             return stream(request, metadata=metadata)  # type: ignore[no-any-return]
 
         return open_stream
-
-    def _take(self, lane_queue: queue.Queue[object], index: int) -> Delivery:
-        try:
-            item = lane_queue.get(timeout=self.timeout)
-        except queue.Empty:
-            raise UnavailableError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no batch arrived within {self.timeout:.0f}s (timeout=); the server may be "
-                "overloaded or stuck",
-            ) from None
-        if isinstance(item, BatchwireError):
-            raise item
-        if item is END or not isinstance(item, Delivery) or item.index != index:
-            got = "the end of the stream" if item is END else f"batch {getattr(item, 'index', '?')}"
-            raise BatchwireError(
-                grpc.StatusCode.INTERNAL, f"expected batch {index} but received {got}"
-            )
-        return item
 
     # -- tensors -----------------------------------------------------------------------
 
@@ -466,11 +558,14 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     # -- life cycle --------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop any stream in progress and close the channels."""
-        if self._active_stop is not None:
-            self._active_stop.set()
-        for channel in self._channels.values():
-            channel.close()
+        """Stop the pass in progress (cancel its streams, join its readers) and close
+        the channels. The loader can be iterated again afterwards."""
+        current, self._pass = self._pass, None
+        if current is not None:
+            current.stop()
+        if self._pid == os.getpid():
+            for channel in self._channels.values():
+                channel.close()
         self._channels = {}
 
     def __enter__(self) -> RemoteLoader:
@@ -479,9 +574,28 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy without threads, channels or locks (spawned DataLoader workers,
+        ``ddp_spawn``); it carries the share torch.distributed gives here."""
+        state = self.__dict__.copy()
+        live = distributed_rank_world(self._group)
+        state["_inherited"] = _Share(*live) if live is not None else self._inherited
+        state["_group"] = None  # process groups don't pickle; the share above stands in
+        if self._group is not None and self._explicit is None and live is not None:
+            state["_explicit"] = _Share(*live)
+        for key in ("_servers", "transfer", "_pass"):
+            state[key] = None
+        state["_channels"] = {}
+        state["_pid"] = -1
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._servers = ServerSet(self.addresses)
+        self.transfer = TransferStats()
+
     def __repr__(self) -> str:
         return (
             f"RemoteLoader({list(self.addresses)!r}, dataset={self.dataset_name!r}, "
-            f"pipeline={self.pipeline!r}, batch_size={self.batch_size}, rank={self.rank}, "
-            f"world_size={self.world_size}, epoch={self._epoch})"
+            f"pipeline={self.pipeline!r}, batch_size={self.batch_size})"
         )

@@ -101,15 +101,22 @@ def test_resume_from_state_dict_delivers_exactly_the_remainder(
     assert len(head) == cut * 32
 
 
-def test_set_epoch_keeps_the_position_of_the_current_epoch(server: BatchwireServer) -> None:
+def test_set_epoch_after_load_state_dict_keeps_the_loaded_position(
+    server: BatchwireServer,
+) -> None:
     remote = loader(server, pipeline="val", seed=2)
     remote.set_epoch(3)
     iterator = iter(remote)
     head = next(iterator)[2].tolist()
+    state = remote.state_dict()
     iterator.close()
-    remote.set_epoch(3)  # the usual `for epoch ...: loader.set_epoch(epoch)` after a resume
-    rest = epoch_ids(remote)
+    resumed = loader(server, pipeline="val", seed=2)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)  # the usual `for epoch ...: loader.set_epoch(epoch)` after a resume
+    rest = epoch_ids(resumed)
     assert head + rest == Plan(num_samples=520, batch_size=32, seed=2, epoch=3).share().tolist()
+    remote.set_epoch(3)  # no loaded state: the epoch starts again
+    assert epoch_ids(remote)[:32] == head
 
 
 def test_a_batch_of_512_at_224_streams(server: BatchwireServer) -> None:

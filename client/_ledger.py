@@ -1,0 +1,144 @@
+"""Where a loader's next pass starts, shared with the loader's DataLoader worker processes.
+
+A ``RemoteLoader`` handed to ``DataLoader(num_workers=N)`` is copied into each
+worker (by fork, or by pickling for spawn and forkserver), and a worker's copy
+runs the pass. Without something shared, the loader in the training process
+would never learn that a pass happened, and every epoch would replay the
+first. The ledger is that shared thing: a few integers in a small file
+(``/dev/shm`` where it exists), read and written under ``flock``, which works
+across fork, spawn and forkserver alike.
+
+Only the process that created a ledger and the DataLoader workers of that
+process share it. Any other process holding a copy of the loader (a spawned
+DDP rank, a forked child that is not a DataLoader worker) gets a ledger of its
+own, starting from the values the copy carried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import struct
+import tempfile
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch.utils.data
+
+__all__ = ["Ledger", "Record"]
+
+_FORMAT = struct.Struct("<6q")
+_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+@dataclasses.dataclass
+class Record:
+    """The ledger's values.
+
+    ``fresh`` set: the next pass starts exactly at ``(epoch, cursor)`` (a new
+    loader, ``set_epoch``, ``load_state_dict``, or a pass that ran to its end).
+    ``fresh`` clear: a pass of ``epoch`` began (pass ``pass_id``); the next one
+    starts the epoch after it. ``in_workers``: that pass ran in a DataLoader
+    worker, so this process cannot know how far training got.
+    """
+
+    epoch: int = 0
+    cursor: int = 0
+    fresh: bool = True
+    pass_id: int = 0
+    in_workers: bool = False
+    version: int = 1
+
+    def pack(self) -> bytes:
+        return _FORMAT.pack(
+            self.version, self.epoch, self.cursor, self.fresh, self.pass_id, self.in_workers
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Record:
+        version, epoch, cursor, fresh, pass_id, in_workers = _FORMAT.unpack(data)
+        return cls(epoch, cursor, bool(fresh), pass_id, bool(in_workers), version)
+
+
+def _remove(path: str, owner: int) -> None:
+    # Finalizers are inherited by forked children: only the creator removes the file.
+    if os.getpid() == owner:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class Ledger:
+    """A ``Record`` shared between a loader and its DataLoader workers; see the module."""
+
+    def __init__(self, initial: Record | None = None) -> None:
+        self._create(initial or Record())
+
+    def _create(self, initial: Record) -> None:
+        fd, self._path = tempfile.mkstemp(prefix="batchwire-loader-", dir=_DIR)
+        os.write(fd, initial.pack())
+        self._fd = fd
+        self._snapshot = initial
+        self._pid = self._owner = os.getpid()
+        self._finalizer = weakref.finalize(self, _remove, self._path, self._owner)
+
+    def _handle(self) -> int:
+        """This process's descriptor (flock needs one per process: fork shares them)."""
+        if self._pid == os.getpid():
+            return self._fd
+        if torch.utils.data.get_worker_info() is None:
+            # Not a DataLoader worker of the owner: continue on a ledger of our own.
+            self._create(self._read_from_path())
+            return self._fd
+        try:
+            self._fd = os.open(self._path, os.O_RDWR)
+        except FileNotFoundError:
+            raise RuntimeError(
+                "the RemoteLoader this DataLoader worker copied was closed in the training "
+                "process; close() the loader only after its DataLoader is done"
+            ) from None
+        self._pid = os.getpid()
+        return self._fd
+
+    def _read_from_path(self) -> Record:
+        try:
+            with open(self._path, "rb") as file:
+                return Record.unpack(file.read(_FORMAT.size))
+        except (FileNotFoundError, struct.error):
+            return self._snapshot
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[Record]:
+        """The record, locked against the other processes; changes are written back."""
+        fd = self._handle()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            record = Record.unpack(os.pread(fd, _FORMAT.size, 0))
+            before = dataclasses.replace(record)
+            yield record
+            if record != before:
+                os.pwrite(fd, record.pack(), 0)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def read(self) -> Record:
+        with self.update() as record:
+            return dataclasses.replace(record)
+
+    def close(self) -> None:
+        """Remove the file (in the process that created it); idempotent."""
+        self._finalizer()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled copy (spawned workers, spawned DDP ranks) carries the path and
+        # the values, so that whichever way _handle goes, it has what it needs.
+        return {"path": self._path, "snapshot": self.read()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._path = state["path"]
+        self._snapshot = state["snapshot"]
+        self._fd = -1
+        self._pid = self._owner = -1
+        self._finalizer = weakref.finalize(self, _remove, self._path, -1)  # not ours: no-op
