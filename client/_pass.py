@@ -12,6 +12,7 @@ import atexit
 import queue
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from batchwire.client._servers import Server, ServerSet
 __all__ = ["StreamPass", "close_at_exit"]
 
 _JOIN_TIMEOUT = 5.0  # seconds per reader; a cancelled RPC ends its reader far sooner
+_POLL = 0.1  # seconds between checks for a stopped pass while waiting for a batch
 
 # Opens (and after a failure re-opens) a lane's stream on a server from a cursor.
 Opener = Callable[[Server, int], grpc.Call]
@@ -111,20 +113,20 @@ class StreamPass:
 
     def take(self, index: int) -> Delivery:
         """Batch ``index`` (in order), or the error that ended its lane."""
-        if self._superseded:
-            raise BatchwireError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this iterator was replaced: a newer iter() of the same RemoteLoader started a "
-                "new pass, which stopped this one (each iter() is a pass; use one at a time)",
-            )
-        try:
-            item = self._queues[index % self._lanes].get(timeout=self._timeout)
-        except queue.Empty:
-            raise UnavailableError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no batch arrived within {self._timeout:.0f}s (timeout=); the server may be "
-                "overloaded or stuck",
-            ) from None
+        lane_queue = self._queues[index % self._lanes]
+        deadline = time.monotonic() + self._timeout
+        while True:
+            self._raise_if_stopped()
+            try:
+                item = lane_queue.get(timeout=min(_POLL, max(deadline - time.monotonic(), 0)))
+                break
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise UnavailableError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no batch arrived within {self._timeout:.0f}s (timeout=); the server "
+                        "may be overloaded or stuck",
+                    ) from None
         if isinstance(item, BatchwireError):
             raise item
         if item is END or not isinstance(item, Delivery) or item.index != index:
@@ -133,6 +135,20 @@ class StreamPass:
                 grpc.StatusCode.INTERNAL, f"expected batch {index} but received {got}"
             )
         return item
+
+    def _raise_if_stopped(self) -> None:
+        if self._superseded:
+            raise BatchwireError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this iterator was replaced: a newer iter() of the same RemoteLoader started a "
+                "new pass, which stopped this one (each iter() is a pass; use one at a time)",
+            )
+        if self._stop.is_set():
+            raise BatchwireError(
+                grpc.StatusCode.CANCELLED,
+                "this iterator's pass was stopped by RemoteLoader.close(); iterate the loader "
+                "again to start a new pass",
+            )
 
     def supersede(self) -> None:
         """Stop this pass because a newer one started; taking from it raises."""

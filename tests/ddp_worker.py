@@ -2,29 +2,43 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import torch.distributed as dist
 
-from batchwire.client import RemoteLoader
+from batchwire.client import InvalidArgumentError, RemoteLoader
 
 
 def stream_rank(rank: int, world: int, init_file: str, address: str, out_dir: str) -> None:
-    """Join a gloo group, stream one epoch with rank/world left to torch.distributed."""
+    """Stream one epoch with rank/world left to torch.distributed, which is initialized
+    only after the loaders are built (as in a LightningModule's __init__)."""
+    options = {
+        "dataset": "shapes",
+        "pipeline": "val",
+        "batch_size": 20,
+        "return_ids": True,
+        "params": {"size": 32},
+        "seed": 11,
+    }
+    loader = RemoteLoader(address, **options)  # type: ignore[arg-type]
+    single = RemoteLoader(address, rank=0, world_size=1, **options)  # type: ignore[arg-type]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        with RemoteLoader(
-            address,
-            dataset="shapes",
-            pipeline="val",
-            batch_size=20,
-            return_ids=True,
-            params={"size": 32},
-            seed=11,
-        ) as loader:
-            assert (loader.rank, loader.world_size) == (rank, world)
-            ids = [int(i) for _, _, batch_ids in loader for i in batch_ids]
-        pathlib.Path(out_dir, f"rank{rank}").write_text(" ".join(map(str, ids)))
+        result: dict[str, object] = {"share": (loader.rank, loader.world_size)}
+        with loader:
+            result["ids"] = [int(i) for _, _, batch in loader for i in batch]
+        try:
+            next(iter(single))
+            result["explicit"] = "streamed"
+        except InvalidArgumentError as exc:
+            result["explicit"] = str(exc)
+        # Rank 0 alone, e.g. to evaluate on one process: a group of one streams everything.
+        alone = dist.new_group([0])
+        if rank == 0:
+            solo = RemoteLoader(address, process_group=alone, **options)  # type: ignore[arg-type]
+            result["solo"] = [int(i) for _, _, batch in solo for i in batch]
+        pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()

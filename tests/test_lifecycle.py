@@ -3,6 +3,7 @@ health before the server is ready."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import grpc
@@ -17,7 +18,9 @@ from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, ServerConfig
 
 
-def test_ranks_come_from_torch_distributed(server: BatchwireServer, tmp_path: pathlib.Path) -> None:
+def test_ranks_come_from_torch_distributed_when_a_pass_starts(
+    server: BatchwireServer, tmp_path: pathlib.Path
+) -> None:
     init_file = str(tmp_path / "ddp-init")
     mp.start_processes(
         stream_rank,
@@ -26,12 +29,16 @@ def test_ranks_come_from_torch_distributed(server: BatchwireServer, tmp_path: pa
         join=True,
         start_method="spawn",
     )
-    shares = [list(map(int, (tmp_path / f"rank{r}").read_text().split())) for r in range(2)]
-    for rank, share in enumerate(shares):
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
         plan = Plan(num_samples=520, batch_size=20, seed=11, rank=rank, world_size=2)
-        assert share == plan.share().tolist()
-    assert not set(shares[0]) & set(shares[1])
-    assert len(shares[0]) == len(shares[1]) == 260
+        assert result["share"] == [rank, 2]
+        assert result["ids"] == plan.share().tolist()
+        # rank=0, world_size=1 given while torch.distributed says otherwise: refused.
+        assert "torch.distributed is initialized with rank" in result["explicit"]
+    assert not set(results[0]["ids"]) & set(results[1]["ids"])
+    assert len(results[0]["ids"]) == len(results[1]["ids"]) == 260
+    assert results[0]["solo"] == Plan(num_samples=520, batch_size=20, seed=11).share().tolist()
 
 
 def test_a_server_that_goes_away_mid_epoch_raises_in_the_loop(data_dir: pathlib.Path) -> None:

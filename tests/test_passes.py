@@ -1,0 +1,213 @@
+"""What a pass is, what a state holds, and the loader's life cycle, against a real server.
+
+The rule (README: Training frameworks): each iter() is a pass. After load_state_dict
+it resumes the saved epoch at the saved position; after set_epoch(e) it starts epoch
+e; otherwise it starts the epoch after the previous pass's, complete or not.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+import torch.utils.data
+
+from batchwire.client import BatchwireError, InvalidArgumentError, RemoteLoader
+from batchwire.common.sampler import Plan
+from batchwire.server import BatchwireServer
+
+BATCH = 40  # 520 samples: 13 batches on one rank, 6 on each of two
+
+
+def make(server: BatchwireServer, **kwargs: object) -> RemoteLoader:
+    options: dict[str, object] = {
+        "dataset": "shapes",
+        "pipeline": "val",
+        "batch_size": BATCH,
+        "return_ids": True,
+        "params": {"size": 32},
+        "seed": 7,
+    }
+    options.update(kwargs)
+    return RemoteLoader(server.target, **options)  # type: ignore[arg-type]
+
+
+def expected(epoch: int, rank: int = 0, world_size: int = 1) -> list[int]:
+    plan = Plan(
+        num_samples=520, batch_size=BATCH, seed=7, epoch=epoch, rank=rank, world_size=world_size
+    )
+    return plan.share().tolist()
+
+
+def ids_of(iterable: object) -> list[int]:
+    return [int(i) for _, _, batch in iterable for i in batch]  # type: ignore[attr-defined]
+
+
+def take(iterator: object, batches: int) -> list[int]:
+    return [int(i) for _ in range(batches) for i in next(iterator)[2]]  # type: ignore[call-overload]
+
+
+def test_each_iter_is_a_pass_and_a_pass_left_early_counts(server: BatchwireServer) -> None:
+    loader = make(server)
+    for _ in range(3):
+        iter(loader)  # never advanced: no pass
+    first = iter(loader)
+    assert take(first, 2) == expected(0)[: 2 * BATCH]
+    assert ids_of(loader) == expected(1)  # a new pass: the next epoch, complete
+    with pytest.raises(BatchwireError, match="newer iter") as caught:
+        next(first)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ids_of(loader) == expected(2)
+    loader.close()
+
+
+def test_set_epoch_chooses_the_next_pass(server: BatchwireServer) -> None:
+    loader = make(server)
+    loader.set_epoch(5)
+    assert loader.epoch == 5
+    head = take(iter(loader), 1)
+    loader.set_epoch(5)  # no state was loaded: epoch 5 again, from its start
+    assert ids_of(loader) == expected(5)
+    assert head == expected(5)[:BATCH]
+    assert loader.epoch == 6
+    loader.close()
+
+
+def test_a_state_saved_on_one_rank_loads_on_every_rank(server: BatchwireServer) -> None:
+    saver = make(server, rank=0, world_size=2)
+    saver.set_epoch(1)
+    iterator = iter(saver)
+    take(iterator, 2)
+    state = saver.state_dict()
+    saver.close()
+    assert (state["epoch"], state["cursor"], state["world_size"]) == (1, 2 * BATCH, 2)
+    for rank in range(2):
+        resumed = make(server, rank=rank, world_size=2)
+        resumed.load_state_dict(state)
+        assert ids_of(resumed) == expected(1, rank, 2)[2 * BATCH :]
+        assert ids_of(resumed) == expected(2, rank, 2)
+        resumed.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dataset": "other"}, "dataset='other'"),
+        ({"seed": 8}, "seed=8"),
+        ({"batch_size": 20}, "batch_size=20"),
+        ({"world_size": 4}, "world_size=4"),
+        ({"shuffle": False}, "shuffle=False"),
+        ({"version": 99}, "state version 99"),
+    ],
+)
+def test_a_state_of_another_job_is_refused(
+    server: BatchwireServer, change: dict[str, object], message: str
+) -> None:
+    state = {**make(server).state_dict(), **change}
+    with pytest.raises(InvalidArgumentError, match=message):
+        make(server).load_state_dict(state)
+
+
+def test_a_cursor_outside_the_share_is_refused_when_the_pass_starts(
+    server: BatchwireServer,
+) -> None:
+    loader = make(server)
+    loader.load_state_dict({**loader.state_dict(), "cursor": 10_000})
+    with pytest.raises(InvalidArgumentError, match="start must be a cursor"):
+        next(iter(loader))
+
+
+def test_a_state_after_the_last_batch_resumes_an_empty_rest_then_the_next_epoch(
+    server: BatchwireServer,
+) -> None:
+    loader = make(server)
+    iterator = iter(loader)
+    whole = take(iterator, len(loader))  # the last batch, not yet StopIteration
+    during = loader.state_dict()
+    assert list(iterator) == []
+    after = loader.state_dict()
+    assert whole == expected(0)
+    assert (during["epoch"], during["cursor"]) == (0, 13 * BATCH)
+    assert (after["epoch"], after["cursor"]) == (1, 0)
+    resumed = make(server)
+    resumed.load_state_dict(during)
+    assert ids_of(resumed) == []
+    assert ids_of(resumed) == expected(1)
+    resumed.load_state_dict(after)
+    assert ids_of(resumed) == expected(1)
+
+
+def test_a_loader_pickles_and_its_copy_streams_the_same(server: BatchwireServer) -> None:
+    loader = make(server)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert ids_of(copy) == expected(0)
+    assert ids_of(loader) == expected(0)  # a copy has a position of its own
+    assert ids_of(copy) == expected(1)
+
+
+def test_spawned_dataloader_workers_deliver_advancing_epochs(server: BatchwireServer) -> None:
+    loader = make(server)
+    data = torch.utils.data.DataLoader(
+        loader,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        persistent_workers=True,  # spawned once: each spawn imports torch anew
+    )
+    assert ids_of(data) == expected(0)
+    assert ids_of(data) == expected(1)
+    with pytest.raises(InvalidArgumentError, match="StatefulDataLoader"):
+        loader.state_dict()  # the position is in the workers: refused, not guessed
+    loader.set_epoch(4)
+    assert loader.state_dict()["epoch"] == 4
+
+
+def test_close_stops_and_joins_the_readers(server: BatchwireServer) -> None:
+    loader = make(server, prefetch=4, lanes=3)
+    iterator = iter(loader)
+    take(iterator, 1)
+    assert any(t.name.startswith("batchwire-lane") for t in threading.enumerate())
+    loader.close()
+    assert not any(t.name.startswith("batchwire-lane") for t in threading.enumerate())
+    with pytest.raises(BatchwireError, match="close") as caught:
+        next(iterator)
+    assert caught.value.code == grpc.StatusCode.CANCELLED
+    assert len(ids_of(loader)) == 13 * BATCH  # a closed loader iterates again
+
+
+SCRIPTS = {
+    "iterator left running": "iterator = iter(loader); next(iterator)",
+    "closed under a live iterator": "iterator = iter(loader); next(iterator); loader.close()",
+    "DataLoader workers left running": (
+        "import torch.utils.data as d\n"
+        "iterator = iter(d.DataLoader(loader, batch_size=None, num_workers=2))\n"
+        "next(iterator)"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_process_exits_cleanly_whatever_it_leaves_running(
+    server: BatchwireServer, tmp_path: pathlib.Path, name: str
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys\n"
+        "from batchwire.client import RemoteLoader\n"
+        "loader = RemoteLoader(sys.argv[1], dataset='shapes', pipeline='train', batch_size=64,\n"
+        "                      params={'size': 32}, prefetch=4)\n" + SCRIPTS[name] + "\n"
+    )
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(script), server.target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]
