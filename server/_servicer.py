@@ -4,6 +4,9 @@ Blocking work (LMDB reads, DALI runs, building messages) runs on a bounded
 thread pool; the event loop only awaits it and writes to the wire, so a slow
 client holds back only its own stream (the next batch is not computed until
 the previous one is written).
+
+A client that cancels its stream (or closes its channel, or exits) is normal
+operation: the stream ends with one INFO line, ``status=CANCELLED``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -50,6 +53,8 @@ _DTYPES = {
     pb.FLOAT32: "float32",
 }
 _LAYOUTS = {pb.LAYOUT_UNSPECIFIED: "NCHW", pb.NCHW: "NCHW", pb.NHWC: "NHWC"}
+# How long a stream whose write failed waits for gRPC to report the client gone (see write).
+_HANGUP_NOTICE_S = 5.0
 
 
 def status_for(exc: Exception) -> grpc.StatusCode:
@@ -179,6 +184,22 @@ def _next_encoded(stream: BatchStream, max_message_bytes: int) -> EncodedBatch |
     return None if batch is None else encode_parts(batch, max_message_bytes)
 
 
+async def write(context: grpc.aio.ServicerContext, message: bytes) -> None:
+    """Write one message of a stream; returns once gRPC has taken it.
+
+    A write fails (``grpc.aio.InternalError``) when the call ended under it, nearly
+    always because the client went away mid-message; gRPC reports that a moment later
+    by cancelling the handler's task. The write waits for that cancellation: raised
+    first, gRPC would log the failure at ERROR with a traceback. A failed write that
+    no cancellation follows is a real error and is raised.
+    """
+    try:
+        await context.write(message)
+    except grpc.aio.InternalError:
+        await asyncio.sleep(_HANGUP_NOTICE_S)  # cancelled here when the client went away
+        raise
+
+
 def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> PreprocessRequest:
     """Convert a Preprocess request; anything malformed is InvalidRequest."""
     check_message(request)
@@ -232,7 +253,7 @@ def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
         "StreamBatches": grpc.unary_stream_rpc_method_handler(
             servicer.StreamBatches,
             request_deserializer=_tolerant(pb.StreamBatchesRequest.FromString),
-            response_serializer=None,  # StreamBatches yields encoded bytes (encode_parts)
+            response_serializer=None,  # StreamBatches writes encoded bytes (encode_parts)
         ),
         "Preprocess": grpc.unary_unary_rpc_method_handler(
             servicer.Preprocess,
@@ -328,7 +349,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
 
     async def StreamBatches(
         self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.Batch]:
+    ) -> None:
+        # Writes with context.write rather than yielding: a client's hang-up then
+        # reaches this handler (as CancelledError, see write) instead of gRPC's write
+        # loop, and this handler's cleanup runs in its own task rather than when an
+        # abandoned generator is garbage-collected.
         loop = asyncio.get_running_loop()
         try:
             stream_request = request_from_proto(request)
@@ -387,18 +412,18 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                     break
                 metrics.produced(time.perf_counter() - computing, encoded.skipped)
                 # Counted when handed to gRPC: a client can hold the batch (and hang up)
-                # before this generator resumes after its last yield.
+                # before this handler resumes after its last write.
                 sent += encoded.samples
                 batches += 1
                 metrics.sent(encoded.samples, encoded.nbytes)
-                waited = 0.0  # each yield returns once gRPC has taken the message
+                waited = 0.0  # each write returns once gRPC has taken the message
                 try:
                     for message in encoded.messages:
                         writing = time.perf_counter()
-                        yield message
+                        await write(context, message)
                         waited += time.perf_counter() - writing
                 finally:
-                    # Also when the client hangs up before this generator resumes after
+                    # Also when the client hangs up before this handler resumes after
                     # the batch's last message, as the batch is counted sent above.
                     metrics.waited(waited)
             status = "OK"
