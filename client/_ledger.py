@@ -63,6 +63,21 @@ class Record:
         return cls(epoch, cursor, bool(fresh), pass_id, bool(in_workers), version)
 
 
+_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
+
+
+def _settle_before_fork() -> None:
+    # A forked DataLoader worker shares the ledger its parent has open. A copy that its
+    # parent never opened (unpickled in a spawned DDP rank, say) would lead the worker
+    # to the file the copy came from, another process's: open them all here first.
+    for ledger in list(_ledgers):
+        with contextlib.suppress(Exception):
+            ledger._handle()
+
+
+os.register_at_fork(before=_settle_before_fork)
+
+
 def _remove(path: str, owner: int) -> None:
     # Finalizers are inherited by forked children: only the creator removes the file.
     if os.getpid() == owner:
@@ -75,6 +90,7 @@ class Ledger:
 
     def __init__(self, initial: Record | None = None) -> None:
         self._create(initial or Record())
+        _ledgers.add(self)
 
     def _create(self, initial: Record) -> None:
         fd, self._path = tempfile.mkstemp(prefix="batchwire-loader-", dir=_DIR)
@@ -142,3 +158,4 @@ class Ledger:
         self._fd = -1
         self._pid = self._owner = -1
         self._finalizer = weakref.finalize(self, _remove, self._path, -1)  # not ours: no-op
+        _ledgers.add(self)

@@ -410,10 +410,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         info = self._describe()
         mean, std = self._stats(info)
         worker = worker_id()
+        lanes = self._lanes or len(self._servers.servers())
         with self._ledger.update() as record:
             epoch, start = (record.epoch, record.cursor) if record.fresh else (record.epoch + 1, 0)
             plan = self._plan(share, epoch, start)  # validates a loaded cursor
-            lanes = self._lanes or len(self._servers.servers())
             stream_pass = StreamPass(
                 epoch=epoch,
                 start=start,

@@ -150,6 +150,16 @@ def test_a_loader_pickles_and_its_copy_streams_the_same(server: BatchwireServer)
     assert ids_of(copy) == expected(1)
 
 
+def test_a_copy_keeps_its_dataloader_workers_to_itself(server: BatchwireServer) -> None:
+    # As in a spawned DDP rank: a copy of the loader, then forked DataLoader workers.
+    loader = make(server)
+    copy = pickle.loads(pickle.dumps(loader))
+    data = torch.utils.data.DataLoader(copy, batch_size=None, num_workers=2)
+    assert ids_of(data) == expected(0)
+    assert ids_of(data) == expected(1)
+    assert loader.state_dict()["epoch"] == 0  # the original's position is its own
+
+
 def test_spawned_dataloader_workers_deliver_advancing_epochs(server: BatchwireServer) -> None:
     loader = make(server)
     data = torch.utils.data.DataLoader(
