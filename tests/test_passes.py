@@ -7,6 +7,7 @@ e; otherwise it starts the epoch after the previous pass's, complete or not.
 
 from __future__ import annotations
 
+import io
 import pathlib
 import pickle
 import subprocess
@@ -15,6 +16,7 @@ import threading
 
 import grpc
 import pytest
+import torch
 import torch.utils.data
 
 from batchwire.client import BatchwireError, InvalidArgumentError, RemoteLoader
@@ -83,8 +85,12 @@ def test_a_state_saved_on_one_rank_loads_on_every_rank(server: BatchwireServer) 
     saver.set_epoch(1)
     iterator = iter(saver)
     take(iterator, 2)
-    state = saver.state_dict()
+    # Through a checkpoint file: plain data, loadable with torch.load's weights_only default.
+    buffer = io.BytesIO()
+    torch.save(saver.state_dict(), buffer)
     saver.close()
+    buffer.seek(0)
+    state = torch.load(buffer)
     assert (state["epoch"], state["cursor"], state["world_size"]) == (1, 2 * BATCH, 2)
     for rank in range(2):
         resumed = make(server, rank=rank, world_size=2)
