@@ -104,51 +104,34 @@ def assert_cancelled_once(caplog: pytest.LogCaptureFixture, epoch: int) -> None:
     assert "status=CANCELLED" in record.getMessage()
 
 
-@pytest.mark.parametrize("messages", [1, 2, 3])
-def test_cancel_in_the_middle_of_a_batch(
+@pytest.mark.parametrize(
+    ("how", "batch", "messages"),
+    [
+        # Mid-batch: the server is writing (or about to write) the batch's next part when
+        # the client leaves, so its write fails before gRPC reports the client gone.
+        ("cancel", BIG_BATCH, 1),
+        ("cancel", BIG_BATCH, 2),
+        ("cancel", BIG_BATCH, 3),
+        ("cancel", SMALL_BATCH, 1),  # after a whole batch
+        ("close the channel", BIG_BATCH, 1),
+        ("close the channel", BIG_BATCH, 3),
+    ],
+)
+def test_a_client_leaving_mid_stream(
     quiet_server: BatchwireServer,
     caplog: pytest.LogCaptureFixture,
     capfd: pytest.CaptureFixture[str],
-    messages: int,
-) -> None:
-    # The server is writing (or about to write) the batch's next part when the
-    # cancellation arrives: its write fails before gRPC reports the client gone.
-    epoch = next(_epochs)
-    with channel(quiet_server) as ch:
-        call = stream(ch, epoch, BIG_BATCH)
-        for _ in range(messages):
-            next(call)
-        call.cancel()
-    assert_cancelled_once(caplog, epoch)
-    assert_quiet(quiet_server, caplog, capfd)
-
-
-def test_cancel_after_the_first_batch(
-    quiet_server: BatchwireServer,
-    caplog: pytest.LogCaptureFixture,
-    capfd: pytest.CaptureFixture[str],
-) -> None:
-    epoch = next(_epochs)
-    with channel(quiet_server) as ch:
-        call = stream(ch, epoch, SMALL_BATCH)
-        next(call)
-        call.cancel()
-    assert_cancelled_once(caplog, epoch)
-    assert_quiet(quiet_server, caplog, capfd)
-
-
-@pytest.mark.parametrize("messages", [1, 3])
-def test_close_the_channel_mid_stream(
-    quiet_server: BatchwireServer,
-    caplog: pytest.LogCaptureFixture,
-    capfd: pytest.CaptureFixture[str],
+    how: str,
+    batch: int,
     messages: int,
 ) -> None:
     epoch = next(_epochs)
     ch = channel(quiet_server)
-    call = stream(ch, epoch, BIG_BATCH)
+    call = stream(ch, epoch, batch)
     for _ in range(messages):
         next(call)
+    if how == "cancel":
+        call.cancel()
     ch.close()
     assert_cancelled_once(caplog, epoch)
     assert_quiet(quiet_server, caplog, capfd)
