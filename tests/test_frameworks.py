@@ -623,3 +623,49 @@ def test_stateful_dataloader_resumes_from_its_own_state(
     del second
     second_remote.close()
     checks.verify()
+
+
+def test_lightning_epochs_cut_short_each_start_the_next_data_epoch(
+    server: BatchwireServer, tmp_path: pathlib.Path
+) -> None:
+    """limit_train_batches leaves every pass early: the next trainer epoch still gets the
+    next data epoch from its start, not the rest of the one that was cut."""
+    import lightning.pytorch as pl
+
+    seen: list[list[int]] = []
+
+    class Recorded(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            images, labels, ids = batch
+            seen.append(ids.tolist())
+            features = images.flatten(1).float().mean(1, keepdim=True)
+            return torch.nn.functional.mse_loss(self.head(features).squeeze(1), labels.float())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        limit_train_batches=5,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
+    remote = local_loader(server, pipeline="train")
+    trainer.fit(Recorded(), train_dataloaders=remote)
+    remote.close()
+    checks = Checks(world=1, batch=LOCAL_BATCH)
+    for epoch in range(3):
+        checks.batches(
+            f"trainer epoch {epoch}", seen[5 * epoch : 5 * epoch + 5], local_plan(epoch)[:5]
+        )
+    checks.true(len(seen) == 15, f"{len(seen)} batches trained, not 15")
+    checks.verify()

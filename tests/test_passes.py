@@ -8,6 +8,7 @@ e; otherwise it starts the epoch after the previous pass's, complete or not.
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
 import subprocess
@@ -218,7 +219,8 @@ def test_a_process_exits_cleanly_whatever_it_leaves_running(
         "loader = RemoteLoader(sys.argv[1], dataset='shapes', pipeline='train', batch_size=64,\n"
         "                      params={'size': 32}, prefetch=4)\n" + SCRIPTS[name] + "\n"
     )
-    for _ in range(2):
+    # CI runs each twice; BATCHWIRE_EXIT_RUNS=20 makes it a soak.
+    for _ in range(int(os.environ.get("BATCHWIRE_EXIT_RUNS", "2"))):
         done = subprocess.run(
             [sys.executable, str(script), server.target],
             capture_output=True,

@@ -146,7 +146,7 @@ def test_server_side_float_output_equals_client_normalization(server: BatchwireS
     assert client_side.mean().abs() < 2.0
 
 
-def test_dataloader_workers_split_lanes_and_keep_the_order(server: BatchwireServer) -> None:
+def test_dataloader_workers_keep_the_order(server: BatchwireServer) -> None:
     remote = loader(server, pipeline="val", seed=4)
     expected = Plan(num_samples=520, batch_size=32, seed=4).share().tolist()
     data = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=2)
