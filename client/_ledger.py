@@ -40,9 +40,10 @@ class Record:
 
     ``fresh`` set: the next pass starts exactly at ``(epoch, cursor)`` (a new
     loader, ``set_epoch``, ``load_state_dict``, or a pass that ran to its end).
-    ``fresh`` clear: a pass of ``epoch`` began (pass ``pass_id``); the next one
-    starts the epoch after it. ``in_workers``: that pass ran in a DataLoader
-    worker, so this process cannot know how far training got.
+    ``fresh`` clear: a pass of ``epoch`` began; the next one starts the epoch
+    after it. ``pass_id`` names the pass that began last (0: none since a
+    directive). ``in_workers``: that pass ran in a DataLoader worker, so this
+    process cannot know how far training got.
     """
 
     epoch: int = 0

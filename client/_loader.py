@@ -78,7 +78,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     that disagree with an initialized ``torch.distributed`` raise.
 
     Each ``iter()`` is a pass: after ``load_state_dict`` it resumes the saved
-    epoch at the saved position; after ``set_epoch(e)`` it starts epoch ``e``
+    epoch at the saved position (the end of an epoch is the start of the next);
+    after ``set_epoch(e)`` it starts epoch ``e``
     (keeping the position of a loaded state of epoch ``e``); otherwise it starts
     the epoch after the previous pass's, whether that pass ran to its end or
     was left early. A pass begins when its iterator is first advanced, and
@@ -197,6 +198,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._pid = -1
         self._ledger = Ledger()
         self._pass: StreamPass | None = None
+        # load_state_dict ran in this DataLoader worker: see _begin.
+        self._loaded_in_worker = False
 
     # -- dataset facts -----------------------------------------------------------------
 
@@ -327,7 +330,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """(epoch, cursor) after the last batch handed out, or where the next pass starts."""
         record = self._ledger.read()
         current = self._pass
-        if current is not None and not record.fresh and record.pass_id == current.id:
+        if current is not None and record.pass_id == current.id:
+            if current.cursor == current.share_size:
+                return current.epoch + 1, 0  # after the last batch: see _begin
             return current.epoch, current.cursor
         if record.fresh:
             return record.epoch, record.cursor
@@ -395,11 +400,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         if epoch < 0 or cursor < 0:
             raise _invalid(f"state has epoch={epoch}, cursor={cursor}; both must be >= 0")
-        if worker_id() not in (None, 0):
+        worker = worker_id()
+        if worker not in (None, 0):
             return  # workers other than 0 stream nothing (see the class docstring)
         with self._ledger.update() as record:
             record.epoch, record.cursor, record.fresh = epoch, cursor, True
             record.pass_id, record.in_workers = 0, False
+        self._loaded_in_worker = worker is not None
         self.skipped_ids = []
 
     def _begin(self, share: _Share) -> StreamPass:
@@ -411,12 +418,24 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         mean, std = self._stats(info)
         worker = worker_id()
         lanes = self._lanes or len(self._servers.servers())
+        # A state that StatefulDataLoader loaded in this worker is for the pass made right
+        # after it here, which uses it up only by running to its end: torchdata primes
+        # the prefetch of a restored iterator before it finds the state was of a finished
+        # pass and starts another, and that discarded pass must not count.
+        tentative, self._loaded_in_worker = self._loaded_in_worker, False
         with self._ledger.update() as record:
             epoch, start = (record.epoch, record.cursor) if record.fresh else (record.epoch + 1, 0)
             plan = self._plan(share, epoch, start)  # validates a loaded cursor
+            if 0 < plan.share_size == start:
+                # The end of an epoch is the start of the next: frameworks that count
+                # batches by len() (Lightning) never ask past the last one, so their
+                # checkpoint at an epoch's end is this, and the next pass is a new epoch.
+                epoch, start = epoch + 1, 0
+                plan = self._plan(share, epoch, start)
             stream_pass = StreamPass(
                 epoch=epoch,
                 start=start,
+                share_size=plan.share_size,
                 num_batches=plan.num_batches,
                 batch_size=self.batch_size,
                 lanes=lanes,
@@ -429,7 +448,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 retry_timeout=self.retry_timeout,
                 timeout=self.timeout,
             )
-            record.epoch, record.cursor, record.fresh = epoch, start, False
+            if not tentative:
+                record.epoch, record.cursor, record.fresh = epoch, start, False
             record.pass_id, record.in_workers = stream_pass.id, worker is not None
         if start == 0:
             self.skipped_ids = []
@@ -441,7 +461,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """A pass that ran to its end: the next one starts the following epoch."""
         stream_pass.ended = True
         with self._ledger.update() as record:
-            if record.pass_id == stream_pass.id and not record.fresh:
+            if record.pass_id == stream_pass.id:
                 record.epoch, record.cursor, record.fresh = stream_pass.epoch + 1, 0, True
 
     # -- iteration ---------------------------------------------------------------------
@@ -587,6 +607,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             state[key] = None
         state["_channels"] = {}
         state["_pid"] = -1
+        state["_loaded_in_worker"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

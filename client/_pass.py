@@ -54,7 +54,7 @@ def _stop_everything() -> None:
 class StreamPass:
     """Batches ``first .. num_batches-1`` of one pass, from ``lanes`` lane readers.
 
-    ``epoch``, ``start`` and ``num_batches`` describe the pass; ``cursor`` is the
+    ``epoch``, ``start``, ``share_size`` and ``num_batches`` describe the pass; ``cursor`` is the
     position after the last batch handed out (kept by the caller). ``take(k)``
     blocks for at most ``timeout`` seconds.
     """
@@ -64,6 +64,7 @@ class StreamPass:
         *,
         epoch: int,
         start: int,
+        share_size: int,
         num_batches: int,
         batch_size: int,
         lanes: int,
@@ -79,6 +80,7 @@ class StreamPass:
         self.id = secrets.randbits(62) + 1  # names the pass in the ledger; 0 is none
         self.epoch = epoch
         self.start = self.cursor = start
+        self.share_size = share_size
         self.first = start // batch_size
         self.num_batches = num_batches
         self.ended = False

@@ -363,8 +363,11 @@ def test_lightning_epochs_follow_the_plan(
     checks.verify()
 
 
-CHECKPOINT_EVERY = 5  # train steps: checkpoints at global steps 5, 10, 15, 20
-KILL_AT_STEP = 23  # in train epoch 1 (global steps 16-31), 3 steps after the checkpoint at 20
+# (checkpoint every N train steps, kill at step, the last checkpoint's step, its epoch). An
+# epoch is 16 steps. Mid-epoch: checkpoints at 5..20, killed at 23, 3 steps after the one
+# at 20, 4 batches into epoch 1. At an epoch's end: the checkpoint at step 16 is taken
+# after epoch 0's last batch, which Lightning (counting by len) never asks beyond.
+CUTS = {"mid-epoch": (5, 23, 20, 1), "epoch-end": (16, 19, 16, 0)}
 
 
 def latest_checkpoint(directory: pathlib.Path) -> tuple[pathlib.Path, int] | None:
@@ -379,31 +382,43 @@ def latest_checkpoint(directory: pathlib.Path) -> tuple[pathlib.Path, int] | Non
     return path, step
 
 
-@pytest.mark.parametrize("variant", ["loader", "stateful-0", "stateful-2"])
-def test_lightning_resumes_mid_epoch_exactly(
-    server: BatchwireServer, tmp_path: pathlib.Path, variant: str
+@pytest.mark.parametrize(
+    ("variant", "cut"),
+    [
+        ("loader", "mid-epoch"),
+        ("stateful-0", "mid-epoch"),
+        ("stateful-2", "mid-epoch"),
+        ("loader", "epoch-end"),
+        ("stateful-2", "epoch-end"),
+    ],
+)
+def test_lightning_resumes_exactly(
+    server: BatchwireServer, tmp_path: pathlib.Path, variant: str, cut: str
 ) -> None:
-    """A job killed 3 steps after a checkpoint in epoch 1, fitted again from it: what was
-    trained up to the checkpoint and after the resume is epochs 0 and 1, once, on each rank.
+    """A job killed a few steps after a checkpoint, fitted again from it: what was trained
+    up to the checkpoint and after the resume is epochs 0 and 1, once, on each rank.
     (A plain DataLoader is not checkpointed by Lightning, so it is not resumed here.)"""
+    every, kill_at, expected_step, expected_epoch = CUTS[cut]
     args = [*common_args(server), *LIGHTNING_VARIANTS[variant]]
     first = torchrun(
         "lightning_job.py",
         tmp_path,
         *args,
         "--checkpoint-every",
-        str(CHECKPOINT_EVERY),
+        str(every),
         "--kill-at-step",
-        str(KILL_AT_STEP),
+        str(kill_at),
     )
     checks = Checks()
     check_killed(checks, tmp_path, "first", first)
     found = latest_checkpoint(tmp_path / "checkpoints")
     assert found is not None, f"no checkpoint in {tmp_path / 'checkpoints'}{first.tail()}"
     checkpoint, checkpoint_step = found
-    assert checkpoint_step == 20, f"latest checkpoint {checkpoint.name}{first.tail()}"
-    # len(loader) is 16 batches of a 2-rank share: step 20 is 4 batches into epoch 1.
-    checks.true("epoch=1" in checkpoint.name, f"the checkpoint at step 20 is {checkpoint.name}")
+    assert checkpoint_step == expected_step, f"latest checkpoint {checkpoint.name}{first.tail()}"
+    checks.true(
+        f"epoch={expected_epoch}" in checkpoint.name,
+        f"the checkpoint at step {expected_step} is {checkpoint.name}",
+    )
 
     second = torchrun(
         "lightning_job.py", tmp_path, *args, "--records", "resumed", "--resume", str(checkpoint)
@@ -594,7 +609,8 @@ def test_stateful_dataloader_resumes_from_its_own_state(
     server: BatchwireServer, workers: int, cut: int | str
 ) -> None:
     """A StatefulDataLoader's state after ``cut`` batches (or after the pass ended) resumes a
-    new one exactly: the rest of epoch 0 (nothing, after the last batch), then epoch 1."""
+    new one exactly: the rest of epoch 0, then epoch 1. After the last batch, with or
+    without StopIteration, the state is the start of epoch 1 (see test_passes)."""
     whole = local_plan(0)
     first_remote = local_loader(server)
     first = StatefulDataLoader(first_remote, batch_size=None, num_workers=workers)
@@ -613,9 +629,10 @@ def test_stateful_dataloader_resumes_from_its_own_state(
     resumed = one_pass(second)
     after = one_pass(second)
     checks = Checks(world=1, batch=LOCAL_BATCH)
-    if cut == "finished":
+    if cut in ("finished", len(whole)):
         checks.batches("the pass before the state", head, whole)
-        checks.batches("the pass after loading a finished pass's state", resumed, local_plan(1))
+        checks.batches("the pass after loading a state at the epoch's end", resumed, local_plan(1))
+        checks.batches("the pass after that", after, local_plan(2))
     else:
         checks.batches(f"the first {cut} batches", head, whole[:cut])
         checks.batches(f"the pass after loading the state after {cut}", resumed, whole[cut:])
