@@ -332,13 +332,18 @@ def test_source_without_a_decodable_image_is_an_error_and_leaves_nothing(
 def test_interrupted_ingest_leaves_no_dataset_and_no_temporary_directory(
     tmp_path: pathlib.Path,
 ) -> None:
-    # Symlinks to one photo: cheap to make, and enough that the interrupt lands long before
-    # the end even when this process is not scheduled for seconds (3,000 took 4 s to ingest).
-    count = 20_000
+    count = 3000
     src = build_repeated_tree(tmp_path / "src", count)
     out = tmp_path / "out"
+    # Ctrl-C as in a terminal: a process started in the background by a shell (as a CI
+    # runner may start this one) inherits SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler, so the child sets it itself.
+    ctrl_c = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from batchwire.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "batchwire.cli", "ingest", str(src), str(out), "--name", "big"],
+        [sys.executable, "-c", ctrl_c, "ingest", str(src), str(out), "--name", "big"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=tmp_path,
