@@ -24,7 +24,7 @@ from batchwire.client._frameworks import (
     refuse_accelerate_wrappers,
     worker_id,
 )
-from batchwire.client._ledger import Ledger
+from batchwire.client._ledger import Ledger, Record
 from batchwire.client._normalize import channel_stats
 from batchwire.client._pass import Opener, StreamPass, close_at_exit
 from batchwire.client._reader import Delivery, TransferStats
@@ -312,7 +312,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     @property
     def epoch(self) -> int:
         """The epoch of the pass in progress, or of the next pass if none is."""
-        return int(self._position()[0])
+        return int(self._position(self._ledger.read())[0])
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass starts ``epoch`` (at the loaded position if a loaded state is
@@ -326,9 +326,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             record.epoch, record.cursor, record.fresh = epoch, 0, True
             record.pass_id, record.in_workers = 0, False
 
-    def _position(self) -> tuple[int, int]:
+    def _position(self, record: Record) -> tuple[int, int]:
         """(epoch, cursor) after the last batch handed out, or where the next pass starts."""
-        record = self._ledger.read()
         current = self._pass
         if current is not None and record.pass_id == current.id:
             if current.cursor == current.share_size:
@@ -345,7 +344,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         ``cursor`` is a position in a rank's share of ``epoch``; it is the same on
         every rank, so the state loads on any rank of the job.
         """
-        if worker_id() is None and self._ledger.read().in_workers:
+        record = self._ledger.read()
+        if worker_id() is None and record.in_workers:
             raise _invalid(
                 "this loader's last pass ran in DataLoader worker processes, so this process "
                 "cannot tell how many of its batches training has used. Checkpoint through "
@@ -353,20 +353,26 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 "saves its state_dict() itself), or use num_workers=0, where the server does the "
                 "work all the same"
             )
-        epoch, cursor = self._position()
+        epoch, cursor = self._position(record)
         share = self._share()
         return {
             "version": _STATE_VERSION,
-            "dataset": self.dataset_name,
+            **self._identity(share),
             "pipeline": self.pipeline,
+            "rank": share.rank,
+            "epoch": epoch,
+            "cursor": cursor,
+        }
+
+    def _identity(self, share: _Share) -> dict[str, Any]:
+        """The settings a state must share with a loader to load into it (_IDENTITY)."""
+        return {
+            "dataset": self.dataset_name,
             "batch_size": self.batch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "world_size": share.world_size,
-            "rank": share.rank,
-            "epoch": epoch,
-            "cursor": cursor,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -379,15 +385,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             raise _invalid(
                 f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
             )
-        share = self._share()
-        mine = {
-            "dataset": self.dataset_name,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "world_size": share.world_size,
-        }
+        mine = self._identity(self._share())
         for key in _IDENTITY:
             if state.get(key) != mine[key]:
                 hint = "create the loader with the same settings to resume"
@@ -409,13 +407,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._loaded_in_worker = worker is not None
         self.skipped_ids = []
 
-    def _begin(self, share: _Share) -> StreamPass:
+    def _begin(self, share: _Share, mean: torch.Tensor, std: torch.Tensor) -> StreamPass:
         """Stop the previous pass, claim the next one in the ledger, start its readers."""
         previous, self._pass = self._pass, None
         if previous is not None:
             previous.supersede()
-        info = self._describe()
-        mean, std = self._stats(info)
         worker = worker_id()
         lanes = self._lanes or len(self._servers.servers())
         # A state that StatefulDataLoader loaded in this worker is for the pass made right
@@ -459,7 +455,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
-        stream_pass.ended = True
         with self._ledger.update() as record:
             if record.pass_id == stream_pass.id:
                 record.epoch, record.cursor, record.fresh = stream_pass.epoch + 1, 0, True
@@ -475,9 +470,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         refuse_accelerate_wrappers()
         if worker_id() not in (None, 0):
             return  # worker 0 streams the whole share, in order
-        share = self._share()
-        stream_pass = self._begin(share)
         mean, std = self._stats(self._describe())
+        stream_pass = self._begin(self._share(), mean, std)
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):
                 delivery = stream_pass.take(index)

@@ -79,11 +79,10 @@ class StreamPass:
     ) -> None:
         self.id = secrets.randbits(62) + 1  # names the pass in the ledger; 0 is none
         self.epoch = epoch
-        self.start = self.cursor = start
+        self.cursor = start
         self.share_size = share_size
         self.first = start // batch_size
         self.num_batches = num_batches
-        self.ended = False
         self._lanes = lanes
         self._timeout = timeout
         self._stop = threading.Event()
