@@ -1,19 +1,24 @@
 """Reading ``deploy/`` as Docker, Compose and Kubernetes would, for tests that hold it to the code.
 
-No Docker engine runs in CI, so the files are parsed here: the Dockerfile's final
-stage, compose files merged like ``docker compose -f a.yaml -f b.yaml`` (mappings
-merge, ``!reset`` removes, anything else is replaced) with ``${VAR:-default}``
-interpolated from the defaults, and the Kubernetes manifests.
+Compose files are Compose's to read: ``compose()`` runs ``docker compose -f ... config
+--format json`` (Compose v2; no Docker engine needed) and returns the model Compose
+would run, with files merged, ``!reset`` applied, variables interpolated and short
+syntax normalized. What no Compose command says is parsed here: the Dockerfile's final
+stage (instructions, ARG defaults, ENV) and the Kubernetes manifests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import pathlib
 import re
 import shlex
-from collections.abc import Mapping
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -93,75 +98,71 @@ class Dockerfile:
 
 # -- Compose ---------------------------------------------------------------------------
 
-
-class Reset:
-    """Compose's ``!reset``: remove the value a previous file set."""
-
-
-class _ComposeLoader(yaml.SafeLoader):
-    pass
-
-
-_ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
-_ComposeLoader.add_constructor(
-    "!override",
-    lambda loader, node: (
-        loader.construct_mapping(node, deep=True)
-        if isinstance(node, yaml.MappingNode)
-        else loader.construct_sequence(node, deep=True)
-    ),
+COMPOSE_MISSING = (
+    "Docker Compose v2 not found: deploy/debian-host.sh install-docker installs it (as root)"
 )
+# All Compose sees of the caller's environment: where to find the CLI and its plugins.
+_BASELINE = ("PATH", "HOME", "DOCKER_CONFIG")
 
 
-def load_yaml(path: pathlib.Path) -> Any:
-    return yaml.load(path.read_text(), Loader=_ComposeLoader)  # a SafeLoader subclass
+def _environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    return {**{k: os.environ[k] for k in _BASELINE if k in os.environ}, **(environ or {})}
 
 
-def merge(base: Any, override: Any) -> Any:
-    """Compose's merge of ``-f`` files, as far as deploy/ uses it."""
-    if isinstance(base, Mapping) and isinstance(override, Mapping):
-        merged = dict(base)
-        for key, value in override.items():
-            if isinstance(value, Reset):
-                merged.pop(key, None)
-            else:
-                merged[key] = merge(base.get(key), value)
-        return merged
-    return override
+def _major_version(command: tuple[str, ...]) -> int:
+    """The major version ``COMMAND version --short`` reports; 0 where it fails."""
+    try:
+        done = subprocess.run(
+            [*command, "version", "--short"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=_environment(),
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    match = re.match(r"v?(\d+)\.", done.stdout.strip())
+    return int(match.group(1)) if done.returncode == 0 and match else 0
 
 
-_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+@functools.cache
+def compose_command() -> tuple[str, ...] | None:
+    """``docker compose``, else a ``docker-compose`` v2, from PATH; None where neither works."""
+    docker = shutil.which("docker")
+    standalone = shutil.which("docker-compose")
+    candidates = [(docker, "compose")] if docker else []
+    candidates += [(standalone,)] if standalone else []
+    return next((c for c in candidates if _major_version(c) >= 2), None)
 
 
-def interpolate(value: Any, environ: Mapping[str, str] | None = None) -> Any:
-    """Replace ``${VAR}`` and ``${VAR:-default}`` (from ``environ``, else the default)."""
-    environ = environ or {}
-    if isinstance(value, str):
-        return _VARIABLE.sub(lambda m: environ.get(m.group(1), m.group(2) or ""), value)
-    if isinstance(value, list):
-        return [interpolate(v, environ) for v in value]
-    if isinstance(value, dict):
-        return {k: interpolate(v, environ) for k, v in value.items()}
-    return value
+def compose(
+    *names: str, environ: Mapping[str, str] | None = None, profiles: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``docker compose -f deploy/NAME ... config``: the merged, interpolated, normalized model.
 
-
-def compose(*names: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``docker compose -f deploy/NAME ...`` as one merged, interpolated document."""
-    merged: dict[str, Any] = {}
-    for name in names:
-        merged = merge(merged, load_yaml(DEPLOY / name))
-    return interpolate(merged, environ)
-
-
-def service_environment(service: Mapping[str, Any]) -> dict[str, str]:
-    environment = service.get("environment") or {}
-    if isinstance(environment, list):
-        environment = dict(item.split("=", 1) for item in environment)
-    return {k: str(v) for k, v in environment.items()}
+    Compose sees ``environ`` and nothing of the caller's own variables (BATCHWIRE_*,
+    COMPOSE_*) but PATH, HOME and DOCKER_CONFIG, nor any ``.env`` file.
+    """
+    command = compose_command()
+    if command is None:
+        raise RuntimeError(COMPOSE_MISSING)
+    files = [word for name in names for word in ("-f", f"deploy/{name}")]
+    selected = [word for profile in profiles for word in ("--profile", profile)]
+    done = subprocess.run(
+        [*command, "--env-file", os.devnull, *files, *selected, "config", "--format", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_environment(environ),
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"docker compose config failed ({done.returncode}): {done.stderr}")
+    return json.loads(done.stdout)
 
 
 def duration_seconds(text: str) -> float:
-    """Compose durations: ``40s``, ``1m30s``."""
+    """Compose's (Go's) durations: ``40s``, ``2m0s``, ``1h30m0s``."""
     units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
     parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
     assert parts and "".join(n + u for n, u in parts) == text, f"not a duration: {text!r}"

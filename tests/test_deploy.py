@@ -1,9 +1,12 @@
 """The deploy files agree with the code: flags, paths, ports, probes, grace periods.
 
-No Docker engine or cluster runs in CI, so the files are read (``deployfiles``) and
-every command line in them goes through the real argument parser and the real
-settings resolution (flags > BATCHWIRE_* environment > config file) of
-``batchwire serve``. ``test_ops.py`` runs the container's command line for real.
+Compose itself says what the compose files mean (``docker compose config``: merged,
+interpolated, normalized; no engine needed), and those tests skip where no Docker
+Compose v2 is installed. The Dockerfile, the Kubernetes manifests and prometheus.yml,
+which no Compose command reads, are parsed (``deployfiles``). Every command line in
+them goes through the real argument parser and the real settings resolution (flags >
+BATCHWIRE_* environment > config file) of ``batchwire serve``. ``test_ops.py`` runs
+the container's command line for real.
 """
 
 from __future__ import annotations
@@ -11,20 +14,22 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import yaml
 from deployfiles import (
+    COMPOSE_MISSING,
     DEPLOY,
     K8S,
     ROOT,
     Dockerfile,
     compose,
+    compose_command,
     duration_seconds,
     k8s_documents,
     k8s_object,
-    service_environment,
 )
 
 from batchwire.cli import build_parser
@@ -34,6 +39,8 @@ from batchwire.server._config import load_file
 
 CONFIG_KEYS = {"server", "pipelines"}
 
+Compose = Callable[..., dict[str, Any]]
+
 
 @pytest.fixture(scope="module")
 def image() -> Dockerfile:
@@ -41,8 +48,16 @@ def image() -> Dockerfile:
 
 
 @pytest.fixture(scope="module")
-def service() -> dict[str, Any]:
-    return compose("compose.yaml")["services"]["batchwire"]
+def docker_compose() -> Compose:
+    """``deployfiles.compose``, Compose's model of ``-f deploy/NAME ...``; skips without it."""
+    if compose_command() is None:
+        pytest.skip(COMPOSE_MISSING)
+    return compose
+
+
+@pytest.fixture(scope="module")
+def service(docker_compose: Compose) -> dict[str, Any]:
+    return docker_compose("compose.yaml")["services"]["batchwire"]
 
 
 def serve_args(words: list[str]) -> argparse.Namespace:
@@ -74,8 +89,14 @@ def known_environment_variables() -> set[str]:
 def compose_config(image: Dockerfile, service: dict[str, Any]) -> tuple[argparse.Namespace, Any]:
     """The settings the compose service runs with: image ENV < compose environment < command."""
     args = entrypoint_args(image, service["command"])
-    environ = {**image.env, **service_environment(service)}
+    environ = {**image.env, **service.get("environment", {})}
     return args, resolve_config(args, environ)
+
+
+def gpu_reservations(service: dict[str, Any]) -> list[Any]:
+    """The devices the service reserves (Compose may leave empty mappings out)."""
+    reservations = service.get("deploy", {}).get("resources", {}).get("reservations") or {}
+    return reservations.get("devices", [])
 
 
 # -- Dockerfile ------------------------------------------------------------------------
@@ -126,7 +147,7 @@ def test_image_environment_alone_configures_a_server_on_data(image: Dockerfile) 
 
 
 def test_compose_reserves_a_gpu_and_mounts_data_read_only(service: dict[str, Any]) -> None:
-    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    (device,) = gpu_reservations(service)
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     (volume,) = service["volumes"]
     assert volume["type"] == "bind" and volume["target"] == "/data"
@@ -140,9 +161,10 @@ def test_compose_command_ports_and_healthcheck_agree_with_the_code(
     args, config = compose_config(image, service)
     assert str(config.data_dir) == "/data"
     assert config.metrics_port is not None, "compose must serve /metrics"
-    assert set(service["ports"]) == {
-        f"{config.port}:{config.port}",
-        f"{config.metrics_port}:{config.metrics_port}",
+    published = {(p["target"], p["published"], p["protocol"]) for p in service["ports"]}
+    assert published == {
+        (config.port, str(config.port), "tcp"),
+        (config.metrics_port, str(config.metrics_port), "tcp"),
     }
     test = service["healthcheck"]["test"]
     assert test[:3] == ["CMD", "batchwire", "health"]
@@ -151,49 +173,78 @@ def test_compose_command_ports_and_healthcheck_agree_with_the_code(
     assert duration_seconds(service["stop_grace_period"]) > args.grace, (
         "Docker must wait longer than the server drains"
     )
-    unknown = set(service_environment(service)) - known_environment_variables()
+    unknown = set(service["environment"]) - known_environment_variables()
     assert not unknown, f"compose sets variables no code reads: {unknown}"
 
 
-def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(image: Dockerfile) -> None:
-    service = compose("compose.yaml", "compose.cpu.yaml")["services"]["batchwire"]
-    assert "devices" not in service["deploy"]["resources"]["reservations"]
-    _, config = compose_config(image, service)
+def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(
+    image: Dockerfile, service: dict[str, Any], docker_compose: Compose
+) -> None:
+    cpu = docker_compose("compose.yaml", "compose.cpu.yaml")["services"]["batchwire"]
+    assert gpu_reservations(cpu) == []
+    _, config = compose_config(image, cpu)
     assert config.device == "cpu"
     assert config.devices == ()
     # Everything else is the GPU service's.
-    gpu = compose("compose.yaml")["services"]["batchwire"]
-    assert service["command"] == gpu["command"] and service["volumes"] == gpu["volumes"]
+    assert cpu["command"] == service["command"] and cpu["volumes"] == service["volumes"]
 
 
-def test_compose_secure_override_mounts_every_file_it_names_as_a_secret() -> None:
-    document = compose("compose.yaml", "compose.secure.yaml")
-    service = document["services"]["batchwire"]
-    args = serve_args(service["command"])
-    health = batchwire(service["healthcheck"]["test"][1:])
+def test_compose_secure_override_mounts_every_file_it_names_as_a_secret(
+    service: dict[str, Any], docker_compose: Compose, tmp_path: pathlib.Path
+) -> None:
+    # Compose reads the model without the secret files (an empty directory here).
+    environ = {"BATCHWIRE_SECRETS": str(tmp_path)}
+    document = docker_compose("compose.yaml", "compose.secure.yaml", environ=environ)
+    secure = document["services"]["batchwire"]
+    args = serve_args(secure["command"])
+    health = batchwire(secure["healthcheck"]["test"][1:])
     files = [args.tls_cert, args.tls_key, args.token_file, health.tls_ca]
     assert all(f is not None for f in files)
     assert args.health_open, "the healthcheck sends no token"
+    mounted = {s["target"]: s["source"] for s in secure["secrets"]}
     for path in files:
         assert path.parent == pathlib.PurePosixPath("/run/secrets"), path
-        assert path.name in service["secrets"], f"{path} is not mounted"
-        assert document["secrets"][path.name]["file"], f"secret {path.name} has no file"
+        assert str(path) in mounted, f"{path} is not mounted"
+        host = pathlib.Path(document["secrets"][mounted[str(path)]]["file"])
+        assert host.parent == tmp_path, f"secret {path.name} is not from $BATCHWIRE_SECRETS"
+    # The files the header (and README) name, all of them used.
+    hosts = {pathlib.Path(secret["file"]).name for secret in document["secrets"].values()}
+    assert hosts == {"server.pem", "server.key", "ca.pem", "tokens"}
+    assert set(mounted.values()) == set(document["secrets"])
     # Everything but the security flags is the plain service's command.
-    plain = compose("compose.yaml")["services"]["batchwire"]["command"]
-    assert service["command"][: len(plain)] == plain
+    assert secure["command"][: len(service["command"])] == service["command"]
 
 
 def test_compose_prometheus_scrapes_the_metrics_port(
-    image: Dockerfile, service: dict[str, Any]
+    image: Dockerfile, service: dict[str, Any], docker_compose: Compose
 ) -> None:
-    document = compose("compose.yaml")
+    plain = docker_compose("compose.yaml")["services"]
+    assert "prometheus" not in plain, "Prometheus only starts when asked for"
+    document = docker_compose("compose.yaml", profiles=["metrics"])
     prometheus = document["services"]["prometheus"]
-    assert prometheus["profiles"] == ["metrics"], "Prometheus only starts when asked for"
+    assert prometheus["profiles"] == ["metrics"]
     (mount,) = prometheus["volumes"]
-    scrape = yaml.safe_load((DEPLOY / pathlib.Path(mount["source"]).name).read_text())
+    assert mount["target"] == "/etc/prometheus/prometheus.yml" and mount["read_only"] is True
+    scrape = yaml.safe_load(pathlib.Path(mount["source"]).read_text())
     (job,) = scrape["scrape_configs"]
     _, config = compose_config(image, service)
     assert job["static_configs"][0]["targets"] == [f"batchwire:{config.metrics_port}"]
+
+
+def test_compose_overrides_combine_as_the_readme_documents(
+    image: Dockerfile, docker_compose: Compose
+) -> None:
+    """``-f compose.yaml -f compose.cpu.yaml -f compose.secure.yaml --profile metrics``."""
+    files = ("compose.yaml", "compose.cpu.yaml", "compose.secure.yaml")
+    document = docker_compose(*files, profiles=["metrics"])
+    assert set(document["services"]) == {"batchwire", "prometheus"}
+    service = document["services"]["batchwire"]
+    assert gpu_reservations(service) == []
+    args, config = compose_config(image, service)
+    assert config.device == "cpu"
+    assert args.tls_cert and args.tls_key and args.token_file
+    assert {s["source"] for s in service["secrets"]} == set(document["secrets"])
+    assert "--tls-ca" in service["healthcheck"]["test"]
 
 
 # -- Kubernetes ------------------------------------------------------------------------
