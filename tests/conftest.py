@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+from deployfiles import COMPOSE_MISSING, compose, compose_command
 
 from batchwire.server import BatchwireServer, ServerConfig
 from batchwire.server._dataset import Manifest
@@ -53,3 +55,14 @@ def server(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
     server = start_server(data_dir)
     yield server
     server.stop(grace=1.0)
+
+
+Compose = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="session")
+def docker_compose() -> Compose:
+    """``deployfiles.compose``, Compose's model of ``-f deploy/NAME ...``; skips without it."""
+    if compose_command() is None:
+        pytest.skip(COMPOSE_MISSING)
+    return compose

@@ -14,19 +14,16 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import yaml
+from conftest import Compose
 from deployfiles import (
-    COMPOSE_MISSING,
     DEPLOY,
     K8S,
     ROOT,
     Dockerfile,
-    compose,
-    compose_command,
     duration_seconds,
     k8s_documents,
     k8s_object,
@@ -39,20 +36,10 @@ from batchwire.server._config import load_file
 
 CONFIG_KEYS = {"server", "pipelines"}
 
-Compose = Callable[..., dict[str, Any]]
-
 
 @pytest.fixture(scope="module")
 def image() -> Dockerfile:
     return Dockerfile.read()
-
-
-@pytest.fixture(scope="module")
-def docker_compose() -> Compose:
-    """``deployfiles.compose``, Compose's model of ``-f deploy/NAME ...``; skips without it."""
-    if compose_command() is None:
-        pytest.skip(COMPOSE_MISSING)
-    return compose
 
 
 @pytest.fixture(scope="module")

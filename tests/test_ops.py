@@ -24,13 +24,8 @@ from typing import Any
 
 import pytest
 from certs import make_authority
-from deployfiles import (
-    ROOT,
-    Dockerfile,
-    compose,
-    duration_seconds,
-    service_environment,
-)
+from conftest import Compose
+from deployfiles import ROOT, Dockerfile, duration_seconds
 from processes import serve_process, wait_until_serving
 
 from batchwire.cli import build_parser, main
@@ -80,10 +75,10 @@ def localized(words: list[str], data_dir: pathlib.Path, ports: dict[str, str]) -
 
 @pytest.fixture(scope="module")
 def container(
-    data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+    data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory, docker_compose: Compose
 ) -> Iterator[Container]:
     image = Dockerfile.read()
-    service = compose("compose.yaml")["services"]["batchwire"]
+    service = docker_compose("compose.yaml")["services"]["batchwire"]
     args = build_parser().parse_args([*image.exec_form("ENTRYPOINT")[1:], *service["command"]])
     # Port 0: "any free port"; the process prints the ports it got.
     ports = {str(args.port): "0", str(args.metrics_port): "0"}
@@ -91,7 +86,7 @@ def container(
     assert entrypoint[0] == "batchwire"
     command = [*PYTHON_BATCHWIRE, *entrypoint[1:], *localized(service["command"], data_dir, ports)]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
-    for key, value in {**image.env, **service_environment(service)}.items():
+    for key, value in {**image.env, **service["environment"]}.items():
         environ[key] = localized([value], data_dir, ports)[0]
     log = tmp_path_factory.mktemp("container") / "serve.log"
     with open(log, "w") as stderr:
@@ -322,7 +317,10 @@ def test_json_formatter_keeps_extra_fields_and_tracebacks() -> None:
 
 
 def test_the_secure_compose_variant_serves_tls_and_its_healthcheck_passes(
-    data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+    data_dir: pathlib.Path,
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    docker_compose: Compose,
 ) -> None:
     authority = make_authority(tmp_path, "ops")
     issued = authority.issue("server", hosts=("localhost",))
@@ -333,7 +331,7 @@ def test_the_secure_compose_variant_serves_tls_and_its_healthcheck_passes(
         "batchwire_tokens": tmp_path / "tokens",
     }
     secrets["batchwire_tokens"].write_text("a-token-for-trainers\n")
-    service = compose("compose.yaml", "compose.secure.yaml")["services"]["batchwire"]
+    service = docker_compose("compose.yaml", "compose.secure.yaml")["services"]["batchwire"]
 
     def mounted(words: list[str]) -> list[str]:
         return [
@@ -346,7 +344,7 @@ def test_the_secure_compose_variant_serves_tls_and_its_healthcheck_passes(
         [*image.exec_form("ENTRYPOINT")[1:], *localized(mounted(service["command"]), data_dir, {})]
     )
     args.port, args.host, args.metrics_port = 0, "localhost", 0
-    environ = {**image.env, **service_environment(service), "BATCHWIRE_DATA_DIR": str(data_dir)}
+    environ = {**image.env, **service["environment"], "BATCHWIRE_DATA_DIR": str(data_dir)}
     config = resolve_config(args, environ)
     server = BatchwireServer(config)
     server.start()
