@@ -7,6 +7,7 @@
     batchwire bench --duration 600                      # a long run: memory at start and end
     batchwire bench --reading                           # the server's record path: inline or parallel
     batchwire bench --stages                            # CPU per image of each stage, DALI vs PIL
+    batchwire bench --streams 1,64,256 [--size 64]      # one server under K concurrent streams
 
 Without ``--data-dir``, a dataset of generated ImageNet-sized JPEGs is built once in
 the cache (``~/.cache/batchwire/bench``).
@@ -63,6 +64,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--duration", type=float, help="stream for this many seconds; report memory"
     )
+    parser.add_argument(
+        "--streams",
+        help="K[,K...]: one server under K concurrent streams each (--duration seconds a K, "
+        "default 20): images/s, server threads and RSS, first batch, rate spread",
+    )
+    parser.add_argument("--size", type=int, help="with --streams: the pipeline's output size")
     parser.add_argument(
         "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
     )
@@ -157,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         return _scaling(args)
     if args.reading:
         return _reading(args)
+    if args.streams:
+        return _streams(args)
     if args.stages:
         from batchwire.cli._bench_stages import measure_stages
 
@@ -166,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
     if args.duration:
         return _long_run(args)
     print(
-        "error: give --address, --compare, --messages, --scaling, --reading, --stages "
-        "or --duration",
+        "error: give --address, --compare, --messages, --scaling, --reading, --stages, "
+        "--streams or --duration",
         file=sys.stderr,
     )
     return 2
@@ -449,6 +458,52 @@ def _reading(args: argparse.Namespace) -> int:
         from batchwire.cli._bench_report import write_json
 
         write_json(args.json, {"machine": machine, "reading": rows, "serving": serving_rows})
+    return 0
+
+
+def _streams(args: argparse.Namespace) -> int:
+    """One server of its own under K concurrent streams, for each K given."""
+    from batchwire.cli._bench_runs import LocalServer
+    from batchwire.cli._bench_streams import measure_streams, table
+
+    try:
+        counts = [int(k) for k in args.streams.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        print("error: --streams takes stream counts, e.g. 1,64,256", file=sys.stderr)
+        return 2
+    seconds = args.duration or 20.0
+    data_dir, dataset = _dataset(args)
+    params = {"size": float(args.size)} if args.size else None
+    results = []
+    print(
+        f"{dataset}, pipeline {args.pipeline}, batch {args.batch_size}"
+        f"{f', size {args.size}' if args.size else ''}: {seconds:.0f} s a run, a new server each"
+    )
+    for count in counts:
+        with (
+            tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
+            LocalServer(data_dir, pathlib.Path(work), max_streams=max(64, count + 8)) as server,
+        ):
+            print(f"  {count} streams ...", flush=True)
+            results.append(
+                measure_streams(
+                    server.address,
+                    server.pid,
+                    dataset,
+                    args.pipeline,
+                    args.batch_size,
+                    count,
+                    seconds,
+                    params,
+                )
+            )
+    print(table(results))
+    if args.json:
+        from batchwire.cli._bench_report import write_json
+
+        write_json(args.json, {"machine": _machine(), "streams": [vars(r) for r in results]})
     return 0
 
 

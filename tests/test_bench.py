@@ -154,3 +154,37 @@ def test_stages_times_each_stage_of_dali_and_pil(
     for stage in ("decode, whole image", "all of"):
         assert any(name.startswith(f"DALI {stage}") for name in rows)
         assert any(name.startswith(f"PIL {stage}") for name in rows)
+
+
+def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = tmp_path / "streams.json"
+    args = [
+        "bench",
+        "--streams",
+        "1,3",
+        "--duration",
+        "6",
+        "--data-dir",
+        str(data_dir),
+        "--dataset",
+        "shapes",
+        "--batch-size",
+        "8",
+        "--size",
+        "32",
+        "--json",
+        str(result),
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "K=3 vs K=1: images/s" in out
+    rows = json.loads(result.read_text())["streams"]
+    assert [row["streams"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["refused"] == 0 and row["starved"] == 0, row
+        assert row["images_per_s"] > 0 and row["threads"] > 1 and row["rss_mib"] > 0, row
+        assert 0 <= row["first_p50"] <= row["first_max"] < 6, row
+    assert main(["bench", "--streams", "0"]) == 2
+    assert "--streams takes stream counts" in capsys.readouterr().err

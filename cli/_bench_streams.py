@@ -1,0 +1,206 @@
+"""``batchwire bench --streams K[,K...]``: one server under K concurrent streams.
+
+The clients are raw asyncio gRPC streams in this process (one event loop, no decoding), so
+that what is measured is the server: K streams of one DDP-like job open at once, each on an
+epoch of its own (a stream that ends starts the next epoch). Reported per K:
+
+- aggregate images/s over the second half of the run (the first half is warm-up);
+- the server's threads and resident memory at their peak;
+- the time to each stream's first batch, p50/p99/max, from the moment all were opened (a
+  stream that got none in the whole run counts as "starved" and as infinitely late);
+- the spread of the streams' rates over the second half, as min/median and max/median
+  (starved streams included, at rate 0);
+- streams that ended with an error ("refused").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import pathlib
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["StreamsResult", "measure_streams", "table"]
+
+
+@dataclasses.dataclass
+class StreamsResult:
+    streams: int
+    seconds: float
+    images_per_s: float
+    threads: int
+    rss_mib: float
+    first_p50: float
+    first_p99: float
+    first_max: float
+    spread_min: float  # slowest stream's rate / median rate
+    spread_max: float  # fastest stream's rate / median rate
+    starved: int  # streams that got no batch in the whole run
+    refused: int  # streams that ended with an error (RESOURCE_EXHAUSTED, ...)
+
+
+def _proc_status(pid: int) -> tuple[int, float]:
+    """(threads, resident MiB) of ``pid``."""
+    threads, rss = 0, 0.0
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                threads = int(line.split()[1])
+            elif line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return threads, rss
+
+
+class _PeakSampler:
+    """Peak threads and RSS of a process while the ``with`` block runs."""
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        self._pid = pid
+        self._interval = interval
+        self._stop = threading.Event()
+        self.threads, self.rss_mib = _proc_status(pid)
+        self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            threads, rss = _proc_status(self._pid)
+            self.threads, self.rss_mib = max(self.threads, threads), max(self.rss_mib, rss)
+
+    def __enter__(self) -> _PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _run_streams(
+    address: str, request: dict[str, Any], streams: int, seconds: float
+) -> tuple[list[float | None], list[int], int]:
+    """(first-batch seconds per stream, images per stream in the second half, refused)."""
+    import grpc
+
+    from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
+
+    started = time.perf_counter()
+    half = started + seconds / 2
+    end = started + seconds
+    firsts: list[float | None] = [None] * streams
+    counted = [0] * streams
+    refused = 0
+    options = [("grpc.max_receive_message_length", -1)]
+
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = batchwire_pb2_grpc.BatchwireStub(channel)
+
+        async def one(index: int) -> None:
+            nonlocal refused
+            epoch = index * 1000
+            while time.perf_counter() < end:
+                call = stub.StreamBatches(
+                    batchwire_pb2.StreamBatchesRequest(**request, seed=index, epoch=epoch),
+                    timeout=max(1.0, end - time.perf_counter() + 30),
+                )
+                try:
+                    async for batch in call:
+                        now = time.perf_counter()
+                        if firsts[index] is None:
+                            firsts[index] = now - started
+                        if half <= now < end:
+                            counted[index] += len(batch.ids)
+                        if now >= end:
+                            call.cancel()
+                            return
+                except grpc.aio.AioRpcError as error:
+                    if error.code() == grpc.StatusCode.CANCELLED:
+                        return
+                    refused += 1
+                    return
+                epoch += 1
+
+        tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+        # A stream still waiting for a batch at the end is cancelled then, not waited for.
+        _, late = await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()) + 1)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+    return firsts, counted, refused
+
+
+def measure_streams(
+    address: str,
+    server_pid: int,
+    dataset: str,
+    pipeline: str,
+    batch_size: int,
+    streams: int,
+    seconds: float,
+    params: dict[str, float] | None = None,
+) -> StreamsResult:
+    request: dict[str, Any] = {
+        "dataset": dataset,
+        "pipeline": pipeline,
+        "batch_size": batch_size,
+        "params": params or {},
+    }
+    with _PeakSampler(server_pid) as peak:
+        firsts, counted, refused = asyncio.run(_run_streams(address, request, streams, seconds))
+    window = seconds / 2
+    rates = [images / window for images in counted]
+    late = [first if first is not None else float("inf") for first in firsts]
+    median = statistics.median(rates)
+    return StreamsResult(
+        streams=streams,
+        seconds=seconds,
+        images_per_s=sum(counted) / window,
+        threads=peak.threads,
+        rss_mib=peak.rss_mib,
+        first_p50=_percentile(late, 0.5),
+        first_p99=_percentile(late, 0.99),
+        first_max=max(late),
+        spread_min=min(rates) / median if median else 0.0,
+        spread_max=max(rates) / median if median else 0.0,
+        starved=sum(first is None for first in firsts),
+        refused=refused,
+    )
+
+
+def _seconds(value: float, width: int) -> str:
+    text = "never" if value == float("inf") else f"{value:.2f}s"
+    return f"{text:>{width}}"
+
+
+def table(results: Sequence[StreamsResult]) -> str:
+    lines = [
+        f"{'streams':>7} {'images/s':>9} {'threads':>7} {'RSS MiB':>8} "
+        f"{'first p50':>9} {'p99':>6} {'max':>6} {'rate min/med':>12} {'max/med':>7} "
+        f"{'starved':>7} {'refused':>7}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.streams:>7} {r.images_per_s:>9.0f} {r.threads:>7} {r.rss_mib:>8.0f} "
+            f"{_seconds(r.first_p50, 9)} {_seconds(r.first_p99, 6)} {_seconds(r.first_max, 6)} "
+            f"{r.spread_min:>12.2f} {r.spread_max:>7.2f} {r.starved:>7} {r.refused:>7}"
+        )
+    if len(results) > 1:
+        base = results[0]
+        for r in results[1:]:
+            lines.append(
+                f"K={r.streams} vs K={base.streams}: images/s "
+                f"{r.images_per_s / base.images_per_s if base.images_per_s else 0:.2f}x, "
+                f"threads {r.threads / base.threads if base.threads else 0:.2f}x, "
+                f"RSS {r.rss_mib / base.rss_mib if base.rss_mib else 0:.2f}x"
+            )
+    return "\n".join(lines)
