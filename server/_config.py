@@ -77,6 +77,9 @@ class ServerConfig:
     max_batch_size: int = 1024
     max_streams: int = 64
     max_idle_pipelines: int = 8
+    # Pipelines each device runs for every stream (server/_scheduler.py): they do not
+    # grow with the streams.
+    pipelines_per_device: int = 2
     # Prometheus /metrics on this port (same host as gRPC); None: off, 0: any free port.
     metrics_port: int | None = None
     # Preprocess RPC (inference): images of concurrent requests share DALI
@@ -116,6 +119,7 @@ class ServerConfig:
             (1 <= self.max_batch_size <= 65536, "max_batch_size must be in [1, 65536]"),
             (1 <= self.max_streams <= 4096, "max_streams must be in [1, 4096]"),
             (0 <= self.max_idle_pipelines <= 256, "max_idle_pipelines must be in [0, 256]"),
+            (1 <= self.pipelines_per_device <= 64, "pipelines_per_device must be in [1, 64]"),
             (
                 self.metrics_port is None or 0 <= self.metrics_port <= 65535,
                 "metrics_port must be in [0, 65535] (0: any free port; leave it out for none)",

@@ -15,7 +15,7 @@ import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
 
 import numpy as np
@@ -30,6 +30,7 @@ from batchwire.server._pipelines import BuildContext, OutputSpec, ParamError, Pi
 from batchwire.server._pool import RunnerPool
 from batchwire.server._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
 from batchwire.server._runner import Job, ParallelRunner, PlannedSource, Result, Runner, RunnerKey
+from batchwire.server._scheduler import Scheduler, Ticket
 
 __all__ = ["Batch", "BatchStream", "Engine", "StreamRequest", "read_job"]
 
@@ -112,19 +113,19 @@ def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job:
 
 
 class BatchStream:
-    """The batches of one request, computed by a pooled pipeline.
+    """The batches of one request, computed by the server's pipelines (``Scheduler``).
 
     Iterate it from one thread; :meth:`close` may come from another thread and
-    waits for a batch in progress, then returns the pipeline to the pool.
+    waits for a batch in progress.
     """
 
     def __init__(
         self,
-        release: Callable[[Runner | None], None],
+        release: Callable[[], None],
         draining: Callable[[], bool],
         dataset: Dataset,
         plan: Plan,
-        acquire: Callable[[], Runner],
+        schedule: Callable[[int, Callable[[int], Job]], Ticket],
         normalized: bool,
         layout: str,
         parallel: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
@@ -133,7 +134,7 @@ class BatchStream:
         self._draining = draining
         self._dataset = dataset
         self._plan = plan
-        self._acquire = acquire
+        self._schedule = schedule
         self._normalized = normalized
         self._layout = layout
         self._planned = list(plan.batches())
@@ -141,17 +142,25 @@ class BatchStream:
         self._stop = threading.Event()
         self._closed = False
         self.produced = 0  # batches handed to the servicer so far
-        # The pooled inline pipeline: from the start, or from the batch where
+        # The requests to the server's pipelines: from the start, or from the batch where
         # a pipeline reading in worker processes failed.
-        self._runner: Runner | None = None
+        self._ticket: Ticket | None = None
         if parallel is None:
             self._results = self._inline(0)
         else:
             self._results = parallel([p.ids for p in self._planned]).run(self._inline)
 
     def _inline(self, first: int) -> Generator[Result, None, None]:
-        self._runner = self._acquire()
-        return self._runner.run(self._jobs(first), first)
+        ticket = self._ticket = self._schedule(len(self._planned), self._read)
+        ticket.start(first)
+        for seq in range(first, len(self._planned)):
+            result = ticket.take(seq, self._stop)
+            if result is None:
+                return
+            yield result
+
+    def _read(self, seq: int) -> Job:
+        return read_job(self._dataset, seq, self._planned[seq].ids)
 
     @property
     def plan(self) -> Plan:
@@ -160,12 +169,6 @@ class BatchStream:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def _jobs(self, first: int) -> Iterator[Job]:
-        for seq in range(first, len(self._planned)):
-            if self._stop.is_set():
-                return
-            yield read_job(self._dataset, seq, self._planned[seq].ids)
 
     def __iter__(self) -> BatchStream:
         return self
@@ -193,14 +196,16 @@ class BatchStream:
             )
 
     def close(self) -> None:
-        """Stop, drain the pipeline and return it to the pool. Idempotent."""
+        """Stop; what was asked of the pipelines and not yet run is dropped. Idempotent."""
         self._stop.set()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._results.close()
-            self._release(self._runner)
+            if self._ticket is not None:
+                self._ticket.close()
+            self._release()
 
 
 class Engine:
@@ -211,6 +216,9 @@ class Engine:
         self.devices = DevicePlan.resolve(config.device, config.devices)
         self.datasets: dict[str, Dataset] = {}
         self._pool = RunnerPool(self._build_runner, max_idle=config.max_idle_pipelines)
+        self._scheduler = Scheduler(
+            self._build_runner, self.devices.device_ids, slots=config.pipelines_per_device
+        )
         self._streams = 0
         self._streams_lock = threading.Lock()
         self._device_cycle = itertools.cycle(self.devices.device_ids)
@@ -323,7 +331,7 @@ class Engine:
                 lambda: self.draining,
                 dataset,
                 plan,
-                functools.partial(self._pool.acquire, key),
+                functools.partial(self._ticket, key),
                 output.normalized,
                 output.layout,
                 parallel,
@@ -331,7 +339,7 @@ class Engine:
             self._open_streams.add(stream)
             return stream
         except BaseException:
-            self._release(None)
+            self._release()
             raise
 
     def _plan(self, request: StreamRequest, dataset: Dataset) -> Plan:
@@ -392,9 +400,12 @@ class Engine:
             workers=self.config.read_workers,
         )
 
-    def _release(self, runner: Runner | None) -> None:
-        if runner is not None:
-            self._pool.release(runner)
+    def _ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job]) -> Ticket:
+        # A stream asks for a few batches beyond the pipelines' own prefetch, so that one
+        # stream alone keeps more than one pipeline busy.
+        return self._scheduler.ticket(key, count, read, window=self.config.prefetch + 2)
+
+    def _release(self) -> None:
         with self._streams_lock:
             self._streams -= 1
 
@@ -439,6 +450,7 @@ class Engine:
         # otherwise outlive its pipeline and datasets.
         for stream in self.streams():
             stream.close()
+        self._scheduler.close()
         self._pool.clear()
         for dataset in self.datasets.values():
             dataset.close()
