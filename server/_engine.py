@@ -7,6 +7,7 @@ errors of ``batchwire.server._errors`` to status codes.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import itertools
@@ -145,14 +146,20 @@ class BatchStream:
         # The requests to the server's pipelines: from the start, or from the batch where
         # a pipeline reading in worker processes failed.
         self._ticket: Ticket | None = None
+        self._next_seq = 0  # with next_async: the batch to hand out next
+        self.awaitable = parallel is None
         if parallel is None:
+            self._ticket = self._schedule(len(self._planned), self._read)
+            self._ticket.start(0)
             self._results = self._inline(0)
         else:
             self._results = parallel([p.ids for p in self._planned]).run(self._inline)
 
     def _inline(self, first: int) -> Generator[Result, None, None]:
-        ticket = self._ticket = self._schedule(len(self._planned), self._read)
-        ticket.start(first)
+        ticket = self._ticket
+        if ticket is None:  # the fallback of a stream read by worker processes
+            ticket = self._ticket = self._schedule(len(self._planned), self._read)
+            ticket.start(first)
         for seq in range(first, len(self._planned)):
             result = ticket.take(seq, self._stop)
             if result is None:
@@ -181,19 +188,40 @@ class BatchStream:
                 # End between batches, so the client resumes from its cursor elsewhere.
                 raise Draining("the server is shutting down; resume the stream on another server")
             result = next(self._results)
-            planned = self._planned[result.seq]
             self.produced += 1
-            return Batch(
-                index=planned.index,
-                ids=result.ids,
-                images=result.images,
-                labels=result.labels,
-                cursor=planned.end,
-                skipped_ids=result.skipped,
-                normalized=self._normalized,
-                num_batches=self._plan.num_batches,
-                layout=self._layout,
-            )
+            return self._batch(result)
+
+    async def next_async(self) -> Batch | None:
+        """The next batch, awaited on the event loop; None at the end or once closed.
+        Only for a stream whose ``awaitable`` is true (its batches come from the server's
+        pipelines, not from worker processes), and not mixed with iteration."""
+        ticket = self._ticket
+        assert ticket is not None and self.awaitable
+        if self._closed or self._stop.is_set() or self._next_seq >= len(self._planned):
+            return None
+        if self._draining():
+            raise Draining("the server is shutting down; resume the stream on another server")
+        result = await asyncio.wrap_future(ticket.future(self._next_seq))
+        if result is None:
+            return None
+        self._next_seq += 1
+        self.produced += 1
+        ticket.more()
+        return self._batch(result)
+
+    def _batch(self, result: Result) -> Batch:
+        planned = self._planned[result.seq]
+        return Batch(
+            index=planned.index,
+            ids=result.ids,
+            images=result.images,
+            labels=result.labels,
+            cursor=planned.end,
+            skipped_ids=result.skipped,
+            normalized=self._normalized,
+            num_batches=self._plan.num_batches,
+            layout=self._layout,
+        )
 
     def close(self) -> None:
         """Stop; what was asked of the pipelines and not yet run is dropped. Idempotent."""

@@ -21,6 +21,7 @@ pipeline asks for the next batch.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -59,6 +60,8 @@ class Ticket:
         self._scheduler = scheduler
         self.pending: collections.deque[int] = collections.deque()
         self._results: dict[int, Result | BaseException] = {}
+        # Results someone awaits (``future``): set on delivery instead of kept.
+        self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
         self._requested = 0
         self._ready = threading.Condition()
         self.closed = False
@@ -76,9 +79,34 @@ class Ticket:
 
     def deliver(self, seq: int, result: Result | BaseException) -> None:
         with self._ready:
-            if not self.closed:
+            if self.closed:
+                return
+            future = self._futures.pop(seq, None)
+            if future is None:
                 self._results[seq] = result
                 self._ready.notify_all()
+        if future is not None:
+            _settle(future, result)
+
+    def future(self, seq: int) -> concurrent.futures.Future[Result | None]:
+        """Batch ``seq``'s result as a future (None once the ticket is closed); for a
+        caller that awaits it instead of holding a thread. Ask for the next batch with
+        :meth:`more` once it is taken."""
+        future: concurrent.futures.Future[Result | None] = concurrent.futures.Future()
+        with self._ready:
+            if self.closed:
+                _settle(future, None)
+                return future
+            if seq not in self._results:
+                self._futures[seq] = future
+                return future
+            result = self._results.pop(seq)
+        _settle(future, result)
+        return future
+
+    def more(self) -> None:
+        """One batch taken: ask for one more."""
+        self._scheduler.request(self, 1)
 
     def take(self, seq: int, stop: threading.Event, poll: float = 0.1) -> Result | None:
         """Batch ``seq``'s result, once a slot has run it, and asks for one more batch;
@@ -91,7 +119,7 @@ class Ticket:
             result = self._results.pop(seq)
         if isinstance(result, BaseException):
             raise result
-        self._scheduler.request(self, 1)
+        self.more()
         return result
 
     def close(self) -> None:
@@ -99,8 +127,26 @@ class Ticket:
         with self._ready:
             self.closed = True
             self._results.clear()
+            waiting = list(self._futures.values())
+            self._futures.clear()
             self._ready.notify_all()
+        for future in waiting:
+            _settle(future, None)
         self._scheduler.forget(self)
+
+
+def _settle(
+    future: concurrent.futures.Future[Result | None], result: Result | BaseException | None
+) -> None:
+    """Set ``future``, unless its awaiter gave up on it (the stream's handler was cancelled,
+    which cancels the future)."""
+    try:
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 @dataclasses.dataclass
@@ -243,27 +289,34 @@ class Scheduler:
     def _run_slot(self, slot: _Slot) -> None:
         while (key := self._next_key(slot)) is not None:
             try:
-                runner = self._runner(slot, key)
-            except Exception as exc:
-                # The key's pipeline cannot be built: its streams fail, not the server.
-                log.exception("building pipeline %s failed", key.pipeline)
-                self._fail_waiting(key, exc)
-                continue
-            in_flight: dict[int, tuple[Ticket, int]] = {}
-            try:
-                for result in runner.run(self._jobs(slot, key, in_flight), slot.next_seq):
-                    ticket, seq = in_flight.pop(result.seq)
-                    ticket.deliver(seq, dataclasses.replace(result, seq=seq))
-            except Exception as exc:
-                # A pipeline that fails outside a bad sample (which the runner skips) fails
-                # the batches it held, not the server: it is dropped and built again.
-                log.exception("pipeline %s failed; rebuilding it", key.pipeline)
+                self._run_key(slot, key)
+            except Exception:  # a slot outlives any one failure
+                log.exception("pipeline slot failed on %s", key.pipeline)
+
+    def _run_key(self, slot: _Slot, key: RunnerKey) -> None:
+        """Run ``key``'s requests on the slot's pipeline while there are any."""
+        try:
+            runner = self._runner(slot, key)
+        except Exception as exc:
+            # The key's pipeline cannot be built: its streams fail, not the server.
+            log.exception("building pipeline %s failed", key.pipeline)
+            self._fail_waiting(key, exc)
+            return
+        in_flight: dict[int, tuple[Ticket, int]] = {}
+        try:
+            for result in runner.run(self._jobs(slot, key, in_flight), slot.next_seq):
+                ticket, seq = in_flight.pop(result.seq)
+                ticket.deliver(seq, dataclasses.replace(result, seq=seq))
+        except Exception as exc:
+            # A pipeline that fails outside a bad sample (which the runner skips) fails
+            # the batches it held, not the server: it is dropped and built again.
+            log.exception("pipeline %s failed; rebuilding it", key.pipeline)
+            slot.runners.pop(key, None)
+            for ticket, seq in in_flight.values():
+                ticket.deliver(seq, exc)
+        else:
+            if not runner.healthy:
                 slot.runners.pop(key, None)
-                for ticket, seq in in_flight.values():
-                    ticket.deliver(seq, exc)
-            else:
-                if not runner.healthy:
-                    slot.runners.pop(key, None)
 
     def _fail_waiting(self, key: RunnerKey, exc: Exception) -> None:
         """Every request of ``key`` not yet taken fails with ``exc``."""

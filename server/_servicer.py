@@ -399,15 +399,20 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         expected = lane_batches(stream.plan)
         sent = 0
         batches = 0
+        last_write = False
         status = "CANCELLED"  # unless the loop ends otherwise: the client went away
         started = time.monotonic()
         try:
             max_bytes = self._engine.config.max_message_bytes
             while True:
                 computing = time.perf_counter()
-                encoded = await loop.run_in_executor(
-                    self._executor, _next_encoded, stream, max_bytes
-                )
+                if stream.awaitable:  # the server's pipelines: no thread waits for it
+                    batch = await stream.next_async()
+                    encoded = None if batch is None else encode_parts(batch, max_bytes)
+                else:
+                    encoded = await loop.run_in_executor(
+                        self._executor, _next_encoded, stream, max_bytes
+                    )
                 if encoded is None:
                     break
                 metrics.produced(time.perf_counter() - computing, encoded.skipped)
@@ -418,8 +423,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 metrics.sent(encoded.samples, encoded.nbytes)
                 waited = 0.0  # each write returns once gRPC has taken the message
                 try:
-                    for message in encoded.messages:
+                    for part, message in enumerate(encoded.messages):
                         writing = time.perf_counter()
+                        # The share's last message is being handed over: a client that
+                        # hangs up now has had every batch.
+                        last_write = batches == expected and part == len(encoded.messages) - 1
                         await write(context, message)
                         waited += time.perf_counter() - writing
                 finally:
@@ -437,7 +445,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 grpc.StatusCode.INTERNAL, f"the server failed while streaming ({exc}); see its log"
             )
         finally:
-            if status == "CANCELLED" and batches == expected:
+            if status == "CANCELLED" and last_write:
                 status = "OK"  # the client had every batch and hung up before the end
             metrics.closed(status)
             duration = time.monotonic() - started

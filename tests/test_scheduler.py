@@ -12,13 +12,16 @@ import pathlib
 import threading
 from collections.abc import Callable, Iterator
 
+import grpc
 import numpy as np
 import pytest
 
-from batchwire.server import ServerConfig
+from batchwire.server import BatchwireServer, ServerConfig
 from batchwire.server._engine import Engine, StreamRequest
 from batchwire.server._runner import Job, Result, RunnerKey
 from batchwire.server._scheduler import Scheduler, Ticket
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
 
 def key(batch_size: int = 4, pipeline: str = "train") -> RunnerKey:
@@ -179,3 +182,23 @@ def test_many_streams_share_one_pipeline_and_each_gets_its_exact_share(
         assert len(builds) == 1, [r.getMessage() for r in builds]
     finally:
         engine.close()
+
+
+def test_open_streams_hold_no_server_thread_each(server: BatchwireServer) -> None:
+    """Streams waiting on the shared pipelines are awaited on the server's event loop: 24
+    streams held open (each has had a batch) add no thread per stream."""
+    request = pb.StreamBatchesRequest(
+        dataset="shapes", pipeline="train", batch_size=8, epoch=31, params={"size": 32}
+    )
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.BatchwireStub(channel)
+        first = stub.StreamBatches(request, timeout=60)
+        next(first)  # the server, the channel and gRPC's own threads are up
+        before = threading.active_count()
+        calls = [stub.StreamBatches(request, timeout=60) for _ in range(24)]
+        for call in calls:
+            assert len(next(call).ids) > 0  # every stream is open and has had a batch
+        held = threading.active_count()
+        for call in [first, *calls]:
+            call.cancel()
+    assert held - before < 8, f"{held - before} more threads for 24 open streams"
