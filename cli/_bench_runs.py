@@ -77,7 +77,7 @@ def _transport_server(
     import grpc
     import numpy as np
 
-    from batchwire.common.sampler import Plan
+    from batchwire.common.sampler import Plan, PlannedBatch
     from batchwire.server._engine import Batch
     from batchwire.server._malloc import tune_for_large_buffers
     from batchwire.server._servicer import encode_parts
@@ -97,8 +97,28 @@ def _transport_server(
     async def describe(request: Any, context: Any) -> Any:
         return info
 
-    async def stream(request: Any, context: Any) -> Any:
-        plan = Plan(
+    offset = 0
+
+    def in_memory(plan: Plan, planned: PlannedBatch) -> Batch:
+        nonlocal offset
+        n = len(planned.ids)
+        offset = 0 if offset + n > len(images) else offset  # cycle through all of them
+        batch = Batch(
+            index=planned.index,
+            ids=planned.ids,
+            images=images[offset : offset + n],
+            labels=np.zeros(n, np.int64),
+            cursor=planned.end,
+            skipped_ids=(),
+            normalized=False,
+            num_batches=plan.num_batches,
+            layout="NCHW",
+        )
+        offset += n
+        return batch
+
+    def plan_of(request: Any) -> Plan:
+        return Plan(
             num_samples=num_samples,
             batch_size=request.batch_size,
             seed=request.seed,
@@ -107,26 +127,27 @@ def _transport_server(
             lanes=request.lanes or 1,
             lane=request.lane,
         )
+
+    async def stream(request: Any, context: Any) -> Any:
+        plan = plan_of(request)
         loop = asyncio.get_running_loop()
-        offset = 0
         for planned in plan.batches():
-            n = len(planned.ids)
-            offset = 0 if offset + n > len(images) else offset  # cycle through all of them
-            batch = Batch(
-                index=planned.index,
-                ids=planned.ids,
-                images=images[offset : offset + n],
-                labels=np.zeros(n, np.int64),
-                cursor=planned.end,
-                skipped_ids=(),
-                normalized=False,
-                num_batches=plan.num_batches,
-                layout="NCHW",
-            )
-            offset += n
+            batch = in_memory(plan, planned)
             encoded = await loop.run_in_executor(None, encode_parts, batch, limit)
             for message in encoded.messages:
                 yield message
+
+    async def pull(requests: Any, context: Any) -> None:
+        loop = asyncio.get_running_loop()
+        await context.send_initial_metadata(())
+        plan: Plan | None = None
+        async for message in requests:
+            plan = plan or plan_of(message.stream)
+            for index in message.batches:
+                batch = in_memory(plan, plan.batch(index))
+                encoded = await loop.run_in_executor(None, encode_parts, batch, limit)
+                for part in encoded.messages:
+                    await context.write(part)
 
     async def main() -> None:
         server = grpc.aio.server(
@@ -140,6 +161,9 @@ def _transport_server(
             ),
             "StreamBatches": grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=pb.StreamBatchesRequest.FromString
+            ),
+            "PullBatches": grpc.stream_stream_rpc_method_handler(
+                pull, request_deserializer=pb.PullRequest.FromString
             ),
         }
         server.add_generic_rpc_handlers(

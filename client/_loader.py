@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from batchwire.client._frameworks import (
 )
 from batchwire.client._ledger import Ledger, Record
 from batchwire.client._normalize import channel_stats
-from batchwire.client._pass import Opener, StreamPass, close_at_exit
+from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._reader import Delivery, TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import RETRIABLE, Server, ServerSet
@@ -46,7 +47,7 @@ _TORCH_DTYPES = {
     np.dtype("<f2"): torch.float16,
     np.dtype("<f4"): torch.float32,
 }
-_STREAM_METHOD = "/batchwire.v1.Batchwire/StreamBatches"
+_PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
 _LAYOUTS = {"NCHW": pb.NCHW, "NHWC": pb.NHWC}
 
 
@@ -88,19 +89,22 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     on every rank of the same job.
 
     ``address`` is ``"host:port"``, a list of them, or ``"dns:///name:port"``
-    (every address behind the name). The rank's batches are split into
-    ``lanes`` (default: one per server), streamed concurrently; batch ``k``
-    travels in lane ``k % lanes`` and batches reach the user in order ``k``.
-    When a server fails or drains, its lanes continue on the others from the
-    cursor of the last batch received, with backoff; after ``retry_timeout``
-    seconds without progress the loop raises.
+    (every address behind the name, resolved again every ``resolve_every``
+    seconds: servers that join take batches within the epoch). Every server streams at once, and
+    each is asked for the rank's next batch whenever it has delivered one, so a
+    faster server carries more; batches reach the user in order ``k`` whichever
+    server carried them. When a server fails or drains, the batches it held are
+    asked of the others, and it is tried again with backoff; after
+    ``retry_timeout`` seconds without a batch from any server the loop raises.
 
     In ``DataLoader`` workers, worker 0 streams the whole share and the other
     workers end at once, so the order and ``StatefulDataLoader``'s state are
     exact; workers add nothing, since the server does the work.
 
-    Up to ``prefetch`` batches per lane are read ahead by background threads;
-    a batch that takes longer than ``timeout`` seconds raises
+    Each server is asked for at most ``prefetch + 2`` batches at a time, and at
+    most ``prefetch`` batches beyond those are held, by background threads: at
+    most ``prefetch + (prefetch + 2) * servers`` batches are in flight or
+    waiting. A batch that takes longer than ``timeout`` seconds raises
     ``UnavailableError``. Every error is a ``BatchwireError`` with a ``code``.
     ``token``, ``tls_ca``, ``tls_cert`` and ``tls_key`` (PEM paths or bytes)
     authenticate to secured servers. The loader pickles (spawned workers,
@@ -129,6 +133,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         layout: str = "NCHW",
         timeout: float = 300.0,
         retry_timeout: float = 60.0,
+        resolve_every: float = 5.0,
         token: str | None = None,
         tls_ca: PemSource | None = None,
         tls_cert: PemSource | None = None,
@@ -153,8 +158,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             ),
             (seed >= 0, f"seed must be >= 0, got {seed}"),
             (prefetch >= 1, f"prefetch must be at least 1, got {prefetch}"),
-            (lanes is None or lanes >= 1, f"lanes must be at least 1, got {lanes}"),
             (retry_timeout >= 0, f"retry_timeout must be >= 0, got {retry_timeout}"),
+            (resolve_every > 0, f"resolve_every must be positive, got {resolve_every}"),
             (timeout > 0, f"timeout must be positive, got {timeout}"),
             (dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"),
             (layout in _LAYOUTS, f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}"),
@@ -178,8 +183,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.normalize = normalize
         self.return_ids = return_ids
         self.prefetch = prefetch
-        self._lanes = lanes
         self.retry_timeout = retry_timeout
+        self.resolve_every = resolve_every
         self.params = dict(params or {})
         self.dtype = dtype
         self.layout = layout
@@ -193,6 +198,12 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         # DataLoader workers have no process group of their own.
         self._inherited: _Share | None = None
         self._info: pb.DatasetInfo | None = None
+        if lanes is not None:
+            warnings.warn(
+                "RemoteLoader(lanes=) is ignored: batches go to whichever server is ready",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self._servers = ServerSet(self.addresses)
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = -1
@@ -283,9 +294,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def world_size(self) -> int:
         return self._share().world_size
 
-    def _plan(
-        self, share: _Share, epoch: int, start: int = 0, lanes: int = 1, lane: int = 0
-    ) -> Plan:
+    def _plan(self, share: _Share, epoch: int, start: int = 0) -> Plan:
         try:
             return Plan(
                 num_samples=self.num_samples,
@@ -296,8 +305,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 drop_last=self.drop_last,
                 rank=share.rank,
                 world_size=share.world_size,
-                lanes=lanes,
-                lane=lane,
                 start=start,
             )
         except ValueError as exc:
@@ -413,7 +420,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         if previous is not None:
             previous.supersede()
         worker = worker_id()
-        lanes = self._lanes or len(self._servers.servers())
         # A state that StatefulDataLoader loaded in this worker is for the pass made right
         # after it here, which uses it up only by running to its end: torchdata primes
         # the prefetch of a restored iterator before it finds the state was of a finished
@@ -434,15 +440,17 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 share_size=plan.share_size,
                 num_batches=plan.num_batches,
                 batch_size=self.batch_size,
-                lanes=lanes,
-                opener=lambda lanes, lane: self._opener(share, epoch, lanes, lane),
+                spec=self._request(plan),
+                open_call=self._open_call,
                 servers=self._servers,
                 convert=lambda d: self._convert(d, mean, std),
                 allocate=self._allocate,
                 stats=self.transfer,
-                prefetch=self.prefetch,
+                credit=self.prefetch + 2,
+                window=self.prefetch + (self.prefetch + 2) * len(self._servers.servers()),
                 retry_timeout=self.retry_timeout,
                 timeout=self.timeout,
+                resolve_every=self.resolve_every,
             )
             if not tentative:
                 record.epoch, record.cursor, record.fresh = epoch, start, False
@@ -484,39 +492,33 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         finally:
             stream_pass.stop()
 
-    def _opener(self, share: _Share, epoch: int, lanes: int, lane: int) -> Opener:
-        """How a lane opens (and after a failure re-opens) its stream from a cursor."""
-        metadata = self._security.metadata()
+    def _request(self, plan: Plan) -> pb.StreamBatchesRequest:
+        """The stream a pass pulls its batches from: the plan's share from its cursor."""
+        return pb.StreamBatchesRequest(
+            dataset=self.dataset_name,
+            pipeline=self.pipeline,
+            batch_size=plan.batch_size,
+            seed=plan.seed,
+            epoch=plan.epoch,
+            shuffle=plan.shuffle,
+            drop_last=plan.drop_last,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            start=plan.start,
+            dtype=_DTYPES[self.dtype],
+            layout=_LAYOUTS[self.layout],
+            params=self.params,
+        )
 
-        def open_stream(server: Server, start: int) -> grpc.Call:
-            plan = self._plan(share, epoch, start, lanes, lane)
-            request = pb.StreamBatchesRequest(
-                dataset=self.dataset_name,
-                pipeline=self.pipeline,
-                batch_size=plan.batch_size,
-                seed=plan.seed,
-                epoch=plan.epoch,
-                shuffle=plan.shuffle,
-                drop_last=plan.drop_last,
-                rank=plan.rank,
-                world_size=plan.world_size,
-                start=plan.start,
-                lanes=plan.lanes,
-                lane=plan.lane,
-                dtype=_DTYPES[self.dtype],
-                layout=_LAYOUTS[self.layout],
-                params=self.params,
-            )
-            # Raw message bytes (no deserializer): the reader parses them without
-            # copying the image payload (batchwire.common.batch_codec).
-            stream = self._channel(server).unary_stream(
-                _STREAM_METHOD,
-                request_serializer=pb.StreamBatchesRequest.SerializeToString,
-                response_deserializer=None,
-            )
-            return stream(request, metadata=metadata)  # type: ignore[no-any-return]
-
-        return open_stream
+    def _open_call(self, server: Server, requests: Iterator[pb.PullRequest]) -> grpc.Call:
+        # Raw message bytes (no deserializer): the puller parses them without copying
+        # the image payload (batchwire.common.batch_codec).
+        pull = self._channel(server).stream_stream(
+            _PULL_METHOD,
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        return pull(requests, metadata=self._security.metadata())  # type: ignore[no-any-return]
 
     # -- tensors -----------------------------------------------------------------------
 

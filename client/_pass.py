@@ -1,6 +1,9 @@
-"""One pass over a rank's share: lane readers fill bounded queues, batches are taken in order.
+"""One pass over a rank's share: a puller per server fills the pass's book, batches are
+taken in order.
 
-A pass owns its reader threads and their RPCs until ``stop()``. Every live pass
+A pass owns its puller threads and their RPCs until ``stop()``. Behind a ``dns:///``
+name, the name is resolved again every ``resolve_every`` seconds and servers that
+appeared get a puller of their own, so they take batches within the epoch. Every live pass
 is known to this module: at interpreter exit, passes still running (an iterator
 left referenced, a loop abandoned mid-epoch) are stopped and their readers
 joined before Python tears gRPC down, so the process neither hangs nor aborts.
@@ -9,26 +12,28 @@ joined before Python tears gRPC down, so the process neither hangs nor aborts.
 from __future__ import annotations
 
 import atexit
-import queue
+import logging
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Callable
 
 import grpc
 
-from batchwire.client._exceptions import BatchwireError, UnavailableError
-from batchwire.client._reader import END, Allocator, Delivery, LaneReader, TransferStats
+from batchwire.client._book import Book
+from batchwire.client._exceptions import BatchwireError
+from batchwire.client._reader import Allocator, Delivery, OpenCall, ServerPuller, TransferStats
 from batchwire.client._servers import Server, ServerSet
+from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["StreamPass", "close_at_exit"]
 
-_JOIN_TIMEOUT = 5.0  # seconds per reader; a cancelled RPC ends its reader far sooner
-_POLL = 0.1  # seconds between checks for a stopped pass while waiting for a batch
+log = logging.getLogger(__name__)
 
-# Opens (and after a failure re-opens) a lane's stream on a server from a cursor.
-Opener = Callable[[Server, int], grpc.Call]
+_JOIN_TIMEOUT = 5.0  # seconds per puller; a cancelled RPC ends its puller far sooner
+# A finished pass lets its calls end cleanly (half-closed, status OK) for this long
+# before it cancels them.
+_CLOSE_TIMEOUT = 1.0
 
 _live_passes: weakref.WeakSet[StreamPass] = weakref.WeakSet()
 _live_channels: weakref.WeakSet[grpc.Channel] = weakref.WeakSet()
@@ -52,11 +57,13 @@ def _stop_everything() -> None:
 
 
 class StreamPass:
-    """Batches ``first .. num_batches-1`` of one pass, from ``lanes`` lane readers.
+    """Batches ``first .. num_batches-1`` of one pass, pulled from every server.
 
     ``epoch``, ``start``, ``share_size`` and ``num_batches`` describe the pass; ``cursor`` is the
-    position after the last batch handed out (kept by the caller). ``take(k)``
-    blocks for at most ``timeout`` seconds.
+    position after the last batch handed out (kept by the caller). Each server is asked
+    for at most ``credit`` batches at a time, and at most ``window`` batches beyond the
+    one taken next are asked for or held. ``take(k)`` blocks for at most ``timeout``
+    seconds.
     """
 
     def __init__(
@@ -67,15 +74,17 @@ class StreamPass:
         share_size: int,
         num_batches: int,
         batch_size: int,
-        lanes: int,
-        opener: Callable[[int, int], Opener],
+        spec: pb.StreamBatchesRequest,
+        open_call: OpenCall,
         servers: ServerSet,
         convert: Callable[[Delivery], Delivery],
         allocate: Allocator,
         stats: TransferStats,
-        prefetch: int,
+        credit: int,
+        window: int,
         retry_timeout: float,
         timeout: float,
+        resolve_every: float = 5.0,
     ) -> None:
         self.id = secrets.randbits(62) + 1  # names the pass in the ledger; 0 is none
         self.epoch = epoch
@@ -83,59 +92,72 @@ class StreamPass:
         self.share_size = share_size
         self.first = start // batch_size
         self.num_batches = num_batches
-        self._lanes = lanes
         self._timeout = timeout
+        self._retry_timeout = retry_timeout
+        self._resolve_every = resolve_every
         self._stop = threading.Event()
         self._superseded = False
-        self._queues = [queue.Queue[object](maxsize=prefetch) for _ in range(lanes)]
-        self._readers = [
-            LaneReader(
-                lane=lane,
-                start=start,
-                open_stream=opener(lanes, lane),
+        self.book = Book(first=self.first, num_batches=num_batches, window=window)
+        self._servers = servers
+
+        def puller(server: Server) -> ServerPuller:
+            return ServerPuller(
+                server=server,
+                spec=spec,
+                open_call=open_call,
+                book=self.book,
+                credit=credit,
                 servers=servers,
-                out=self._queues[lane],
                 convert=convert,
                 stop=self._stop,
-                retry_timeout=retry_timeout,
                 allocate=allocate,
                 stats=stats,
             )
-            for lane in range(lanes)
-        ]
+
+        self._puller = puller
+        self.pullers: dict[Server, ServerPuller] = {}
+        self._pullers_lock = threading.Lock()
+        self._resolver: threading.Thread | None = None
         self._stopped = False
         self._stop_lock = threading.Lock()
         with _live_lock:
             _live_passes.add(self)
 
     def start_readers(self) -> None:
-        for reader in self._readers:
-            reader.start()
+        self._add_pullers(self._servers.servers())
+        if self._servers.dynamic:
+            self._resolver = threading.Thread(
+                target=self._resolve, name="batchwire-resolve", daemon=True
+            )
+            self._resolver.start()
+
+    def _add_pullers(self, servers: list[Server]) -> None:
+        with self._pullers_lock:
+            if self._stop.is_set():
+                return
+            for server in servers:
+                if server not in self.pullers:
+                    if self.pullers:
+                        log.info("%s joined: it takes batches from now on", server.address)
+                    self.pullers[server] = self._puller(server)
+                    self.pullers[server].start()
+
+    def _resolve(self) -> None:
+        """Resolve the name again every few seconds: new servers take batches at once."""
+        while not self._stop.wait(self._resolve_every) and not self.book.finished:
+            try:
+                self._add_pullers(self._servers.refresh())
+            except BatchwireError as exc:  # the name does not resolve now: keep the others
+                log.warning("resolving the servers again failed: %s", exc)
 
     def take(self, index: int) -> Delivery:
-        """Batch ``index`` (in order), or the error that ended its lane."""
-        lane_queue = self._queues[index % self._lanes]
-        deadline = time.monotonic() + self._timeout
-        while True:
-            self._raise_if_stopped()
-            try:
-                item = lane_queue.get(timeout=min(_POLL, max(deadline - time.monotonic(), 0)))
-                break
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise UnavailableError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"no batch arrived within {self._timeout:.0f}s (timeout=); the server "
-                        "may be overloaded or stuck",
-                    ) from None
-        if isinstance(item, BatchwireError):
-            raise item
-        if item is END or not isinstance(item, Delivery) or item.index != index:
-            got = "the end of the stream" if item is END else f"batch {getattr(item, 'index', '?')}"
-            raise BatchwireError(
-                grpc.StatusCode.INTERNAL, f"expected batch {index} but received {got}"
-            )
-        return item
+        """Batch ``index`` (in order), or the error that ended the pass."""
+        return self.book.take(
+            index,
+            timeout=self._timeout,
+            retry_timeout=self._retry_timeout,
+            check=self._raise_if_stopped,
+        )
 
     def _raise_if_stopped(self) -> None:
         if self._superseded:
@@ -157,16 +179,29 @@ class StreamPass:
         self.stop()
 
     def stop(self) -> None:
-        """Cancel the RPCs and join the readers (idempotent, from any thread)."""
+        """End the calls and join the pullers (idempotent, from any thread). A finished
+        pass's calls first get a moment to end cleanly; others are cancelled at once."""
         with self._stop_lock:
             if self._stopped:
                 return
             self._stopped = True
+        with self._pullers_lock:
+            pullers = list(self.pullers.values())
+            finished = self.book.finished
+            if not finished:
+                self._stop.set()
+        me = threading.current_thread()
+        if finished:  # their request streams have ended: the servers end the calls
+            for puller in pullers:
+                if puller.is_alive() and puller is not me:
+                    puller.join(_CLOSE_TIMEOUT)
         self._stop.set()
-        for reader in self._readers:
-            reader.cancel()
-        for reader in self._readers:
-            if reader.is_alive() and reader is not threading.current_thread():
-                reader.join(_JOIN_TIMEOUT)
+        for puller in pullers:
+            puller.cancel()
+        for puller in pullers:
+            if puller.is_alive() and puller is not me:
+                puller.join(_JOIN_TIMEOUT)
+        if self._resolver is not None and self._resolver is not me:
+            self._resolver.join(_JOIN_TIMEOUT)
         with _live_lock:
             _live_passes.discard(self)

@@ -1,37 +1,41 @@
-"""A lane reader: a named daemon thread that fills a bounded queue from one lane's stream.
+"""A server puller: a named daemon thread that streams a pass's batches from one server.
 
-It puts :class:`Delivery` items, then exactly one terminal item: ``END`` when
-the lane finished, or a ``BatchwireError`` when it failed for good. When a
-server fails (connection lost, UNAVAILABLE from a draining server, ...), the
-lane continues on another server from the cursor of the last batch it
-received, with backoff, for at most ``retry_timeout`` seconds without
-progress. It stops promptly when ``stop`` is set (the RPC is cancelled) and
-never blocks forever on a full queue.
+It holds one ``PullBatches`` call at a time. The call's request stream asks for batches
+from the pass's :class:`~batchwire.client._book.Book` whenever the server holds fewer than
+``credit`` (so a faster server is asked for more), once the server has accepted the
+stream; what arrives goes to the book, in the order asked. When the server fails
+(connection lost, UNAVAILABLE from a draining server, ...), the batches it held go back
+to the book for the other servers, and the puller tries the server again with backoff.
+A refusal that no server can fix (bad arguments, credentials) fails the pass. It stops
+promptly when ``stop`` is set (the RPC is cancelled).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import queue
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from batchwire.client._exceptions import BatchwireError, error_for, from_rpc_error
+from batchwire.client._exceptions import BatchwireError, from_rpc_error
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.tensors import from_proto
+from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["END", "Allocator", "Delivery", "LaneReader", "TransferStats", "assemble"]
+if TYPE_CHECKING:
+    from batchwire.client._book import Book, Held
+
+__all__ = ["Allocator", "Delivery", "ServerPuller", "TransferStats", "assemble"]
 
 log = logging.getLogger(__name__)
 
-END = object()
-_PUT_POLL = 0.1  # seconds between checks of `stop` while the queue is full
+_POLL = 0.1  # seconds between checks of `stop` while waiting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,58 +108,69 @@ def assemble(
     )
 
 
-class LaneReader(threading.Thread):
+# Opens a PullBatches call on a server with a request stream.
+OpenCall = Callable[[Server, Iterator[pb.PullRequest]], grpc.Call]
+
+
+class ServerPuller(threading.Thread):
     def __init__(
         self,
         *,
-        lane: int,
-        start: int,
-        open_stream: Callable[[Server, int], grpc.Call],
+        server: Server,
+        spec: pb.StreamBatchesRequest,
+        open_call: OpenCall,
+        book: Book,
+        credit: int,
         servers: ServerSet,
-        out: queue.Queue[object],
         convert: Callable[[Delivery], Delivery],
         stop: threading.Event,
-        retry_timeout: float,
         allocate: Allocator = _numpy_allocator,
         stats: TransferStats | None = None,
     ) -> None:
-        super().__init__(name=f"batchwire-lane-{lane}", daemon=True)
-        self._lane = lane
-        self._cursor = start
-        self._open_stream = open_stream
+        super().__init__(name=f"batchwire-pull-{server.address}", daemon=True)
+        self.server = server
+        self._spec = spec
+        self._open_call = open_call
+        self._book = book
+        self._credit = credit
         self._servers = servers
-        self._out = out
         self._convert = convert
         self._halt = stop
-        self._retry_timeout = retry_timeout
         self._allocate = allocate
         self._stats = stats
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
+        self.delivered = 0  # batches this server delivered in this pass
 
     def run(self) -> None:
         try:
-            self._stream()
+            self._pull()
         except BatchwireError as exc:
-            self._put(exc)
+            self._book.fail(exc)
         except Exception as exc:  # a bug or a malformed message: surface it, never hang
-            log.exception("lane reader failed")
+            log.exception("puller of %s failed", self.server.address)
             error = BatchwireError(grpc.StatusCode.INTERNAL, f"client reader failed: {exc!r}")
             error.__cause__ = exc
-            self._put(error)
+            self._book.fail(error)
 
-    def _stream(self) -> None:
+    def _pull(self) -> None:
         attempt = 0
-        stalled_since: float | None = None
-        while not self._halt.is_set():
-            server = self._servers.pick(self._lane)
+        while not self._halt.is_set() and not self._book.finished:
+            held: Held = collections.deque()
+            over = threading.Event()  # the call is over: its request stream asks for nothing
+            accepted = threading.Event()  # the server opened the stream: ask it for batches
+            failure: tuple[grpc.StatusCode, str] | None = None
             try:
                 with self._lock:
                     if self._halt.is_set():
                         return
-                    self._call = self._open_stream(server, self._cursor)
+                    call = self._call = self._open_call(
+                        self.server, self._requests(held, over, accepted)
+                    )
+                call.initial_metadata()  # type: ignore[attr-defined]  # sent once it opened
+                accepted.set()
                 parts: list[DecodedBatch] = []
-                for raw in self._call:  # type: ignore[attr-defined]
+                for raw in call:  # type: ignore[attr-defined]
                     part = decode_batch(raw)
                     if part.header.part != len(parts):
                         raise BatchwireError(
@@ -166,55 +181,60 @@ class LaneReader(threading.Thread):
                     parts.append(part)
                     if len(parts) < (part.header.parts or 1):
                         continue
-                    delivery = self._convert(assemble(parts, self._allocate, self._stats))
+                    self._book.deliver(
+                        held, self._convert(assemble(parts, self._allocate, self._stats))
+                    )
                     parts = []
-                    self._cursor = delivery.cursor
-                    attempt, stalled_since = 0, None
-                    self._servers.mark_ok(server)
-                    if not self._put(delivery):
-                        return
-                self._put(END)
-                return
+                    self.delivered += 1
+                    if attempt:
+                        attempt = 0
+                        self._servers.mark_ok(self.server)
+                return  # the stream ended: the pass is finished
             except grpc.RpcError as exc:
                 if self._halt.is_set():
                     return
                 code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
                 if code not in RETRIABLE:
-                    raise from_rpc_error(exc, server.address) from exc
-                self._servers.mark_failed(server)
-                now = time.monotonic()
-                stalled_since = stalled_since or now
+                    raise from_rpc_error(exc, self.server.address) from exc
                 details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-                if now - stalled_since > self._retry_timeout:
-                    raise error_for(
-                        code,
-                        f"lane {self._lane}: no server continued the stream within "
-                        f"{self._retry_timeout:.0f}s (retry_timeout=); last error from "
-                        f"{server.address}: {code.name}: {details}",
-                    ) from exc
-                log.warning(
-                    "lane %d: %s failed (%s: %s); resuming from cursor %d",
-                    self._lane,
-                    server.address,
-                    code.name,
-                    details,
-                    self._cursor,
-                )
-                if self._halt.wait(backoff(attempt)):
-                    return
-                attempt += 1
+                failure = (code, f"{self.server.address}: {code.name}: {details}")
+            finally:
+                over.set()  # before giving back, so the request stream claims no more
+                returned = self._book.give_back(held, failure)
+            assert failure is not None  # the one way here: a failure to retry
+            self._servers.mark_failed(self.server)
+            # Once per outage, and whenever batches move: not every retry of a dead server.
+            log.log(
+                logging.WARNING if returned or not attempt else logging.DEBUG,
+                "%s failed (%s); %d batches it held go to other servers",
+                self.server.address,
+                failure[1],
+                len(returned),
+            )
+            if self._halt.wait(backoff(attempt)):
+                return
+            attempt += 1
 
-    def _put(self, item: object) -> bool:
-        while not self._halt.is_set():
-            try:
-                self._out.put(item, timeout=_PUT_POLL)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def _requests(
+        self, held: Held, over: threading.Event, accepted: threading.Event
+    ) -> Iterator[pb.PullRequest]:
+        """The call's request stream (read by gRPC's own thread): the stream, then batches
+        as the server has room. Ends (half-closes) once the pass is finished or the call
+        is over."""
+        yield pb.PullRequest(stream=self._spec)
+        while not accepted.wait(_POLL):
+            if over.is_set() or self._halt.is_set():
+                return
+        while True:
+            batches = self._book.claim(
+                held, self._credit, lambda: over.is_set() or self._halt.is_set()
+            )
+            if batches is None:
+                return
+            yield pb.PullRequest(batches=batches)
 
     def cancel(self) -> None:
-        """Stop reading and cancel the RPC (from any thread)."""
+        """Stop pulling and cancel the call (from any thread)."""
         self._halt.set()
         with self._lock:
             if self._call is not None:

@@ -1,11 +1,11 @@
 """The servers a loader streams from, and which of them currently answer.
 
 Targets are ``host:port`` strings or ``dns:///name:port``, which is resolved
-here to one server per address so that lanes fan out over every server behind
-the name (gRPC's own DNS resolver would send a channel to one of them). A
-server that fails is avoided for ``cooldown`` seconds; lanes keep a home
-server (lane ``l`` starts on server ``l % n``) and move to the next one that
-is not cooling down.
+here to one server per address so that a pass pulls from every server behind
+the name (gRPC's own DNS resolver would send a channel to one of them), and
+again during a pass (``refresh``) so that servers that join are used. A server
+that fails is avoided for ``cooldown`` seconds by the calls that pick one
+(``pick``: dataset descriptions).
 """
 
 from __future__ import annotations
@@ -89,6 +89,18 @@ class ServerSet:
             if self._servers is None:
                 self._servers = resolve(self._targets)
             return list(self._servers)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether a target is a name whose addresses may change."""
+        return any(t.startswith(_DNS) for t in self._targets)
+
+    def refresh(self) -> list[Server]:
+        """The servers behind the targets now (resolved again)."""
+        servers = resolve(self._targets)
+        with self._lock:
+            self._servers = servers
+        return list(servers)
 
     def pick(self, lane: int) -> Server:
         """The lane's home server if it answers, else the next one that does."""

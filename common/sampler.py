@@ -136,16 +136,32 @@ class Plan:
     def batches(self) -> Iterator[PlannedBatch]:
         """This lane's batches from ``start`` on, in order."""
         share = self.share()
-        size = self.share_size
         first = self.start // self.batch_size
-        for index in range(first, self.num_batches):
-            if index % self.lanes != self.lane:
-                continue
-            begin = max(index * self.batch_size, self.start)
-            end = min((index + 1) * self.batch_size, size)
-            if begin >= end:
-                continue
-            yield PlannedBatch(index=index, begin=begin, end=end, ids=share[begin:end])
+        for index in range(first + (self.lane - first) % self.lanes, self.num_batches, self.lanes):
+            begin, end = self._bounds(index)
+            if begin < end:
+                yield PlannedBatch(index=index, begin=begin, end=end, ids=share[begin:end])
+
+    def batch(self, index: int) -> PlannedBatch:
+        """Batch ``index`` of the share (any lane), without the rest of the share: what a
+        client pulling batches one at a time asks for. ``ValueError`` if the share has no
+        such batch from ``start`` on."""
+        begin, end = self._bounds(index)
+        if not 0 <= index < self.num_batches or begin >= end:
+            raise ValueError(
+                f"batch {index} is not in this share from cursor {self.start} "
+                f"(batches {self.start // self.batch_size}..{self.num_batches - 1})"
+            )
+        order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
+        # Share position p is element rank + p * world_size of the order, wrapped around
+        # when ranks are padded (rank_share's tiling).
+        positions = self.rank + np.arange(begin, end, dtype=np.int64) * self.world_size
+        return PlannedBatch(index=index, begin=begin, end=end, ids=order[positions % len(order)])
+
+    def _bounds(self, index: int) -> tuple[int, int]:
+        """Share positions ``[begin, end)`` of batch ``index`` from ``start`` on."""
+        begin = max(index * self.batch_size, self.start)
+        return begin, min((index + 1) * self.batch_size, self.share_size)
 
 
 def num_batches(num_samples: int, batch_size: int, world_size: int, drop_last: bool) -> int:

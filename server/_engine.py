@@ -16,7 +16,7 @@ import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -42,6 +42,8 @@ MAX_WORLD_SIZE = 1 << 16
 MAX_LANES = 1024
 MAX_SEED = (1 << 63) - 1
 MAX_EPOCH = 1 << 40
+# Batches a pulling client may have asked for and not yet received, per stream.
+MAX_PULL_AHEAD = 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +132,7 @@ class BatchStream:
         normalized: bool,
         layout: str,
         parallel: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
+        pull: bool = False,
     ) -> None:
         self._release = release
         self._draining = draining
@@ -138,7 +141,12 @@ class BatchStream:
         self._schedule = schedule
         self._normalized = normalized
         self._layout = layout
-        self._planned = list(plan.batches())
+        # A pulled stream's batches are those its client asks for (want), in that order.
+        self.pull = pull
+        self._planned = [] if pull else list(plan.batches())
+        self._wants_ended = not pull
+        self._wanted = asyncio.Event()  # set when a pulled stream gets more to do
+        self._failure: Exception | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -147,13 +155,13 @@ class BatchStream:
         # a pipeline reading in worker processes failed.
         self._ticket: Ticket | None = None
         self._next_seq = 0  # with next_async: the batch to hand out next
-        self.awaitable = parallel is None
-        if parallel is None:
+        if parallel is None or pull:
             self._ticket = self._schedule(len(self._planned), self._read)
             self._ticket.start(0)
             self._results = self._inline(0)
         else:
             self._results = parallel([p.ids for p in self._planned]).run(self._inline)
+        self.awaitable = self._ticket is not None
 
     def _inline(self, first: int) -> Generator[Result, None, None]:
         ticket = self._ticket
@@ -191,12 +199,44 @@ class BatchStream:
             self.produced += 1
             return self._batch(result)
 
+    def want(self, indices: Sequence[int]) -> None:
+        """A pulling client asks for batches ``indices`` of the share, after those it asked
+        for before. Called on the event loop; InvalidRequest or OverCapacity refuse them."""
+        assert self.pull and self._ticket is not None
+        if self._wants_ended:
+            raise InvalidRequest("batches asked for after the request stream was closed")
+        waiting = len(self._planned) - self._next_seq + len(indices)
+        if waiting > MAX_PULL_AHEAD:
+            raise OverCapacity(
+                f"{waiting} batches asked for and not yet sent; a stream may hold at most "
+                f"{MAX_PULL_AHEAD}: ask for more as batches arrive"
+            )
+        try:
+            planned = [self._plan.batch(index) for index in indices]
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        self._planned += planned
+        self._ticket.extend(len(planned))
+        self._wanted.set()
+
+    def end_wants(self, failure: Exception | None = None) -> None:
+        """The client asks for nothing more (the stream ends once what it asked for is
+        sent), or its requests failed with ``failure`` (raised by :meth:`next_async`)."""
+        self._wants_ended = True
+        self._failure = self._failure or failure
+        self._wanted.set()
+
     async def next_async(self) -> Batch | None:
         """The next batch, awaited on the event loop; None at the end or once closed.
         Only for a stream whose ``awaitable`` is true (its batches come from the server's
         pipelines, not from worker processes), and not mixed with iteration."""
         ticket = self._ticket
         assert ticket is not None and self.awaitable
+        while self._next_seq >= len(self._planned) and not self._wants_ended:
+            self._wanted.clear()
+            await self._wanted.wait()  # a pulling client asks for more, or ends
+        if self._failure is not None:
+            raise self._failure
         if self._closed or self._stop.is_set() or self._next_seq >= len(self._planned):
             return None
         if self._draining():
@@ -311,8 +351,12 @@ class Engine:
 
     # -- streams ---------------------------------------------------------------------
 
-    def open_stream(self, request: StreamRequest) -> BatchStream:
-        """Validate ``request`` and start its stream (builds a pipeline if needed)."""
+    def open_stream(self, request: StreamRequest, *, pull: bool = False) -> BatchStream:
+        """Validate ``request`` and start its stream. With ``pull``, the stream carries
+        the batches its client asks for (:meth:`BatchStream.want`), not a lane, and runs
+        on the server's pipelines whatever ``read_workers`` says."""
+        if pull and request.lanes != 1:
+            raise InvalidRequest("a pulled stream names batches, not lanes: leave lanes unset")
         if self.draining:
             raise Draining("the server is shutting down; resume the stream on another server")
         dataset = self._dataset(request.dataset)
@@ -352,7 +396,7 @@ class Engine:
                 device_id=device_id,
             )
             parallel = None
-            if self.config.read_workers:
+            if self.config.read_workers and not pull:
                 parallel = functools.partial(self._build_parallel, key, dataset)
             stream = BatchStream(
                 self._release,
@@ -363,6 +407,7 @@ class Engine:
                 output.normalized,
                 output.layout,
                 parallel,
+                pull,
             )
             self._open_streams.add(stream)
             return stream

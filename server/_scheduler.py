@@ -62,18 +62,27 @@ class Ticket:
         self._results: dict[int, Result | BaseException] = {}
         # Results someone awaits (``future``): set on delivery instead of kept.
         self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
-        self._requested = 0
+        self._requested = 0  # batches before this one have been asked of the pipelines
+        self._allowed = 0  # ... and those before this one may be
         self._ready = threading.Condition()
         self.closed = False
 
     def start(self, first: int) -> None:
         """Ask for batches ``first``, ``first + 1``, … (``window`` of them to begin with)."""
-        self._requested = first
+        self._requested = self._allowed = first
         self._scheduler.request(self, self._window)
 
-    def next_requests(self, room: int) -> list[int]:
-        """Up to ``room`` further batch numbers to ask for (called under the scheduler's lock)."""
-        seqs = list(range(self._requested, min(self._requested + room, self.count)))
+    def extend(self, count: int) -> None:
+        """The stream has ``count`` more batches (a pulling client asked for them); they are
+        asked of the pipelines as the window allows."""
+        self._scheduler.request(self, 0, more=count)
+
+    def next_requests(self, room: int, more: int = 0) -> list[int]:
+        """Further batch numbers to ask for, ``room`` more allowed and ``more`` batches more
+        in the stream (called under the scheduler's lock)."""
+        self.count += more
+        self._allowed += room
+        seqs = list(range(self._requested, min(self._allowed, self.count)))
         self._requested += len(seqs)
         return seqs
 
@@ -190,11 +199,11 @@ class Scheduler:
 
     # -- the streams' side ---------------------------------------------------------
 
-    def request(self, ticket: Ticket, room: int) -> None:
+    def request(self, ticket: Ticket, room: int, *, more: int = 0) -> None:
         with self._lock:
             if ticket.closed:
                 return
-            seqs = ticket.next_requests(room)
+            seqs = ticket.next_requests(room, more)
             if not seqs:
                 return
             ticket.pending.extend(seqs)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -255,6 +256,11 @@ def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
             request_deserializer=_tolerant(pb.StreamBatchesRequest.FromString),
             response_serializer=None,  # StreamBatches writes encoded bytes (encode_parts)
         ),
+        "PullBatches": grpc.stream_stream_rpc_method_handler(
+            servicer.PullBatches,
+            request_deserializer=_tolerant(pb.PullRequest.FromString),
+            response_serializer=None,  # encoded bytes, as StreamBatches
+        ),
         "Preprocess": grpc.unary_unary_rpc_method_handler(
             servicer.Preprocess,
             request_deserializer=_tolerant(pb.PreprocessRequest.FromString),
@@ -350,24 +356,102 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
     async def StreamBatches(
         self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        # Writes with context.write rather than yielding: a client's hang-up then
-        # reaches this handler (as CancelledError, see write) instead of gRPC's write
-        # loop, and this handler's cleanup runs in its own task rather than when an
-        # abandoned generator is garbage-collected.
-        loop = asyncio.get_running_loop()
+        opened = await self._open(request, context, pull=False)
+        if opened is not None:
+            stream, stream_request = opened
+            await self._serve(stream, stream_request, context)
+
+    async def PullBatches(
+        self,
+        requests: AsyncIterator[pb.PullRequest | Malformed],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         try:
-            stream_request = request_from_proto(request)
-            opening = loop.run_in_executor(self._executor, self._engine.open_stream, stream_request)
-            stream = await asyncio.shield(opening)
+            first = await anext(aiter(requests), None)
+            if first is None:
+                raise InvalidRequest("the request stream ended before naming a stream")
+            check_message(first)
+            assert not isinstance(first, Malformed)
+            if not first.HasField("stream"):
+                raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
         except ServiceError as exc:
             await context.abort(status_for(exc), str(exc))
             return
+        opened = await self._open(first.stream, context, pull=True)
+        if opened is None:
+            return
+        stream, stream_request = opened
+        reading = asyncio.create_task(self._read_wants(first, requests, stream))
+        # Tells the client the stream is open, so it asks this server for batches only
+        # now: a server that is down or refuses never holds any.
+        await context.send_initial_metadata(())
+        try:
+            await self._serve(stream, stream_request, context)
+        finally:
+            reading.cancel()
+
+    @staticmethod
+    async def _read_wants(
+        first: pb.PullRequest,
+        requests: AsyncIterator[pb.PullRequest | Malformed],
+        stream: BatchStream,
+    ) -> None:
+        """Hand a pulling client's requests to its stream until it half-closes; a bad one
+        ends the stream with its status."""
+        try:
+            stream.want(first.batches)
+            async for message in requests:
+                check_message(message)
+                assert not isinstance(message, Malformed)
+                if message.HasField("stream"):
+                    raise InvalidRequest("only the first PullRequest names the stream")
+                stream.want(message.batches)
+            stream.end_wants()
+        except ServiceError as exc:
+            stream.end_wants(exc)
+        except grpc.aio.AioRpcError:
+            stream.end_wants()  # the call is over: the handler learns why from its writes
+
+    async def _open(
+        self,
+        request: pb.StreamBatchesRequest | Malformed,
+        context: grpc.aio.ServicerContext,
+        *,
+        pull: bool,
+    ) -> tuple[BatchStream, StreamRequest] | None:
+        """The request's stream, or None once the call was ended with the error's status."""
+        loop = asyncio.get_running_loop()
+        try:
+            stream_request = request_from_proto(request)
+            opening = loop.run_in_executor(
+                self._executor,
+                functools.partial(self._engine.open_stream, pull=pull),
+                stream_request,
+            )
+            stream = await asyncio.shield(opening)
+        except ServiceError as exc:
+            await context.abort(status_for(exc), str(exc))
+            return None
         except asyncio.CancelledError:
             # The client went away while its pipeline was being built: the stream
             # opens all the same, and must be closed or it holds a stream slot.
             log.info("client went away while its stream was opening; closing it when open")
             opening.add_done_callback(self._close_opened)
             raise
+        return stream, stream_request
+
+    async def _serve(
+        self,
+        stream: BatchStream,
+        stream_request: StreamRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Write the stream's batches until its end, and close it. Writes with
+        context.write rather than yielding: a client's hang-up then reaches this handler
+        (as CancelledError, see write) instead of gRPC's write loop, and this handler's
+        cleanup runs in its own task rather than when an abandoned generator is
+        garbage-collected."""
+        loop = asyncio.get_running_loop()
         peer = context.peer()
         # Structured copies of the start and end lines (JSON logs: --log-format json).
         fields = {
@@ -378,25 +462,26 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             "world_size": stream_request.world_size,
             "lane": stream_request.lane,
             "lanes": stream_request.lanes,
+            "pull": stream.pull,
             "epoch": stream_request.epoch,
             "start": stream_request.start,
         }
         log.info(
-            "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d lane=%d/%d epoch=%d start=%d",
+            "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d %s epoch=%d start=%d",
             peer,
             stream_request.dataset,
             stream_request.pipeline,
             stream_request.rank,
             stream_request.world_size,
-            stream_request.lane,
-            stream_request.lanes,
+            "pull" if stream.pull else f"lane={stream_request.lane}/{stream_request.lanes}",
             stream_request.epoch,
             stream_request.start,
             extra={"event": "stream_start", **fields},
         )
         metrics = self._metrics.stream(stream_request.dataset, stream_request.pipeline)
         metrics.opened()
-        expected = lane_batches(stream.plan)
+        # A pulled stream has no fixed length: its client half-closes when done.
+        expected = None if stream.pull else lane_batches(stream.plan)
         sent = 0
         batches = 0
         last_write = False
@@ -408,7 +493,13 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 computing = time.perf_counter()
                 if stream.awaitable:  # the server's pipelines: no thread waits for it
                     batch = await stream.next_async()
-                    encoded = None if batch is None else encode_parts(batch, max_bytes)
+                    encoded = (
+                        None
+                        if batch is None
+                        else await loop.run_in_executor(
+                            self._executor, encode_parts, batch, max_bytes
+                        )
+                    )
                 else:
                     encoded = await loop.run_in_executor(
                         self._executor, _next_encoded, stream, max_bytes

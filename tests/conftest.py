@@ -40,9 +40,13 @@ def class_of(manifest: Manifest, ids: np.ndarray) -> np.ndarray:
 
 
 def start_server(data_dir: pathlib.Path, **overrides: object) -> BatchwireServer:
-    config = ServerConfig(
-        data_dir=data_dir, host="localhost", port=0, device="cpu", num_threads=2, **overrides
-    )
+    settings: dict[str, object] = {
+        "host": "localhost",
+        "port": 0,
+        "device": "cpu",
+        "num_threads": 2,
+    }
+    config = ServerConfig(data_dir=data_dir, **{**settings, **overrides})  # type: ignore[arg-type]
     server = BatchwireServer(config)
     server.start()
     assert server.wait_serving(120), "server did not become SERVING"

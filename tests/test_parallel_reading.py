@@ -1,5 +1,7 @@
-"""Records read by DALI worker processes (``read_workers``): the same batches as reading
-inline, the same skipping of bad records, and no worker left behind a stream."""
+"""Records read by DALI worker processes (``read_workers``, for StreamBatches streams):
+the same batches as reading inline, the same skipping of bad records, and no worker left
+behind a stream. (RemoteLoader pulls its batches, which always run on the server's
+shared pipelines.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import os
 import pathlib
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from conftest import start_server
@@ -15,8 +19,11 @@ from test_corrupt import corrupt
 from test_resources import within
 
 from batchwire.cli._bench_probe import process_tree
-from batchwire.client import RemoteLoader
+from batchwire.client._channel import CHANNEL_OPTIONS
+from batchwire.common.tensors import from_proto
 from batchwire.server import BatchwireServer
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 from batchwire.v1 import datum_pb2
 
 
@@ -27,12 +34,23 @@ def parallel(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
     server.stop(grace=1.0)
 
 
-def epoch(target: str, **options: object) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    loader = RemoteLoader(
-        target, dataset="shapes", batch_size=32, return_ids=True, drop_last=False, **options
-    )
-    with loader:
-        return [(images.numpy(), labels.numpy(), ids.numpy()) for images, labels, ids in loader]
+def stream(
+    target: str, skipped: list[int] | None = None, **options: Any
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """One StreamBatches stream of a whole share: (images, labels, ids) per batch."""
+    request = pb.StreamBatchesRequest(dataset="shapes", drop_last=False, **options)
+    batches = []
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        for batch in pb_grpc.BatchwireStub(channel).StreamBatches(request, timeout=120):
+            ids = np.asarray(batch.ids, np.int64)
+            batches.append((from_proto(batch.images), from_proto(batch.labels), ids))
+            if skipped is not None:
+                skipped += batch.skipped_ids
+    return batches
+
+
+def epoch(target: str, **options: Any) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    return stream(target, batch_size=32, **options)
 
 
 def test_workers_serve_exactly_what_inline_reading_serves(
@@ -66,19 +84,13 @@ def test_a_batch_with_no_readable_record_continues_inline(
     corrupt(copy / "shapes", damage)
     server = start_server(copy, read_workers=2)
     try:
-        loader = RemoteLoader(
-            server.target,
-            dataset="shapes",
-            pipeline="val",
-            batch_size=8,
-            shuffle=False,
-            drop_last=False,
-            return_ids=True,
-            params={"size": 32},
+        skipped: list[int] = []
+        batches = stream(
+            server.target, skipped, pipeline="val", batch_size=8, shuffle=False, params={"size": 32}
         )
-        delivered = [int(i) for _, _, ids in loader for i in ids]
+        delivered = [int(i) for _, _, ids in batches for i in ids]
         assert delivered == [i for i in range(520) if i not in damage]
-        assert sorted(loader.skipped_ids) == sorted(damage)
+        assert sorted(skipped) == sorted(damage)
     finally:
         server.stop(grace=1.0)
 
@@ -98,12 +110,16 @@ def read_workers_alive() -> list[int]:
 
 def test_worker_processes_stop_with_their_stream(parallel: BatchwireServer) -> None:
     before = set(read_workers_alive())
-    loader = RemoteLoader(parallel.target, dataset="shapes", batch_size=16, params={"size": 32})
-    iterator = iter(loader)
-    next(iterator)
+    request = pb.StreamBatchesRequest(
+        dataset="shapes", pipeline="train", batch_size=16, params={"size": 32}
+    )
+    channel = grpc.insecure_channel(parallel.target)
+    call = pb_grpc.BatchwireStub(channel).StreamBatches(request, timeout=120)
+    next(call)
     during = set(read_workers_alive()) - before
     assert len(during) == 2  # the stream's two read workers
-    loader.close()
+    call.cancel()
+    channel.close()
     # The server sees the cancellation, closes the stream and lets its pipeline go.
     assert within(30.0, lambda: not set(read_workers_alive()) & during)
     assert within(30.0, lambda: parallel.engine.active_streams == 0)

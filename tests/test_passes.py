@@ -186,12 +186,12 @@ def test_spawned_dataloader_workers_deliver_advancing_epochs(server: BatchwireSe
 
 
 def test_close_stops_and_joins_the_readers(server: BatchwireServer) -> None:
-    loader = make(server, prefetch=4, lanes=3)
+    loader = make(server, prefetch=4)
     iterator = iter(loader)
     take(iterator, 1)
-    assert any(t.name.startswith("batchwire-lane") for t in threading.enumerate())
+    assert any(t.name.startswith("batchwire-pull") for t in threading.enumerate())
     loader.close()
-    assert not any(t.name.startswith("batchwire-lane") for t in threading.enumerate())
+    assert not any(t.name.startswith("batchwire-pull") for t in threading.enumerate())
     with pytest.raises(BatchwireError, match="close") as caught:
         next(iterator)
     assert caught.value.code == grpc.StatusCode.CANCELLED

@@ -73,10 +73,10 @@ def test_a_client_that_goes_away_while_its_pipeline_builds_gives_the_slot_back(
     entered, release = threading.Event(), threading.Event()
     open_stream_now = server.engine.open_stream
 
-    def slow_open(request):  # type: ignore[no-untyped-def]  # a pipeline that takes a while
+    def slow_open(request, **options):  # type: ignore[no-untyped-def]  # a slow pipeline build
         entered.set()
         assert release.wait(30)
-        return open_stream_now(request)
+        return open_stream_now(request, **options)
 
     monkeypatch.setattr(server.engine, "open_stream", slow_open)
     caplog.set_level("INFO", logger="batchwire.server._servicer")
@@ -91,12 +91,12 @@ def test_a_client_that_goes_away_while_its_pipeline_builds_gives_the_slot_back(
 
 
 def lane_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("batchwire-lane")]
+    return [t for t in threading.enumerate() if t.name.startswith("batchwire-pull")]
 
 
 def test_close_and_break_leave_no_reader_thread(server: BatchwireServer) -> None:
     assert lane_threads() == []
-    loader = RemoteLoader(server.target, dataset="shapes", batch_size=4, lanes=3, prefetch=4)
+    loader = RemoteLoader(server.target, dataset="shapes", batch_size=4, prefetch=4)
     for n, _ in enumerate(loader):
         if n == 5:
             break

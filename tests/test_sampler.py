@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import numpy as np
@@ -147,6 +148,35 @@ def test_lanes_interleaved_by_index_give_the_same_sequence(
     assert [int(i) for b in merged for i in b.ids] == all_ids(single)
     for lane, batches in enumerate(per_lane):
         assert all(b.index % lanes == lane for b in batches)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=sizes,
+    world=worlds,
+    batch=batch_sizes,
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    data=st.data(),
+)
+def test_a_batch_planned_alone_is_the_batch_of_the_whole_plan(
+    n: int, world: int, batch: int, drop_last: bool, shuffle: bool, data: st.DataObject
+) -> None:
+    """What a pulling client asks for by index is what the lane plan streams."""
+    rank = data.draw(st.integers(0, world - 1))
+    whole = Plan(num_samples=n, batch_size=batch, world_size=world, rank=rank, drop_last=drop_last)
+    start = data.draw(st.integers(0, whole.share_size))
+    plan = dataclasses.replace(whole, start=start, shuffle=shuffle, seed=3, epoch=2)
+    planned = list(plan.batches())
+    for b in planned:
+        alone = plan.batch(b.index)
+        assert (alone.index, alone.begin, alone.end) == (b.index, b.begin, b.end)
+        assert alone.ids.tolist() == b.ids.tolist()
+    for index in {-1, plan.num_batches} | {
+        k for k in range(plan.num_batches) if k * batch + batch <= start
+    }:
+        with pytest.raises(ValueError, match=f"batch {index} is not in this share"):
+            plan.batch(index)
 
 
 def test_cursor_of_each_batch_resumes_after_it() -> None:

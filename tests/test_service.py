@@ -19,4 +19,10 @@ def test_reflection_lists_the_services(server: BatchwireServer) -> None:
             m.name
             for m in database.FindFileContainingSymbol("batchwire.v1.Batchwire").service[0].method
         }
-    assert method_names == {"ListDatasets", "DescribeDataset", "StreamBatches", "Preprocess"}
+    assert method_names == {
+        "ListDatasets",
+        "DescribeDataset",
+        "StreamBatches",
+        "PullBatches",
+        "Preprocess",
+    }

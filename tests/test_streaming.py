@@ -62,7 +62,7 @@ def test_every_rank_gets_the_same_number_of_full_batches(server: BatchwireServer
 
 def test_order_depends_only_on_seed_and_epoch(server: BatchwireServer) -> None:
     first = epoch_ids(loader(server, seed=5, pipeline="val"))
-    again = epoch_ids(loader(server, seed=5, pipeline="val", lanes=2))
+    again = epoch_ids(loader(server, seed=5, pipeline="val", prefetch=1))
     assert first == again
     expected = Plan(num_samples=520, batch_size=32, seed=5).share().tolist()
     assert first == expected

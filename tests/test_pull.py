@@ -1,0 +1,191 @@
+"""Batches go to whichever server is ready: the book's assignment policy, and servers
+that join a ``dns:///`` name during an epoch."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import socket
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import start_server
+
+from batchwire.client import RemoteLoader
+from batchwire.client._book import Book, Held
+from batchwire.client._reader import Delivery
+from batchwire.common.sampler import Plan
+from batchwire.server import BatchwireServer
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
+
+
+def delivery(index: int) -> Delivery:
+    return Delivery(
+        index=index,
+        ids=np.array([index]),
+        images=None,
+        labels=None,
+        cursor=index + 1,
+        skipped_ids=(),
+        normalized=False,
+        layout="NCHW",
+    )
+
+
+def never() -> bool:
+    return False
+
+
+def take(book: Book, index: int) -> int:
+    return book.take(index, timeout=5, retry_timeout=5, check=lambda: None).index
+
+
+def test_a_server_that_delivers_is_asked_for_more_within_the_window() -> None:
+    book = Book(first=0, num_batches=100, window=8)
+    fast: Held = collections.deque()
+    slow: Held = collections.deque()
+    assert book.claim(fast, 2, never) == [0, 1]
+    assert book.claim(slow, 2, never) == [2, 3]
+    for _ in range(2):  # the fast server delivers what it holds and is asked for more
+        for index in list(fast):
+            book.deliver(fast, delivery(index))
+        assert len(book.claim(fast, 2, never) or []) == 2
+    assert list(fast) == [6, 7]  # the window (8 beyond batch 0) is full now
+    assert book.claim(slow, 3, lambda: len(slow) >= 2) is None  # no room: nothing more
+    assert [take(book, k) for k in (0, 1)] == [0, 1]
+    assert book.claim(fast, 4, never) == [8, 9]  # taking batches made room
+    with pytest.raises(Exception, match="batch 5 where batch 2 was asked for"):
+        book.deliver(slow, delivery(5))
+
+
+def test_a_failed_server_gives_its_batches_back_lowest_first() -> None:
+    book = Book(first=10, num_batches=20, window=6)
+    a: Held = collections.deque()
+    b: Held = collections.deque()
+    assert book.claim(a, 3, never) == [10, 11, 12]
+    assert book.claim(b, 3, never) == [13, 14, 15]
+    book.deliver(a, delivery(10))
+    assert book.give_back(a, (grpc.StatusCode.UNAVAILABLE, "a: gone")) == [11, 12]
+    assert not a
+    assert take(book, 10) == 10
+    assert book.claim(b, 5, never) == [11, 12]  # then 16 if the window allowed it
+    for index in [13, 14, 15, 11, 12]:
+        book.deliver(b, delivery(index))
+    assert [take(book, k) for k in range(11, 16)] == list(range(11, 16))
+
+
+def test_servers_failing_without_progress_end_the_pass_after_retry_timeout() -> None:
+    book = Book(first=0, num_batches=4, window=4)
+    held: Held = collections.deque()
+    book.claim(held, 2, never)
+    book.give_back(held, (grpc.StatusCode.UNAVAILABLE, "a: connection refused"))
+    with pytest.raises(Exception, match=r"retry_timeout=.*a: connection refused") as caught:
+        book.take(0, timeout=60, retry_timeout=0, check=lambda: None)
+    assert getattr(caught.value, "code", None) == grpc.StatusCode.UNAVAILABLE
+
+
+def samples_sent(server: BatchwireServer) -> float:
+    registry = server.metrics.registry
+    return sum(
+        sample.value
+        for metric in registry.collect()
+        if metric.name == "batchwire_samples_sent"
+        for sample in metric.samples
+        if sample.name == "batchwire_samples_sent_total"
+    )
+
+
+def test_a_server_that_joins_the_name_mid_epoch_takes_batches(
+    data_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = start_server(data_dir, host="127.0.0.1")
+    port = first.port
+    # The name's answer, as a DNS server would change it when a server joins.
+    answer = ["127.0.0.1"]
+    resolve = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, service: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        if host != "fleet.test":
+            return resolve(host, service, *args, **kwargs)
+        family, kind = socket.AF_INET, socket.SOCK_STREAM
+        return [(family, kind, 6, "", (ip, int(service))) for ip in answer]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    joined: BatchwireServer | None = None
+    ids: list[int] = []
+    try:
+        loader = RemoteLoader(
+            f"dns:///fleet.test:{port}",
+            dataset="shapes",
+            pipeline="val",
+            batch_size=4,
+            shuffle=False,
+            drop_last=False,
+            return_ids=True,
+            params={"size": 32},
+            resolve_every=0.1,
+        )
+        with loader:
+            for n, (_, _, batch_ids) in enumerate(loader):
+                ids += batch_ids.tolist()
+                if n == 5:
+                    joined = start_server(data_dir, host="127.0.0.2", port=port)
+                    answer.append("127.0.0.2")
+                    joined_at = time.monotonic()
+                if joined is not None and samples_sent(joined) == 0:
+                    time.sleep(0.02)  # a slow trainer, so the epoch outlasts the join
+        assert joined is not None and samples_sent(joined) > 0, "the new server took no batch"
+        assert time.monotonic() - joined_at < 60
+        assert ids == list(range(520))  # the same sequence, whoever carried the batches
+    finally:
+        first.stop(grace=1.0)
+        if joined is not None:
+            joined.stop(grace=1.0)
+
+
+def test_pull_requests_are_validated(server: BatchwireServer) -> None:
+    share = pb.StreamBatchesRequest(dataset="shapes", pipeline="val", batch_size=8)
+    plan = Plan(num_samples=520, batch_size=8)
+    cases = [
+        ([pb.PullRequest(batches=[0])], grpc.StatusCode.INVALID_ARGUMENT, "first PullRequest"),
+        (
+            [pb.PullRequest(stream=share, batches=[plan.num_batches])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"batch {plan.num_batches} is not in this share",
+        ),
+        (
+            [pb.PullRequest(stream=share), pb.PullRequest(stream=share)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "only the first PullRequest",
+        ),
+        (
+            [pb.PullRequest(stream=pb.StreamBatchesRequest(**{**kw, "lanes": 2}))]
+            if (kw := {"dataset": "shapes", "pipeline": "val", "batch_size": 8})
+            else [],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "names batches, not lanes",
+        ),
+        (
+            [pb.PullRequest(stream=share, batches=[0] * 1025)],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "at most 1024",
+        ),
+    ]
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.BatchwireStub(channel)
+        for requests, code, message in cases:
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.PullBatches(iter(requests), timeout=60))
+            assert caught.value.code() == code, caught.value.details()
+            assert message in (caught.value.details() or "")
+        # Batches come back in the order asked, and the stream ends when the client
+        # half-closes.
+        asked = [7, 3, 64, 0]
+        batches = list(stub.PullBatches(iter([pb.PullRequest(stream=share, batches=asked)])))
+        assert [b.index for b in batches] == asked
+        for b in batches:
+            assert list(b.ids) == plan.batch(b.index).ids.tolist()
