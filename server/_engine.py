@@ -8,6 +8,7 @@ errors of ``batchwire.server._errors`` to status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -44,6 +45,7 @@ MAX_SEED = (1 << 63) - 1
 MAX_EPOCH = 1 << 40
 # Batches a pulling client may have asked for and not yet received, per stream.
 MAX_PULL_AHEAD = 1024
+_WANT_POLL_S = 0.25  # how often a pulled stream waiting for requests checks for a drain
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -232,15 +234,21 @@ class BatchStream:
         pipelines, not from worker processes), and not mixed with iteration."""
         ticket = self._ticket
         assert ticket is not None and self.awaitable
-        while self._next_seq >= len(self._planned) and not self._wants_ended:
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            done = self._next_seq >= len(self._planned)
+            if self._closed or self._stop.is_set() or (done and self._wants_ended):
+                return None
+            if self._draining():
+                raise Draining("the server is shutting down; resume the stream on another server")
+            if not done:
+                break
+            # A pulling client asks for more, or ends; a drain or close is seen within
+            # the poll even while it asks for nothing.
             self._wanted.clear()
-            await self._wanted.wait()  # a pulling client asks for more, or ends
-        if self._failure is not None:
-            raise self._failure
-        if self._closed or self._stop.is_set() or self._next_seq >= len(self._planned):
-            return None
-        if self._draining():
-            raise Draining("the server is shutting down; resume the stream on another server")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wanted.wait(), _WANT_POLL_S)
         result = await asyncio.wrap_future(ticket.future(self._next_seq))
         if result is None:
             return None

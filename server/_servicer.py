@@ -382,9 +382,6 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             return
         stream, stream_request = opened
         reading = asyncio.create_task(self._read_wants(first, requests, stream))
-        # Tells the client the stream is open, so it asks this server for batches only
-        # now: a server that is down or refuses never holds any.
-        await context.send_initial_metadata(())
         try:
             await self._serve(stream, stream_request, context)
         finally:
@@ -488,6 +485,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         status = "CANCELLED"  # unless the loop ends otherwise: the client went away
         started = time.monotonic()
         try:
+            if stream.pull:
+                # Tells the client the stream is open, so it asks this server for batches
+                # only now: a server that is down or refuses never holds any. Inside the
+                # try: a client gone by now still gets its stream closed below.
+                await context.send_initial_metadata(())
             max_bytes = self._engine.config.max_message_bytes
             while True:
                 computing = time.perf_counter()

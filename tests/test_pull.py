@@ -6,7 +6,9 @@ from __future__ import annotations
 import collections
 import pathlib
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,6 +18,7 @@ from conftest import start_server
 
 from batchwire.client import RemoteLoader
 from batchwire.client._book import Book, Held
+from batchwire.client._channel import CHANNEL_OPTIONS
 from batchwire.client._reader import Delivery
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
@@ -189,3 +192,28 @@ def test_pull_requests_are_validated(server: BatchwireServer) -> None:
         assert [b.index for b in batches] == asked
         for b in batches:
             assert list(b.ids) == plan.batch(b.index).ids.tolist()
+
+
+def test_a_drain_ends_a_pulled_stream_that_asks_for_nothing(data_dir: pathlib.Path) -> None:
+    """A client waiting on other servers asks this one for nothing; a drain still ends its
+    stream with UNAVAILABLE (which the client resumes elsewhere), not at the grace period."""
+    server = start_server(data_dir)
+    share = pb.StreamBatchesRequest(dataset="shapes", pipeline="val", batch_size=8)
+    stop = threading.Event()
+
+    def requests() -> Iterator[pb.PullRequest]:
+        yield pb.PullRequest(stream=share, batches=[0])
+        stop.wait(60)  # holds the request stream open, asking for nothing more
+
+    try:
+        with grpc.insecure_channel(server.target, options=CHANNEL_OPTIONS) as channel:
+            call = pb_grpc.BatchwireStub(channel).PullBatches(requests(), timeout=60)
+            assert next(call).index == 0
+            server.engine.draining = True
+            with pytest.raises(grpc.RpcError) as caught:
+                next(call)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in (caught.value.details() or "")
+    finally:
+        stop.set()
+        server.stop(grace=1.0)
