@@ -8,6 +8,8 @@
     batchwire bench --reading                           # the server's record path: inline or parallel
     batchwire bench --stages                            # CPU per image of each stage, DALI vs PIL
     batchwire bench --streams 1,64,256 [--size 64]      # one server under K concurrent streams
+    batchwire bench --fleet                             # two servers, one slowed: one loader over both
+    batchwire bench --chaos --duration 300              # servers killed and restarted: exactly once?
 
 Without ``--data-dir``, a dataset of generated ImageNet-sized JPEGs is built once in
 the cache (``~/.cache/batchwire/bench``).
@@ -16,6 +18,7 @@ the cache (``~/.cache/batchwire/bench``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import platform
@@ -69,7 +72,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="K[,K...]: one server under K concurrent streams each (--duration seconds a K, "
         "default 20): images/s, server threads and RSS, first batch, rate spread",
     )
-    parser.add_argument("--size", type=int, help="with --streams: the pipeline's output size")
+    parser.add_argument(
+        "--size", type=int, help="with --streams or --chaos: the pipeline's output size"
+    )
+    parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="two servers on a core each, one sharing its core with busy processes: their "
+        "solo rates against one loader over both",
+    )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="three servers, two ranks, a server killed or drained and restarted every "
+        "--every seconds for --duration seconds (default 300): samples lost and repeated",
+    )
+    parser.add_argument(
+        "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"
+    )
     parser.add_argument(
         "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
     )
@@ -166,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         return _reading(args)
     if args.streams:
         return _streams(args)
+    if args.fleet:
+        return _fleet(args)
+    if args.chaos:
+        return _chaos(args)
     if args.stages:
         from batchwire.cli._bench_stages import measure_stages
 
@@ -176,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         return _long_run(args)
     print(
         "error: give --address, --compare, --messages, --scaling, --reading, --stages, "
-        "--streams or --duration",
+        "--streams, --fleet, --chaos or --duration",
         file=sys.stderr,
     )
     return 2
@@ -505,6 +529,75 @@ def _streams(args: argparse.Namespace) -> int:
 
         write_json(args.json, {"machine": _machine(), "streams": [vars(r) for r in results]})
     return 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    """Two servers, the second slowed by a busy neighbour: solo rates against both."""
+    from batchwire.cli._bench_fleet import fleet, fleet_table
+
+    if (os.cpu_count() or 1) < 2:
+        print("error: --fleet needs at least 2 cores", file=sys.stderr)
+        return 2
+    data_dir, dataset = _dataset(args)
+    print(
+        f"{dataset}, pipeline {args.pipeline}, batch {args.batch_size}, {args.images} images a run"
+    )
+    with tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work:
+        results = fleet(
+            data_dir,
+            pathlib.Path(work),
+            dataset,
+            args.pipeline,
+            args.batch_size,
+            args.images,
+            args.repeats,
+        )
+    print(fleet_table(results))
+    if args.json:
+        from batchwire.cli._bench_report import write_json
+
+        rows = {name: {"images_per_s": r.images_per_second} for name, r in results.items()}
+        write_json(args.json, {"machine": _machine(), "fleet": rows})
+    return 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    """Servers stopped and restarted under two streaming ranks: exit 1 unless exactly once."""
+    from batchwire.cli._bench_fleet import chaos, chaos_report
+    from batchwire.server._dataset import Manifest
+
+    data_dir, dataset = _dataset(args)
+    seconds = args.duration or 300.0
+    print(
+        f"{dataset}: 3 servers, 2 ranks, a server stopped every ~{args.every:.0f} s for {seconds:.0f} s"
+    )
+    with tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work:
+        result = chaos(
+            data_dir,
+            pathlib.Path(work),
+            dataset,
+            num_samples=Manifest.load(data_dir / dataset).num_samples,
+            pipeline=args.pipeline,
+            batch_size=args.batch_size,
+            seconds=seconds,
+            every=args.every,
+            params={"size": float(args.size)} if args.size else None,
+        )
+    print(chaos_report(result))
+    if args.json:
+        from batchwire.cli._bench_report import write_json
+
+        chaos = {
+            "seconds": result.seconds,
+            "kills": dict(result.kills),  # asdict would rebuild a Counter from its items
+            "restarts": {str(k): v for k, v in result.restarts.items()},
+            "ranks": [dataclasses.asdict(r) for r in result.ranks],
+            "rss_start_mib": result.rss_start_mib,
+            "rss_end_mib": result.rss_end_mib,
+            "exact": result.exact,
+        }
+        write_json(args.json, {"machine": _machine(), "chaos": chaos})
+    return 0 if result.exact else 1
 
 
 def _long_run(args: argparse.Namespace) -> int:

@@ -257,6 +257,7 @@ class LocalServer:
         max_message_bytes: int | None = None,
         max_streams: int | None = None,
         read_workers: int = 0,
+        port: int = 0,
     ) -> None:
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
         server = f"[server]\nnum_threads = {threads}\nread_workers = {read_workers}\n"
@@ -279,7 +280,7 @@ class LocalServer:
             "--host",
             "localhost",
             "--port",
-            "0",
+            str(port),
         ]
         if cpus is not None:
             command = ["taskset", "-c", cpus, *command]

@@ -188,3 +188,49 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
         assert 0 <= row["first_p50"] <= row["first_max"] < 6, row
     assert main(["bench", "--streams", "0"]) == 2
     assert "--streams takes stream counts" in capsys.readouterr().err
+
+
+def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = tmp_path / "chaos.json"
+    args = [
+        "bench",
+        "--chaos",
+        "--duration",
+        "8",
+        "--every",
+        "2",
+        "--data-dir",
+        str(data_dir),
+        "--dataset",
+        "shapes",
+        "--batch-size",
+        "8",
+        "--size",
+        "32",
+        "--json",
+        str(result),
+    ]
+    assert main(args) == 0
+    assert "exactly once: yes" in capsys.readouterr().out
+    chaos = json.loads(result.read_text())["chaos"]
+    assert sum(chaos["kills"].values()) >= 2  # servers were stopped while ranks streamed
+    for rank in chaos["ranks"]:
+        assert rank["epochs"] >= 1 and rank["lost"] == 0 and rank["repeated"] == 0, rank
+        assert rank["samples"] == rank["epochs"] * 260  # 520 samples, two ranks
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--fleet pins a server to each of 2 cores")
+def test_fleet_measures_each_server_alone_and_one_loader_over_both(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    result = tmp_path / "fleet.json"
+    args = ["bench", "--fleet", "--photos", "48", "--images", "48", "--batch-size", "16"]
+    assert main([*args, "--repeats", "1", "--json", str(result)]) == 0
+    out = capsys.readouterr().out
+    assert "both/(fast+slow) images/s" in out
+    rows = json.loads(result.read_text())["fleet"]
+    assert set(rows) == {"fast", "slow", "both"}
+    assert all(row["images_per_s"] > 0 for row in rows.values()), rows
