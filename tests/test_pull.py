@@ -138,11 +138,9 @@ def test_a_server_that_joins_the_name_mid_epoch_takes_batches(
                 if n == 5:
                     joined = start_server(data_dir, host="127.0.0.2", port=port)
                     answer.append("127.0.0.2")
-                    joined_at = time.monotonic()
                 if joined is not None and samples_sent(joined) == 0:
                     time.sleep(0.02)  # a slow trainer, so the epoch outlasts the join
         assert joined is not None and samples_sent(joined) > 0, "the new server took no batch"
-        assert time.monotonic() - joined_at < 60
         assert ids == list(range(520))  # the same sequence, whoever carried the batches
     finally:
         first.stop(grace=1.0)
