@@ -6,27 +6,46 @@ never more than ``window`` beyond the batch the user takes next. So a faster ser
 handed more batches, a failed one's batches go to the others, and what is asked for or
 held never exceeds ``window`` batches. The user takes batches in order ``k`` whichever
 server carried them. Thread-safe; every wait is bounded.
+
+A server that stalls without failing (a hung disk, a paused process) would hold its
+batches until ``timeout``. So when the user has waited for the next batch much longer
+than batches have been arriving (``HEDGE_FACTOR`` times the median gap between recent
+arrivals, and at least ``HEDGE_MIN_S``), every batch the call holding it holds is offered
+to the other servers too. Whichever copy arrives first is used; a later one is dropped.
 """
 
 from __future__ import annotations
 
 import collections
 import heapq
+import logging
+import statistics
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from batchwire.client._exceptions import BatchwireError, UnavailableError, error_for
-from batchwire.client._reader import Delivery
 
-__all__ = ["Book", "Held"]
+if TYPE_CHECKING:
+    from batchwire.client._reader import Delivery
+
+__all__ = ["HEDGE_FACTOR", "HEDGE_MIN_S", "Book", "Held"]
+
+log = logging.getLogger(__name__)
 
 _POLL = 0.1  # seconds between checks of a stop condition while waiting
+HEDGE_FACTOR = 20  # a wait this many median gaps between arrivals means a stalled server
+HEDGE_MIN_S = 2.0  # ... and never less than this
 
-# The batches one call was asked for and has not delivered yet, in the order asked.
-Held = collections.deque[int]
+
+class Held(collections.deque[int]):
+    """The batches one call was asked for and has not delivered yet, in the order asked."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]  # one per call: by identity
 
 
 class Book:
@@ -42,6 +61,10 @@ class Book:
         self._progress_at = time.monotonic()
         # The latest failure: (when, status code, message), for retry_timeout.
         self._failure: tuple[float, grpc.StatusCode, str] | None = None
+        self._holders: weakref.WeakSet[Held] = weakref.WeakSet()
+        self._hedged: set[int] = set()  # batches offered to a second server
+        self._gaps: collections.deque[float] = collections.deque(maxlen=32)
+        self.duplicates = 0  # copies of hedged batches that arrived second
 
     @property
     def finished(self) -> bool:
@@ -59,13 +82,21 @@ class Book:
                     return None
                 room = credit - len(held)
                 got: list[int] = []
+                mine: list[int] = []  # hedged batches this call holds already
                 while room > len(got) and self._returned:
-                    got.append(heapq.heappop(self._returned))
+                    index = heapq.heappop(self._returned)
+                    if index in held:
+                        mine.append(index)
+                    elif index >= self._next and index not in self._arrived:
+                        got.append(index)
+                for index in mine:
+                    heapq.heappush(self._returned, index)
                 limit = min(self.num_batches, self._next + self._window)
                 while room > len(got) and self._fresh < limit:
                     got.append(self._fresh)
                     self._fresh += 1
                 if got:
+                    self._holders.add(held)
                     held.extend(got)
                     return got
                 self._cond.wait(_POLL)
@@ -80,8 +111,13 @@ class Book:
                     f"the server sent batch {delivery.index} where batch {expected} was asked for",
                 )
             held.popleft()
+            now = time.monotonic()
+            if delivery.index < self._next or delivery.index in self._arrived:
+                self.duplicates += 1  # the other copy of a hedged batch came first
+                return
             self._arrived[delivery.index] = delivery
-            self._progress_at = time.monotonic()
+            self._gaps.append(now - self._progress_at)
+            self._progress_at = now
             self._cond.notify_all()
 
     def give_back(
@@ -90,7 +126,7 @@ class Book:
         """A call ended holding ``held``: those batches go to other servers (the call
         must be over first, see ``claim``). ``failure`` is why, if it failed."""
         with self._cond:
-            returned = sorted(held)
+            returned = sorted(i for i in held if i >= self._next and i not in self._arrived)
             for index in returned:
                 heapq.heappush(self._returned, index)
             held.clear()
@@ -116,7 +152,8 @@ class Book:
         """Batch ``index`` (the next in order) once it arrived. Raises the pass's error;
         ``UnavailableError`` after ``timeout`` seconds, or when servers failed and none
         delivered a batch for ``retry_timeout`` seconds; whatever ``check()`` raises."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         with self._cond:
             check()  # a stopped pass hands out nothing, not even batches it holds
             while index not in self._arrived:
@@ -124,6 +161,8 @@ class Book:
                 if self._error is not None:
                     raise self._error
                 now = time.monotonic()
+                if index not in self._hedged and now - started > self._hedge_after():
+                    self._hedge(index, now - started)
                 failure = self._failure
                 stalled = now - self._progress_at > retry_timeout
                 if failure is not None and failure[0] >= self._progress_at and stalled:
@@ -143,3 +182,28 @@ class Book:
             self._next = index + 1
             self._cond.notify_all()
             return delivery
+
+    def _hedge_after(self) -> float:
+        """Seconds of waiting for one batch after which its server counts as stalled."""
+        typical = statistics.median(self._gaps) if self._gaps else 0.0
+        return max(HEDGE_MIN_S, HEDGE_FACTOR * typical)
+
+    def _hedge(self, index: int, waited: float) -> None:
+        """Offer every batch of the call holding ``index`` to the other servers (under
+        the lock)."""
+        for held in list(self._holders):
+            if index in held:
+                offered = [i for i in held if i not in self._hedged and i not in self._arrived]
+                for i in offered:
+                    heapq.heappush(self._returned, i)
+                    self._hedged.add(i)
+                log.warning(
+                    "batch %d: waited %.1fs on a server that delivered nothing meanwhile; "
+                    "asking the other servers for the %d batches it holds",
+                    index,
+                    waited,
+                    len(offered),
+                )
+                self._cond.notify_all()
+                return
+        self._hedged.add(index)  # held by no call now: a failed call gave it back

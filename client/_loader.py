@@ -96,6 +96,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     server carried them. When a server fails or drains, the batches it held are
     asked of the others, and it is tried again with backoff; after
     ``retry_timeout`` seconds without a batch from any server the loop raises.
+    When a server stalls without failing, the batches it holds are also asked of
+    the others once the loop has waited far longer than batches usually take.
 
     In ``DataLoader`` workers, worker 0 streams the whole share and the other
     workers end at once, so the order and ``StatefulDataLoader``'s state are

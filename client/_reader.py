@@ -12,24 +12,20 @@ promptly when ``stop`` is set (the RPC is cancelled).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
+from batchwire.client._book import Book, Held
 from batchwire.client._exceptions import BatchwireError, from_rpc_error
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
-
-if TYPE_CHECKING:
-    from batchwire.client._book import Book, Held
 
 __all__ = ["Allocator", "Delivery", "ServerPuller", "TransferStats", "assemble"]
 
@@ -156,7 +152,7 @@ class ServerPuller(threading.Thread):
     def _pull(self) -> None:
         attempt = 0
         while not self._halt.is_set() and not self._book.finished:
-            held: Held = collections.deque()
+            held = Held()
             over = threading.Event()  # the call is over: its request stream asks for nothing
             accepted = threading.Event()  # the server opened the stream: ask it for batches
             failure: tuple[grpc.StatusCode, str] | None = None

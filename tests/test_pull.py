@@ -3,8 +3,8 @@ that join a ``dns:///`` name during an epoch."""
 
 from __future__ import annotations
 
-import collections
 import pathlib
+import signal
 import socket
 import threading
 import time
@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import start_server
+from processes import serve_process
 
 from batchwire.client import BatchwireError, RemoteLoader, UnavailableError
 from batchwire.client._book import Book, Held
@@ -49,8 +50,8 @@ def take(book: Book, index: int) -> int:
 
 def test_a_server_that_delivers_is_asked_for_more_within_the_window() -> None:
     book = Book(first=0, num_batches=100, window=8)
-    fast: Held = collections.deque()
-    slow: Held = collections.deque()
+    fast = Held()
+    slow = Held()
     assert book.claim(fast, 2, never) == [0, 1]
     assert book.claim(slow, 2, never) == [2, 3]
     for _ in range(2):  # the fast server delivers what it holds and is asked for more
@@ -67,8 +68,8 @@ def test_a_server_that_delivers_is_asked_for_more_within_the_window() -> None:
 
 def test_a_failed_server_gives_its_batches_back_lowest_first() -> None:
     book = Book(first=10, num_batches=20, window=6)
-    a: Held = collections.deque()
-    b: Held = collections.deque()
+    a = Held()
+    b = Held()
     assert book.claim(a, 3, never) == [10, 11, 12]
     assert book.claim(b, 3, never) == [13, 14, 15]
     book.deliver(a, delivery(10))
@@ -83,12 +84,72 @@ def test_a_failed_server_gives_its_batches_back_lowest_first() -> None:
 
 def test_servers_failing_without_progress_end_the_pass_after_retry_timeout() -> None:
     book = Book(first=0, num_batches=4, window=4)
-    held: Held = collections.deque()
+    held = Held()
     book.claim(held, 2, never)
     book.give_back(held, (grpc.StatusCode.UNAVAILABLE, "a: connection refused"))
     with pytest.raises(UnavailableError, match=r"retry_timeout=.*a: connection refused") as caught:
         book.take(0, timeout=60, retry_timeout=0, check=lambda: None)
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_batch_held_by_a_stalled_server_is_asked_of_another(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The stalled server never delivers: after the hedge wait, the other server is
+    offered all it holds, the user gets every batch in order, and a late copy is dropped."""
+    book = Book(first=0, num_batches=4, window=8)
+    stalled, other = Held(), Held()
+    assert book.claim(stalled, 2, never) == [0, 1]
+    assert book.claim(other, 2, never) == [2, 3]
+    for index in (2, 3):
+        book.deliver(other, delivery(index))
+    done = threading.Event()
+
+    def serve_the_other() -> None:  # a live server: delivers whatever it is asked for
+        while (batches := book.claim(other, 2, done.is_set)) is not None:
+            for index in batches:
+                book.deliver(other, delivery(index))
+
+    thread = threading.Thread(target=serve_the_other, daemon=True)
+    thread.start()
+    try:
+        assert [take(book, k) for k in range(4)] == [0, 1, 2, 3]
+    finally:
+        done.set()
+        thread.join(5)
+    assert "asking the other servers for the 2 batches it holds" in caplog.text
+    book.deliver(stalled, delivery(0))  # the stalled server wakes up: its copy is dropped
+    assert book.duplicates == 1
+
+
+def test_a_stalled_server_process_does_not_stall_the_epoch(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """SIGSTOP one of two server processes mid-epoch: the epoch completes exactly, long
+    before the loader's timeout, from the other server."""
+    options: dict[str, Any] = {
+        "dataset": "shapes",
+        "pipeline": "val",
+        "batch_size": 8,
+        "params": {"size": 32},
+        "drop_last": False,
+        "return_ids": True,
+        "timeout": 120,
+    }
+    with (
+        serve_process(data_dir, tmp_path / "a.log") as a,
+        serve_process(data_dir, tmp_path / "b.log") as b,
+    ):
+        ids: list[int] = []
+        try:
+            with RemoteLoader([a.address, b.address], **options) as loader:
+                for n, (_, _, batch_ids) in enumerate(loader):
+                    ids += batch_ids.tolist()
+                    if n == 10:
+                        a.process.send_signal(signal.SIGSTOP)
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+        assert ids == Plan(num_samples=520, batch_size=8, drop_last=False).share().tolist()
 
 
 def samples_sent(server: BatchwireServer) -> float:
