@@ -110,15 +110,15 @@ class Book:
                     grpc.StatusCode.INTERNAL,
                     f"the server sent batch {delivery.index} where batch {expected} was asked for",
                 )
-            held.popleft()
-            now = time.monotonic()
+            held.popleft()  # the call has room for another batch either way
+            self._cond.notify_all()
             if delivery.index < self._next or delivery.index in self._arrived:
                 self.duplicates += 1  # the other copy of a hedged batch came first
                 return
+            now = time.monotonic()
             self._arrived[delivery.index] = delivery
             self._gaps.append(now - self._progress_at)
             self._progress_at = now
-            self._cond.notify_all()
 
     def give_back(
         self, held: Held, failure: tuple[grpc.StatusCode, str] | None = None
