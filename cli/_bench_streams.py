@@ -2,7 +2,9 @@
 
 The clients are raw asyncio gRPC streams in this process (one event loop, no decoding), so
 that what is measured is the server: K streams of one DDP-like job open at once, each on an
-epoch of its own (a stream that ends starts the next epoch). Reported per K:
+epoch of its own (a stream that ends starts the next epoch). Each is a ``PullBatches`` call
+that asks for batches as ``RemoteLoader`` does: ``CREDIT`` at first, then one more for
+each batch received. Reported per K:
 
 - aggregate images/s over the second half of the run (the first half is warm-up);
 - the server's threads and resident memory at their peak;
@@ -24,7 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["StreamsResult", "measure_streams", "table"]
+__all__ = ["CREDIT", "StreamsResult", "measure_streams", "table"]
+
+CREDIT = 4  # batches a stream asks for ahead, as RemoteLoader's default (prefetch + 2)
 
 
 @dataclasses.dataclass
@@ -86,6 +90,16 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+async def _requests(share: Any, wanted: asyncio.Queue[list[int] | None]) -> Any:
+    """A PullBatches request stream: the share, then the batches put on ``wanted``, until
+    None (half-close)."""
+    from batchwire.v1 import batchwire_pb2
+
+    yield batchwire_pb2.PullRequest(stream=share)
+    while (batches := await wanted.get()) is not None:
+        yield batchwire_pb2.PullRequest(batches=batches)
+
+
 async def _run_streams(
     address: str, request: dict[str, Any], streams: int, seconds: float
 ) -> tuple[list[float | None], list[int], int]:
@@ -104,14 +118,22 @@ async def _run_streams(
 
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = batchwire_pb2_grpc.BatchwireStub(channel)
+        info = await stub.DescribeDataset(
+            batchwire_pb2.DescribeDatasetRequest(dataset=request["dataset"]), timeout=60
+        )
+        num_batches = info.num_samples // request["batch_size"]  # drop_last, the default
 
         async def one(index: int) -> None:
             nonlocal refused
             epoch = index * 1000
             while time.perf_counter() < end:
-                call = stub.StreamBatches(
-                    batchwire_pb2.StreamBatchesRequest(**request, seed=index, epoch=epoch),
-                    timeout=max(1.0, end - time.perf_counter() + 30),
+                wanted: asyncio.Queue[list[int] | None] = asyncio.Queue()
+                share = batchwire_pb2.StreamBatchesRequest(**request, seed=index, epoch=epoch)
+                asked = min(CREDIT, num_batches)
+                wanted.put_nowait(list(range(asked)))
+                received = 0
+                call = stub.PullBatches(
+                    _requests(share, wanted), timeout=max(1.0, end - time.perf_counter() + 30)
                 )
                 try:
                     async for batch in call:
@@ -123,6 +145,14 @@ async def _run_streams(
                         if now >= end:
                             call.cancel()
                             return
+                        if batch.part + 1 < (batch.parts or 1):
+                            continue  # more parts of this batch to come
+                        received += 1
+                        if asked < num_batches:
+                            wanted.put_nowait([asked])
+                            asked += 1
+                        elif received == num_batches:
+                            wanted.put_nowait(None)  # half-close: the epoch is done
                 except grpc.aio.AioRpcError as error:
                     if error.code() == grpc.StatusCode.CANCELLED:
                         return
