@@ -127,8 +127,7 @@ def _dataset(args: argparse.Namespace) -> tuple[pathlib.Path, str]:
         return args.data_dir, args.dataset
     from tqdm import tqdm
 
-    from batchwire.server._ingest import ingest
-    from batchwire.server._synthetic import write_photo_folders
+    from batchwire.server.data import ingest, write_photo_folders
 
     name = f"photos-{args.photos}"
     data_dir = _cache() / "datasets"
@@ -143,7 +142,7 @@ def _dataset(args: argparse.Namespace) -> tuple[pathlib.Path, str]:
 
 
 def _machine() -> dict[str, Any]:
-    from batchwire.server._devices import visible_gpu_count
+    from batchwire.server.core import visible_gpu_count
 
     cpu = "unknown"
     try:
@@ -264,8 +263,8 @@ def _compare(args: argparse.Namespace) -> int:
         run_remote,
         transport_server,
     )
-    from batchwire.server._config import ServerConfig
-    from batchwire.server._dataset import Manifest
+    from batchwire.server import ServerConfig
+    from batchwire.server.data import Manifest
 
     data_dir, dataset = _dataset(args)
     num_samples = Manifest.load(data_dir / dataset).num_samples
@@ -564,7 +563,7 @@ def _fleet(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     """Servers stopped and restarted under two streaming ranks: exit 1 unless exactly once."""
     from batchwire.cli._bench_fleet import chaos, chaos_report
-    from batchwire.server._dataset import Manifest
+    from batchwire.server.data import Manifest
 
     data_dir, dataset = _dataset(args)
     seconds = args.duration or 300.0

@@ -119,9 +119,9 @@ def measure_reading(
     log: Callable[[str], None] = print,
 ) -> list[ReadingResult]:
     """Every run of the module docstring, ``repeats`` times alternated, after a warm-up."""
-    from batchwire.server._dataset import Dataset, Manifest
-    from batchwire.server._engine import read_job
-    from batchwire.server._runner import PlannedSource
+    from batchwire.server.core import read_job
+    from batchwire.server.core._runner import PlannedSource
+    from batchwire.server.data import Dataset, Manifest
 
     directory = data_dir / dataset
     num_samples = Manifest.load(directory).num_samples

@@ -78,9 +78,9 @@ def _transport_server(
     import numpy as np
 
     from batchwire.common.sampler import Plan, PlannedBatch
-    from batchwire.server._engine import Batch
-    from batchwire.server._malloc import tune_for_large_buffers
-    from batchwire.server._servicer import encode_parts
+    from batchwire.server.core import Batch
+    from batchwire.server.serving import tune_for_large_buffers
+    from batchwire.server.serving._servicer import encode_parts
     from batchwire.v1 import batchwire_pb2 as pb
 
     tune_for_large_buffers()  # as `batchwire serve` does
@@ -186,7 +186,7 @@ def transport_server(
     dataset: str, num_samples: int, size: int = 224, max_message_bytes: int | None = None
 ) -> Iterator[tuple[str, int]]:
     """(address, pid) of a :func:`_transport_server` in a child process."""
-    from batchwire.server._config import ServerConfig
+    from batchwire.server import ServerConfig
 
     limit = max_message_bytes or ServerConfig.max_message_bytes
     with _child(_transport_server, dataset, num_samples, size, limit) as served:
@@ -212,7 +212,7 @@ def _child(target: Callable[..., None], *args: Any) -> Iterator[tuple[str, int]]
 
 def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images: int) -> RunResult:
     from batchwire.server import ServerConfig
-    from batchwire.server._engine import Engine, StreamRequest
+    from batchwire.server.core import Engine, StreamRequest
 
     engine = Engine(ServerConfig(data_dir=data_dir, device="auto"))
     engine.open_datasets()
@@ -381,7 +381,7 @@ class LmdbPilDataset:
     lazily in each worker, PIL decode, RandomResizedCrop(224) + horizontal flip."""
 
     def __init__(self, dataset_dir: pathlib.Path, size: int = 224) -> None:
-        from batchwire.server._dataset import Manifest
+        from batchwire.server.data import Manifest
 
         self.dir = dataset_dir
         self.manifest = Manifest.load(dataset_dir)
@@ -396,7 +396,7 @@ class LmdbPilDataset:
 
         import lmdb
 
-        from batchwire.server._dataset import sample_key
+        from batchwire.server.data import sample_key
         from batchwire.v1 import datum_pb2
 
         if self._envs is None:
@@ -490,7 +490,7 @@ def run_pil(dataset_dir: pathlib.Path, batch_size: int, images: int, workers: in
 def _raw_server(port_queue: Any, message_bytes: int) -> None:
     import grpc
 
-    from batchwire.server._malloc import tune_for_large_buffers
+    from batchwire.server.serving import tune_for_large_buffers
 
     tune_for_large_buffers()  # the same allocator settings as the batchwire servers
 

@@ -24,7 +24,7 @@ _SIZE = 224
 
 
 def _records(directory: pathlib.Path, count: int) -> list[np.ndarray]:
-    from batchwire.server._dataset import Dataset
+    from batchwire.server.data import Dataset
 
     with Dataset(directory) as dataset:
         ids = np.arange(min(count, dataset.num_samples))

@@ -37,9 +37,9 @@ def loader_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as ``RemoteLoader`` keywords (``token``, ``tls_ca``, ``tls_cert``, ``tls_key``)."""
     token = None
     if args.token_file is not None:
-        from batchwire.client._security import _first_token
+        from batchwire.client import ChannelSecurity
 
-        token = _first_token(args.token_file)
+        token = ChannelSecurity.from_options(token_file=args.token_file).token
     return {
         "token": token,
         "tls_ca": args.tls_ca,

@@ -64,8 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _ensure_dataset(data_dir: pathlib.Path, images: int, rebuild: bool) -> None:
     from tqdm import tqdm
 
-    from batchwire.server._ingest import ingest
-    from batchwire.server._synthetic import SHAPES, write_image_folders
+    from batchwire.server.data import SHAPES, ingest, write_image_folders
 
     target = data_dir / DATASET
     if (target / "manifest.json").is_file() and not rebuild:

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 from batchwire.cli import _credentials as credentials
 
-if TYPE_CHECKING:
-    from batchwire.client._security import ChannelSecurity
-
-__all__ = ["add_parser", "check", "run"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,33 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def check(
-    address: str,
-    service: str = "",
-    timeout: float = 5.0,
-    security: ChannelSecurity | None = None,
-    *,
-    tls_name: str | None = None,
-) -> str:
-    """The status name the server reports, e.g. "SERVING"; raises grpc.RpcError."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from batchwire.client._channel import open_channel
-
-    with open_channel(address, security, tls_name=tls_name) as channel:
-        response = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service),
-            timeout=timeout,
-            metadata=security.metadata() if security is not None else (),
-        )
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-
-
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
-    from batchwire.client import BatchwireError
-    from batchwire.client._security import ChannelSecurity
+    from batchwire.client import BatchwireError, ChannelSecurity, check_health
 
     try:
         security = ChannelSecurity.from_options(
@@ -76,16 +47,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc.details}", file=sys.stderr)
         return 2
     try:
-        status = check(args.address, args.service, args.timeout, security, tls_name=args.tls_name)
-    except grpc.RpcError as exc:
-        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-        what = (
-            "credentials refused"
-            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-            else "no answer"
+        status = check_health(
+            args.address,
+            service=args.service,
+            timeout=args.timeout,
+            security=security,
+            tls_name=args.tls_name,
         )
-        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-        print(f"{args.address}: {what} ({code.name}: {details})", file=sys.stderr)
+    except BatchwireError as exc:
+        print(f"{args.address}: {exc.code.name}: {exc.details}", file=sys.stderr)
         return 1
     print(f"{args.address}: {status}")
     return 0 if status == "SERVING" else 1

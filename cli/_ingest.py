@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from batchwire.cli._inspect import human_size
-    from batchwire.server._ingest import DEFAULT_SHARD_SIZE, IngestError, ingest
+    from batchwire.server.data import DEFAULT_SHARD_SIZE, IngestError, ingest
 
     try:
         report = ingest(

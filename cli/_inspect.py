@@ -32,8 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchwire.server._dataset import DatasetError
-    from batchwire.server._inspect import summarize
+    from batchwire.server.data import DatasetError, summarize
 
     try:
         summary = summarize(args.directory)

@@ -189,7 +189,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def resolve_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     """Flags > environment > config file > defaults, as a ServerConfig."""
-    from batchwire.server._config import ConfigError, ServerConfig, load_file, pipelines_from_config
+    from batchwire.server import ConfigError, ServerConfig, load_file, pipelines_from_config
 
     config_path = args.config or environ.get("BATCHWIRE_CONFIG")
     file = load_file(config_path) if config_path else {}
@@ -223,9 +223,9 @@ def resolve_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from batchwire.server import BatchwireServer, ConfigError, ServerError
-    from batchwire.server._dataset import DatasetError
-    from batchwire.server._devices import DeviceError
-    from batchwire.server._malloc import tune_for_large_buffers
+    from batchwire.server.core import DeviceError
+    from batchwire.server.data import DatasetError
+    from batchwire.server.serving import tune_for_large_buffers
 
     tune_for_large_buffers()
     try:

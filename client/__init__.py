@@ -25,6 +25,8 @@ from batchwire.client._exceptions import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from batchwire.client._health import check_health
+from batchwire.client._security import ChannelSecurity
 
 if TYPE_CHECKING:
     from batchwire.client._loader import RemoteLoader
@@ -34,6 +36,7 @@ __all__ = [
     "AuthenticationError",
     "BadImagesError",
     "BatchwireError",
+    "ChannelSecurity",
     "ImageError",
     "InvalidArgumentError",
     "NotFoundError",
@@ -42,6 +45,7 @@ __all__ = [
     "RemoteLoader",
     "ResourceExhaustedError",
     "UnavailableError",
+    "check_health",
 ]
 
 

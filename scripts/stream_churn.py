@@ -75,8 +75,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="batchwire-churn-") as tmp:
         data_dir = args.data_dir
         if data_dir is None:
-            from batchwire.server._ingest import ingest
-            from batchwire.server._synthetic import write_image_folders
+            from batchwire.server.data import ingest, write_image_folders
 
             write_image_folders(pathlib.Path(tmp) / "images", per_class=64, size=96)
             ingest(pathlib.Path(tmp) / "images", pathlib.Path(tmp) / "data", name="shapes")

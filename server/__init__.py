@@ -9,11 +9,39 @@ Needs the ``server`` extra (``pip install "batchwire[server]"``): DALI, LMDB, uv
     server.wait_serving(timeout=60)
     ...
     server.stop(grace=10)
+
+Its parts, by role:
+
+- :mod:`batchwire.server.data`: datasets on disk, ingest (no grpc, no server);
+- :mod:`batchwire.server.core`: DALI pipelines, the scheduler and the engine (no grpc);
+- :mod:`batchwire.server.serving`: the gRPC server, its security and metrics.
+
+``BatchwireServer`` and ``ServerError`` load on first use, so importing the data or
+core parts never loads grpc.
 """
 
 from __future__ import annotations
 
-from batchwire.server._config import ConfigError, ServerConfig
-from batchwire.server._server import BatchwireServer, ServerError
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BatchwireServer", "ConfigError", "ServerConfig", "ServerError"]
+from batchwire.server._config import ConfigError, ServerConfig, load_file, pipelines_from_config
+
+if TYPE_CHECKING:
+    from batchwire.server.serving import BatchwireServer, ServerError
+
+__all__ = [
+    "BatchwireServer",
+    "ConfigError",
+    "ServerConfig",
+    "ServerError",
+    "load_file",
+    "pipelines_from_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("BatchwireServer", "ServerError"):
+        from batchwire.server import serving
+
+        return getattr(serving, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,7 +44,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from batchwire.server._pipelines import (
+from batchwire.server.core._pipelines import (
     PRESETS,
     Param,
     ParamError,
@@ -93,7 +93,7 @@ class ServerConfig:
     # Larger batches travel as several messages: gRPC Python moves 8-16 MB
     # messages fastest on loopback and slows sharply at 32 MB.
     max_message_bytes: int = 8 * 1024 * 1024
-    # Security (see batchwire.server._security): PEM files and a token file, read
+    # Security (see batchwire.server.serving._security): PEM files and a token file, read
     # and checked when the server is built.
     tls_cert: pathlib.Path | None = None
     tls_key: pathlib.Path | None = None

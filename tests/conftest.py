@@ -11,9 +11,7 @@ import pytest
 from deployfiles import COMPOSE_MISSING, compose, compose_command
 
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server._dataset import Manifest
-from batchwire.server._ingest import ingest
-from batchwire.server._synthetic import write_image_folders
+from batchwire.server.data import Manifest, ingest, write_image_folders
 
 SHAPES_PER_CLASS = 130  # 4 classes: 520 samples, enough for a batch of 512
 

@@ -18,7 +18,7 @@ import numpy as np
 import skimage.data
 from PIL import Image
 
-from batchwire.server._formats import unsupported_reason
+from batchwire.server.data import unsupported_reason
 
 SOURCES = ("astronaut", "chelsea", "coffee", "rocket")
 FORMATS = ("JPEG", "PNG", "BMP", "TIFF", "WEBP", "PPM")

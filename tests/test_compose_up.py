@@ -39,9 +39,7 @@ from dockerhost import (
 )
 
 from batchwire.client import AuthenticationError, RemoteLoader, UnavailableError
-from batchwire.server._dataset import Manifest
-from batchwire.server._ingest import ingest
-from batchwire.server._synthetic import write_image_folders
+from batchwire.server.data import Manifest, ingest, write_image_folders
 
 PORT = 50051  # compose.yaml's ports, on the host's network
 METRICS_PORT = 9405

@@ -16,8 +16,7 @@ from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client import RemoteLoader
-from batchwire.server._dataset import Manifest, sample_key
-from batchwire.server._formats import unsupported_reason
+from batchwire.server.data import Manifest, sample_key, unsupported_reason
 from batchwire.v1 import datum_pb2
 
 

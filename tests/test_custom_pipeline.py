@@ -13,9 +13,8 @@ from conftest import class_of, start_server
 from processes import serve_process
 
 from batchwire.client import InvalidArgumentError, Preprocessor, RemoteLoader
-from batchwire.server import BatchwireServer, ConfigError
-from batchwire.server._config import load_file, pipelines_from_config
-from batchwire.server._dataset import Dataset, Manifest
+from batchwire.server import BatchwireServer, ConfigError, load_file, pipelines_from_config
+from batchwire.server.data import Dataset, Manifest
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 

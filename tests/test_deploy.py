@@ -31,8 +31,7 @@ from deployfiles import (
 
 from batchwire.cli import build_parser
 from batchwire.cli._serve import _SETTINGS, resolve_config
-from batchwire.server import ServerConfig
-from batchwire.server._config import load_file
+from batchwire.server import ServerConfig, load_file
 
 CONFIG_KEYS = {"server", "pipelines"}
 

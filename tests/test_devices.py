@@ -9,7 +9,7 @@ import torch
 from conftest import start_server
 
 from batchwire.client import RemoteLoader
-from batchwire.server._devices import DeviceError, DevicePlan, visible_gpu_count
+from batchwire.server.core import DeviceError, DevicePlan, visible_gpu_count
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,15 @@ lmdb = pytest.importorskip("lmdb")
 from photos import PhotoTree, build_photo_tree, build_repeated_tree  # noqa: E402
 
 from batchwire.cli import main  # noqa: E402
-from batchwire.server._dataset import MANIFEST, Dataset, Manifest, sample_key  # noqa: E402
-from batchwire.server._ingest import IngestError, IngestReport, ingest  # noqa: E402
+from batchwire.server.data import (  # noqa: E402  # noqa: E402
+    MANIFEST,
+    Dataset,
+    IngestError,
+    IngestReport,
+    Manifest,
+    ingest,
+    sample_key,
+)
 from batchwire.v1 import datum_pb2  # noqa: E402
 
 SHARD_SIZE = 4

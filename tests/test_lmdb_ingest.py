@@ -20,9 +20,7 @@ from PIL import Image
 
 from batchwire.cli import main
 from batchwire.client import RemoteLoader
-from batchwire.server._dataset import Dataset, Manifest
-from batchwire.server._ingest import IngestError, ingest
-from batchwire.server._safe_pickle import UnsafePickle, safe_loads
+from batchwire.server.data import Dataset, IngestError, Manifest, UnsafePickle, ingest, safe_loads
 from batchwire.v1 import datum_pb2
 
 CAT = skimage.data.chelsea()  # 300x451 RGB

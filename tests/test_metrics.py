@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchwire.cli import main
 from batchwire.client import NotFoundError, RemoteLoader
 from batchwire.server import BatchwireServer, ServerError
-from batchwire.server._dataset import Manifest, sample_key
+from batchwire.server.data import Manifest, sample_key
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 from batchwire.v1 import datum_pb2

@@ -34,8 +34,8 @@ from batchwire.cli._serve import resolve_config
 from batchwire.client import AuthenticationError, RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, ConfigError
-from batchwire.server._devices import DeviceError, DevicePlan
-from batchwire.server._servicer import lane_batches
+from batchwire.server.core import DeviceError, DevicePlan
+from batchwire.server.serving._servicer import lane_batches
 
 NODE = ROOT / "tests" / "node"
 PYTHON_BATCHWIRE = [sys.executable, "-m", "batchwire.cli"]
@@ -200,7 +200,7 @@ def test_the_container_drains_on_sigterm_within_its_stop_grace_period(
         text=True,
         timeout=60,
     )
-    assert gone.returncode == 1 and "no answer" in gone.stderr
+    assert gone.returncode == 1 and "is `batchwire serve` running there?" in gone.stderr
 
 
 # -- logs ------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_json_logs_have_one_object_per_line_with_stream_start_and_end(
         assert entry["dataset"] == "shapes" and entry["pipeline"] == "val"
         assert entry["rank"] == 1 and entry["world_size"] == 2
         assert re.match(r"ipv[46]:", entry["peer"]), entry["peer"]
-        assert entry["level"] == "INFO" and entry["logger"] == "batchwire.server._servicer"
+        assert entry["level"] == "INFO" and entry["logger"] == "batchwire.server.serving._servicer"
     assert end["samples"] == 260 and end["batches"] == 13 and end["status"] == "OK"
     assert isinstance(end["duration_s"], float) and end["duration_s"] >= 0
     assert end["message"].startswith("stream end ")

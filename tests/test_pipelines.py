@@ -14,9 +14,8 @@ from PIL import Image
 
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-from batchwire.server._dataset import Dataset
-from batchwire.server._ingest import ingest
-from batchwire.server._pipelines import PRESETS, BuildContext, OutputSpec
+from batchwire.server.core import PRESETS, BuildContext, OutputSpec
+from batchwire.server.data import Dataset, ingest
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "hubble_deep_field")
 

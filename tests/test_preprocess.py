@@ -27,7 +27,7 @@ from batchwire.client import (
     ResourceExhaustedError,
 )
 from batchwire.server import BatchwireServer
-from batchwire.server._dataset import Dataset
+from batchwire.server.data import Dataset
 from batchwire.v1 import batchwire_pb2 as pb
 
 SMALL = {"size": 48, "resize": 56}

@@ -79,7 +79,7 @@ def test_a_client_that_goes_away_while_its_pipeline_builds_gives_the_slot_back(
         return open_stream_now(request, **options)
 
     monkeypatch.setattr(server.engine, "open_stream", slow_open)
-    caplog.set_level("INFO", logger="batchwire.server._servicer")
+    caplog.set_level("INFO", logger="batchwire.server.serving._servicer")
     with grpc.insecure_channel(server.target) as channel:
         call = open_stream(channel)
         assert entered.wait(30)
@@ -129,7 +129,7 @@ def test_a_slow_consumer_makes_the_server_wait_instead_of_buffering(
 def test_closing_the_engine_closes_streams_nobody_closed(data_dir: pathlib.Path) -> None:
     # What a stream handler cancelled during shutdown leaves behind.
     from batchwire.server import ServerConfig
-    from batchwire.server._engine import Engine, StreamRequest
+    from batchwire.server.core import Engine, StreamRequest
 
     engine = Engine(ServerConfig(data_dir=data_dir, device="cpu", num_threads=1))
     engine.open_datasets()

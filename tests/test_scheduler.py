@@ -17,9 +17,7 @@ import numpy as np
 import pytest
 
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server._engine import Engine, StreamRequest
-from batchwire.server._runner import Job, Result, RunnerKey
-from batchwire.server._scheduler import Scheduler, Ticket
+from batchwire.server.core import Engine, Job, Result, RunnerKey, Scheduler, StreamRequest, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -153,7 +151,7 @@ def test_many_streams_share_one_pipeline_and_each_gets_its_exact_share(
     config = ServerConfig(data_dir=data_dir, device="cpu", num_threads=1, pipelines_per_device=1)
     engine = Engine(config)
     engine.open_datasets()
-    caplog.set_level(logging.INFO, logger="batchwire.server._scheduler")
+    caplog.set_level(logging.INFO, logger="batchwire.server.core._scheduler")
     try:
         requests = [
             StreamRequest(

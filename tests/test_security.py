@@ -165,7 +165,7 @@ def test_refusals_are_logged_without_the_token(
 ) -> None:
     presented = "not-the-token-1234"
     with (
-        caplog.at_level(logging.WARNING, logger="batchwire.server._security"),
+        caplog.at_level(logging.WARNING, logger="batchwire.server.serving._security"),
         secure_channel(tls_server, pki.ca.cert) as channel,
         pytest.raises(grpc.RpcError),
     ):

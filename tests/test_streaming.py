@@ -12,7 +12,7 @@ from conftest import class_of
 from batchwire.client import RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
-from batchwire.server._dataset import Manifest
+from batchwire.server.data import Manifest
 
 SMALL = {"size": 32}  # train/val output 32x32: the contract does not need 224
 

@@ -27,7 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from batchwire.server._runner import Job, Result, Runner, RunnerKey
+from batchwire.server.core._runner import Job, Result, Runner, RunnerKey
 
 __all__ = ["Scheduler", "Ticket"]
 

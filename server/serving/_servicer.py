@@ -26,11 +26,17 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from batchwire.common.batch_codec import encode_batch
 from batchwire.common.sampler import Plan
 from batchwire.common.tensors import to_proto
-from batchwire.server._dataset import NAME_PATTERN, DatasetError
-from batchwire.server._engine import Batch, BatchStream, DatasetSummary, Engine, StreamRequest
-from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity, ServiceError
-from batchwire.server._metrics import ServerMetrics
-from batchwire.server._preprocess import PreprocessRequest, PreprocessResult
+from batchwire.server.core._engine import Batch, BatchStream, DatasetSummary, Engine, StreamRequest
+from batchwire.server.core._errors import (
+    Draining,
+    InvalidRequest,
+    NotFound,
+    OverCapacity,
+    ServiceError,
+)
+from batchwire.server.core._preprocess import PreprocessRequest, PreprocessResult
+from batchwire.server.data._dataset import NAME_PATTERN, DatasetError
+from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 

@@ -9,7 +9,7 @@ Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
     server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
 
 The server runs its own event loop (uvloop where installed) in a named thread.
-TLS, mutual TLS and bearer tokens come from the config (``batchwire.server._security``);
+TLS, mutual TLS and bearer tokens come from the config (``batchwire.server.serving._security``);
 the constructor reads those files, so a bad one is a ``ConfigError`` before anything
 is opened.
 """
@@ -27,10 +27,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchwire.server._config import ServerConfig
-from batchwire.server._engine import Engine
-from batchwire.server._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
-from batchwire.server._security import ServerSecurity
-from batchwire.server._servicer import BatchwireServicer, add_to_server
+from batchwire.server.core._engine import Engine
+from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
+from batchwire.server.serving._security import ServerSecurity
+from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
 from batchwire.v1 import batchwire_pb2
 
 __all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]

@@ -35,15 +35,20 @@ from collections.abc import Iterator
 
 import lmdb
 
-from batchwire.server._dataset import (
+from batchwire.server.data._dataset import (
     MANIFEST,
     NAME_PATTERN,
     Manifest,
     Shard,
     sample_key,
 )
-from batchwire.server._lmdb_sources import LmdbSource, LmdbSourceError, Record, open_lmdb_source
-from batchwire.server._validate import DEFAULT_BATCH_SIZE, Decoded, ImageValidator
+from batchwire.server.data._lmdb_sources import (
+    LmdbSource,
+    LmdbSourceError,
+    Record,
+    open_lmdb_source,
+)
+from batchwire.server.data._validate import DEFAULT_BATCH_SIZE, Decoded, ImageValidator
 from batchwire.v1 import datum_pb2
 
 __all__ = [

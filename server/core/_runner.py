@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.server._pipelines import BuildContext, PipelineSpec
+from batchwire.server.core._pipelines import BuildContext, PipelineSpec
 
 __all__ = ["Job", "ParallelRunner", "PlannedSource", "Result", "Runner", "RunnerKey"]
 
@@ -361,7 +361,7 @@ class PlannedSource:
         if info.iteration >= len(self.batches):
             raise StopIteration
         if self._dataset is None:
-            from batchwire.server._dataset import Dataset
+            from batchwire.server.data._dataset import Dataset
 
             root = logging.getLogger()
             if not root.handlers:  # a fresh worker process

@@ -33,10 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity
-from batchwire.server._formats import unsupported_reason
-from batchwire.server._pipelines import OutputSpec, ParamError, PipelineSpec
-from batchwire.server._runner import Job, Runner, RunnerKey
+from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server.core._pipelines import OutputSpec, ParamError, PipelineSpec
+from batchwire.server.core._runner import Job, Runner, RunnerKey
+from batchwire.server.data._formats import unsupported_reason
 
 __all__ = [
     "IDLE_SECONDS",

@@ -32,7 +32,7 @@ from typing import Any
 
 import lmdb
 
-from batchwire.server._safe_pickle import UnsafePickle, safe_loads
+from batchwire.server.data._safe_pickle import UnsafePickle, safe_loads
 from batchwire.v1 import datum_pb2
 
 __all__ = ["LmdbSource", "LmdbSourceError", "Record", "is_lmdb", "open_lmdb_source"]

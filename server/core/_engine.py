@@ -2,7 +2,7 @@
 
 Takes plain arguments, yields NumPy arrays, never imports grpc. The servicer
 adapts messages to :class:`StreamRequest` and :class:`Batch`, and maps the
-errors of ``batchwire.server._errors`` to status codes.
+errors of ``batchwire.server.core._errors`` to status codes.
 """
 
 from __future__ import annotations
@@ -19,20 +19,30 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchwire.common.sampler import Plan
-from batchwire.server._config import ServerConfig
-from batchwire.server._dataset import NAME_PATTERN, Dataset, DatasetError
-from batchwire.server._devices import DevicePlan
-from batchwire.server._errors import Draining, InvalidRequest, NotFound, OverCapacity
-from batchwire.server._formats import unsupported_reason
-from batchwire.server._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
-from batchwire.server._pool import RunnerPool
-from batchwire.server._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
-from batchwire.server._runner import Job, ParallelRunner, PlannedSource, Result, Runner, RunnerKey
-from batchwire.server._scheduler import Scheduler, Ticket
+from batchwire.server.core._devices import DevicePlan
+from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server.core._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
+from batchwire.server.core._pool import RunnerPool
+from batchwire.server.core._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
+from batchwire.server.core._runner import (
+    Job,
+    ParallelRunner,
+    PlannedSource,
+    Result,
+    Runner,
+    RunnerKey,
+)
+from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.data._dataset import NAME_PATTERN, Dataset, DatasetError
+from batchwire.server.data._formats import unsupported_reason
+
+if TYPE_CHECKING:
+    from batchwire.server._config import ServerConfig
 
 __all__ = ["Batch", "BatchStream", "Engine", "StreamRequest", "read_job"]
 

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from batchwire.server._runner import Runner, RunnerKey
+from batchwire.server.core._runner import Runner, RunnerKey
 
 __all__ = ["RunnerPool"]
 

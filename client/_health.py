@@ -1,0 +1,37 @@
+"""Asking a server's standard gRPC health service, with the client's errors and credentials."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from batchwire.client._channel import open_channel
+from batchwire.client._exceptions import from_rpc_error
+from batchwire.client._security import ChannelSecurity
+
+__all__ = ["check_health"]
+
+
+def check_health(
+    address: str,
+    *,
+    service: str = "",
+    timeout: float = 5.0,
+    security: ChannelSecurity | None = None,
+    tls_name: str | None = None,
+) -> str:
+    """The status ``address`` reports for ``service`` ("" is the whole server), e.g. "SERVING".
+
+    Raises the ``BatchwireError`` that fits, e.g. ``UnavailableError`` when nothing
+    answers and ``AuthenticationError`` when the server refuses the credentials.
+    """
+    with open_channel(address, security, tls_name=tls_name) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout,
+                metadata=security.metadata() if security is not None else (),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, address) from exc
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -1,0 +1,56 @@
+"""The DALI core: named pipelines, the scheduler that runs them for every stream, the engine.
+
+Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving layer
+(:mod:`batchwire.server.serving`) adapts messages to :class:`StreamRequest` and
+:class:`Batch` and maps the errors below to status codes::
+
+    engine = Engine(ServerConfig(data_dir="data"))
+    stream = engine.open_stream(StreamRequest(dataset="pets", batch_size=64))
+"""
+
+from __future__ import annotations
+
+from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
+from batchwire.server.core._engine import Batch, BatchStream, Engine, StreamRequest, read_job
+from batchwire.server.core._errors import (
+    Draining,
+    InvalidRequest,
+    NotFound,
+    OverCapacity,
+    ServiceError,
+)
+from batchwire.server.core._pipelines import (
+    PRESETS,
+    BuildContext,
+    OutputSpec,
+    ParamError,
+    PipelineSpec,
+)
+from batchwire.server.core._runner import Job, Result, RunnerKey
+from batchwire.server.core._scheduler import Scheduler, Ticket
+
+__all__ = [
+    "PRESETS",
+    "Batch",
+    "BatchStream",
+    "BuildContext",
+    "DeviceError",
+    "DevicePlan",
+    "Draining",
+    "Engine",
+    "InvalidRequest",
+    "Job",
+    "NotFound",
+    "OutputSpec",
+    "OverCapacity",
+    "ParamError",
+    "PipelineSpec",
+    "Result",
+    "RunnerKey",
+    "Scheduler",
+    "ServiceError",
+    "StreamRequest",
+    "Ticket",
+    "read_job",
+    "visible_gpu_count",
+]

@@ -1,0 +1,8 @@
+"""The serving edge: the gRPC server around the engine, its security and its metrics."""
+
+from __future__ import annotations
+
+from batchwire.server.serving._malloc import tune_for_large_buffers
+from batchwire.server.serving._server import BatchwireServer, ServerError
+
+__all__ = ["BatchwireServer", "ServerError", "tune_for_large_buffers"]
