@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -145,6 +145,7 @@ class BatchStream:
         layout: str,
         parallel: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
         pull: bool = False,
+        encode: Callable[[Batch], Any] | None = None,
     ) -> None:
         self._release = release
         self._draining = draining
@@ -153,6 +154,9 @@ class BatchStream:
         self._schedule = schedule
         self._normalized = normalized
         self._layout = layout
+        # With ``encode``, the stream yields what it returns for each batch, built on the
+        # pipeline's thread while the images are still in DALI's buffer (Job.finish).
+        self._encode = encode
         # A pulled stream's batches are those its client asks for (want), in that order.
         self.pull = pull
         self._planned = [] if pull else list(plan.batches())
@@ -187,7 +191,22 @@ class BatchStream:
             yield result
 
     def _read(self, seq: int) -> Job:
-        return read_job(self._dataset, seq, self._planned[seq].ids)
+        job = read_job(self._dataset, seq, self._planned[seq].ids)
+        if self._encode is not None:
+            job.finish = functools.partial(self._finish, seq)
+        return job
+
+    def _finish(self, seq: int, result: Result) -> Any:
+        # The pipelines number their jobs their own way: the stream's is ``seq``.
+        assert self._encode is not None
+        return self._encode(self._batch(dataclasses.replace(result, seq=seq)))
+
+    def _output(self, result: Result) -> Any:
+        """What the stream yields for ``result``: its Batch, or that Batch encoded."""
+        if result.payload is not None:
+            return result.payload
+        batch = self._batch(result)
+        return batch if self._encode is None else self._encode(batch)
 
     @property
     def plan(self) -> Plan:
@@ -200,7 +219,7 @@ class BatchStream:
     def __iter__(self) -> BatchStream:
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> Any:
         with self._lock:
             if self._closed or self._stop.is_set():
                 raise StopIteration
@@ -209,7 +228,7 @@ class BatchStream:
                 raise Draining("the server is shutting down; resume the stream on another server")
             result = next(self._results)
             self.produced += 1
-            return self._batch(result)
+            return self._output(result)
 
     def want(self, indices: Sequence[int]) -> None:
         """A pulling client asks for batches ``indices`` of the share, after those it asked
@@ -238,7 +257,7 @@ class BatchStream:
         self._failure = self._failure or failure
         self._wanted.set()
 
-    async def next_async(self) -> Batch | None:
+    async def next_async(self) -> Any:
         """The next batch, awaited on the event loop; None at the end or once closed.
         Only for a stream whose ``awaitable`` is true (its batches come from the server's
         pipelines, not from worker processes), and not mixed with iteration."""
@@ -265,7 +284,7 @@ class BatchStream:
         self._next_seq += 1
         self.produced += 1
         ticket.more()
-        return self._batch(result)
+        return self._output(result)
 
     def _batch(self, result: Result) -> Batch:
         planned = self._planned[result.seq]
@@ -369,10 +388,18 @@ class Engine:
 
     # -- streams ---------------------------------------------------------------------
 
-    def open_stream(self, request: StreamRequest, *, pull: bool = False) -> BatchStream:
+    def open_stream(
+        self,
+        request: StreamRequest,
+        *,
+        pull: bool = False,
+        encode: Callable[[Batch], Any] | None = None,
+    ) -> BatchStream:
         """Validate ``request`` and start its stream. With ``pull``, the stream carries
         the batches its client asks for (:meth:`BatchStream.want`), not a lane, and runs
-        on the server's pipelines whatever ``read_workers`` says."""
+        on the server's pipelines whatever ``read_workers`` says. With ``encode``, the
+        stream yields ``encode(batch)`` for each batch, called while the images are still
+        in DALI's output buffer, so that they are copied once, into what it builds."""
         if pull and request.lanes != 1:
             raise InvalidRequest("a pulled stream names batches, not lanes: leave lanes unset")
         if self.draining:
@@ -426,6 +453,7 @@ class Engine:
                 output.layout,
                 parallel,
                 pull,
+                encode,
             )
             self._open_streams.add(stream)
             return stream

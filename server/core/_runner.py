@@ -54,17 +54,24 @@ class Job:
     labels: np.ndarray
     skipped: list[int] = dataclasses.field(default_factory=list)
     attempts: int = 0
+    # Called with the job's Result while its images are still a view of DALI's output
+    # buffer (valid only until the pipeline's next run); what it returns becomes
+    # ``Result.payload`` and the images are not kept. This is how a stream's messages are
+    # built with the images copied once, from DALI's buffer into the message.
+    finish: Callable[[Result], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """A job's output; ``images`` and ``labels`` own their memory."""
+    """A job's output; ``images`` and ``labels`` own their memory (``images`` is empty when
+    the job had a ``finish``, whose return value is ``payload``)."""
 
     seq: int
     ids: np.ndarray
     images: np.ndarray
     labels: np.ndarray
     skipped: tuple[int, ...]
+    payload: Any = None
 
 
 class _Source:
@@ -147,9 +154,20 @@ def _build(
 
 
 def _to_numpy(tensor_list: Any) -> np.ndarray:
+    """A copy of a DALI output that owns its memory."""
     if hasattr(tensor_list, "as_cpu"):
         tensor_list = tensor_list.as_cpu()
     return np.asarray(tensor_list.as_array())
+
+
+def _view(tensor_list: Any) -> np.ndarray:
+    """A DALI output as an array over DALI's own buffer (no copy), valid until the
+    pipeline's next run; a copy where the samples' shapes differ."""
+    if hasattr(tensor_list, "as_cpu"):
+        tensor_list = tensor_list.as_cpu()
+    if not tensor_list.is_dense_tensor():
+        return np.asarray(tensor_list.as_array())
+    return np.asarray(tensor_list.as_tensor())
 
 
 class Runner:
@@ -248,16 +266,21 @@ class Runner:
             self._lock.release()
 
     def _result(self, job: Job, outputs: Any) -> Result:
-        images, labels, meta = (_to_numpy(out) for out in outputs)
+        images = _to_numpy(outputs[0]) if job.finish is None else _view(outputs[0])
+        labels, meta = _to_numpy(outputs[1]), _to_numpy(outputs[2])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
-        return Result(
+        result = Result(
             seq=job.seq,
             ids=job.ids,
             images=images,
             labels=labels.reshape(-1).astype(np.int64, copy=False),
             skipped=tuple(job.skipped),
         )
+        if job.finish is None:
+            return result
+        # Before the next run, while DALI's buffer holds these images.
+        return dataclasses.replace(result, images=images[:0].copy(), payload=job.finish(result))
 
     def _recover(self, job: Job, exc: RuntimeError) -> Job:
         """Find which samples of a failed job break the pipeline; retry the rest."""
@@ -275,8 +298,8 @@ class Runner:
         log.warning(
             "skipping sample ids %s: they cannot be processed", [int(job.ids[i]) for i in bad]
         )
-        return Job(
-            seq=job.seq,
+        return dataclasses.replace(
+            job,
             ids=job.ids[keep],
             images=[job.images[i] for i in keep],
             labels=job.labels[keep],

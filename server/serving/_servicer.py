@@ -186,11 +186,6 @@ def lane_batches(plan: Plan) -> int:
     return len(range(first + (plan.lane - first) % plan.lanes, plan.num_batches, plan.lanes))
 
 
-def _next_encoded(stream: BatchStream, max_message_bytes: int) -> EncodedBatch | None:
-    batch = next(stream, None)
-    return None if batch is None else encode_parts(batch, max_message_bytes)
-
-
 async def write(context: grpc.aio.ServicerContext, message: bytes) -> None:
     """Write one message of a stream; returns once gRPC has taken it.
 
@@ -428,7 +423,13 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             stream_request = request_from_proto(request)
             opening = loop.run_in_executor(
                 self._executor,
-                functools.partial(self._engine.open_stream, pull=pull),
+                functools.partial(
+                    self._engine.open_stream,
+                    pull=pull,
+                    encode=functools.partial(
+                        encode_parts, max_message_bytes=self._engine.config.max_message_bytes
+                    ),
+                ),
                 stream_request,
             )
             stream = await asyncio.shield(opening)
@@ -496,22 +497,15 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 # only now: a server that is down or refuses never holds any. Inside the
                 # try: a client gone by now still gets its stream closed below.
                 await context.send_initial_metadata(())
-            max_bytes = self._engine.config.max_message_bytes
             while True:
                 computing = time.perf_counter()
+                # The stream yields its batches encoded (encode_parts, given when it was
+                # opened), their images copied once, from DALI's buffer into the messages.
+                encoded: EncodedBatch | None
                 if stream.awaitable:  # the server's pipelines: no thread waits for it
-                    batch = await stream.next_async()
-                    encoded = (
-                        None
-                        if batch is None
-                        else await loop.run_in_executor(
-                            self._executor, encode_parts, batch, max_bytes
-                        )
-                    )
+                    encoded = await stream.next_async()
                 else:
-                    encoded = await loop.run_in_executor(
-                        self._executor, _next_encoded, stream, max_bytes
-                    )
+                    encoded = await loop.run_in_executor(self._executor, next, stream, None)
                 if encoded is None:
                     break
                 metrics.produced(time.perf_counter() - computing, encoded.skipped)
