@@ -210,9 +210,14 @@ def test_compose_prometheus_scrapes_the_metrics_port(
     document = docker_compose("compose.yaml", profiles=["metrics"])
     prometheus = document["services"]["prometheus"]
     assert prometheus["profiles"] == ["metrics"]
-    (mount,) = prometheus["volumes"]
-    assert mount["target"] == "/etc/prometheus/prometheus.yml" and mount["read_only"] is True
-    scrape = yaml.safe_load(pathlib.Path(mount["source"]).read_text())
+    mounts = {m["target"]: pathlib.Path(m["source"]) for m in prometheus["volumes"]}
+    assert all(m["read_only"] is True for m in prometheus["volumes"])
+    config = pathlib.PurePosixPath("/etc/prometheus/prometheus.yml")
+    scrape = yaml.safe_load(mounts[str(config)].read_text())
+    # The alerting rules are mounted where the config names them (relative to itself).
+    (rules,) = scrape["rule_files"]
+    assert mounts[str(config.parent / rules)] == DEPLOY / "prometheus" / "alerts.yml"
+    assert len(mounts) == 2
     (job,) = scrape["scrape_configs"]
     _, config = compose_config(image, service)
     assert job["static_configs"][0]["targets"] == [f"batchwire:{config.metrics_port}"]
