@@ -177,8 +177,42 @@ def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(
     _, config = compose_config(image, cpu)
     assert config.device == "cpu"
     assert config.devices == ()
-    # Everything else is the GPU service's.
+    # Everything else is the GPU service's: its ports (not published twice), and its
+    # environment, merged with the override's variable by variable.
     assert cpu["command"] == service["command"] and cpu["volumes"] == service["volumes"]
+    assert cpu["ports"] == service["ports"]
+    assert cpu["environment"] == {**service["environment"], "BATCHWIRE_DEVICE": "cpu"}
+    # The shell's variables reach the merged service, but cannot undo the override.
+    environ = {"BATCHWIRE_DEVICE": "gpu", "BATCHWIRE_LOG_FORMAT": "json"}
+    cpu = docker_compose("compose.yaml", "compose.cpu.yaml", environ=environ)
+    _, config = compose_config(image, cpu["services"]["batchwire"])
+    assert config.device == "cpu"
+    assert cpu["services"]["batchwire"]["environment"]["BATCHWIRE_LOG_FORMAT"] == "json"
+
+
+def test_compose_variables_set_empty_take_their_defaults(
+    image: Dockerfile, docker_compose: Compose, tmp_path: pathlib.Path
+) -> None:
+    """``${VAR:-default}``: an exported but empty variable (``BATCHWIRE_DATA=``) gets the
+    default, as an unset one does, rather than an empty bind source or device."""
+    names = ("compose.yaml", "compose.secure.yaml")
+    variables = ("BATCHWIRE_DATA", "BATCHWIRE_DEVICE", "BATCHWIRE_SECRETS", "BATCHWIRE_TLS_NAME")
+    empty = docker_compose(*names, environ=dict.fromkeys(variables, ""))
+    assert empty == docker_compose(*names)
+    (volume,) = empty["services"]["batchwire"]["volumes"]
+    assert pathlib.Path(volume["source"]) == ROOT / "data"
+    _, config = compose_config(image, empty["services"]["batchwire"])
+    assert config.device == "auto"
+    secrets = {pathlib.Path(s["file"]).parent for s in empty["secrets"].values()}
+    assert secrets == {pathlib.Path("/etc/batchwire")}
+    assert empty["services"]["batchwire"]["healthcheck"]["test"][-2:] == ["--tls-name", "localhost"]
+    # Set, they are used.
+    environ = {"BATCHWIRE_DATA": str(tmp_path), "BATCHWIRE_DEVICE": "gpu"}
+    chosen = docker_compose("compose.yaml", environ=environ)["services"]["batchwire"]
+    (volume,) = chosen["volumes"]
+    assert volume["source"] == str(tmp_path)
+    _, config = compose_config(image, chosen)
+    assert config.device == "gpu"
 
 
 def test_compose_secure_override_mounts_every_file_it_names_as_a_secret(
