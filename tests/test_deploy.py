@@ -2,11 +2,13 @@
 
 Compose itself says what the compose files mean (``docker compose config``: merged,
 interpolated, normalized; no engine needed), and those tests skip where no Docker
-Compose v2 is installed. The Dockerfile, the Kubernetes manifests and prometheus.yml,
-which no Compose command reads, are parsed (``deployfiles``). Every command line in
-them goes through the real argument parser and the real settings resolution (flags >
-BATCHWIRE_* environment > config file) of ``batchwire serve``. ``test_ops.py`` runs
-the container's command line for real.
+Compose v2 is installed. kustomize says what ``kubectl apply -k deploy/k8s`` sends
+(``kubectl kustomize``), and ``kubernetes-validate`` holds those objects to the
+Kubernetes API's schemas; those tests skip without kubectl. The Dockerfile and
+prometheus.yml, which no such command reads, are parsed (``deployfiles``; promtool checks
+prometheus.yml in ``test_alerts.py``). Every command line in them goes through the real
+argument parser and the real settings resolution (flags > BATCHWIRE_* environment > config
+file) of ``batchwire serve``. ``test_ops.py`` runs the container's command line for real.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
+import tomllib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,11 +26,12 @@ from conftest import Compose
 from deployfiles import (
     DEPLOY,
     K8S,
+    KUSTOMIZE_MISSING,
     ROOT,
     Dockerfile,
     duration_seconds,
-    k8s_documents,
-    k8s_object,
+    kustomize,
+    kustomize_command,
 )
 
 from batchwire.cli import build_parser
@@ -171,8 +176,42 @@ def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(
     _, config = compose_config(image, cpu)
     assert config.device == "cpu"
     assert config.devices == ()
-    # Everything else is the GPU service's.
+    # Everything else is the GPU service's: its ports (not published twice), and its
+    # environment, merged with the override's variable by variable.
     assert cpu["command"] == service["command"] and cpu["volumes"] == service["volumes"]
+    assert cpu["ports"] == service["ports"]
+    assert cpu["environment"] == {**service["environment"], "BATCHWIRE_DEVICE": "cpu"}
+    # The shell's variables reach the merged service, but cannot undo the override.
+    environ = {"BATCHWIRE_DEVICE": "gpu", "BATCHWIRE_LOG_FORMAT": "json"}
+    cpu = docker_compose("compose.yaml", "compose.cpu.yaml", environ=environ)
+    _, config = compose_config(image, cpu["services"]["batchwire"])
+    assert config.device == "cpu"
+    assert cpu["services"]["batchwire"]["environment"]["BATCHWIRE_LOG_FORMAT"] == "json"
+
+
+def test_compose_variables_set_empty_take_their_defaults(
+    image: Dockerfile, docker_compose: Compose, tmp_path: pathlib.Path
+) -> None:
+    """``${VAR:-default}``: an exported but empty variable (``BATCHWIRE_DATA=``) gets the
+    default, as an unset one does, rather than an empty bind source or device."""
+    names = ("compose.yaml", "compose.secure.yaml")
+    variables = ("BATCHWIRE_DATA", "BATCHWIRE_DEVICE", "BATCHWIRE_SECRETS", "BATCHWIRE_TLS_NAME")
+    empty = docker_compose(*names, environ=dict.fromkeys(variables, ""))
+    assert empty == docker_compose(*names)
+    (volume,) = empty["services"]["batchwire"]["volumes"]
+    assert pathlib.Path(volume["source"]) == ROOT / "data"
+    _, config = compose_config(image, empty["services"]["batchwire"])
+    assert config.device == "auto"
+    secrets = {pathlib.Path(s["file"]).parent for s in empty["secrets"].values()}
+    assert secrets == {pathlib.Path("/etc/batchwire")}
+    assert empty["services"]["batchwire"]["healthcheck"]["test"][-2:] == ["--tls-name", "localhost"]
+    # Set, they are used.
+    environ = {"BATCHWIRE_DATA": str(tmp_path), "BATCHWIRE_DEVICE": "gpu"}
+    chosen = docker_compose("compose.yaml", environ=environ)["services"]["batchwire"]
+    (volume,) = chosen["volumes"]
+    assert volume["source"] == str(tmp_path)
+    _, config = compose_config(image, chosen)
+    assert config.device == "gpu"
 
 
 def test_compose_secure_override_mounts_every_file_it_names_as_a_secret(
@@ -209,9 +248,14 @@ def test_compose_prometheus_scrapes_the_metrics_port(
     document = docker_compose("compose.yaml", profiles=["metrics"])
     prometheus = document["services"]["prometheus"]
     assert prometheus["profiles"] == ["metrics"]
-    (mount,) = prometheus["volumes"]
-    assert mount["target"] == "/etc/prometheus/prometheus.yml" and mount["read_only"] is True
-    scrape = yaml.safe_load(pathlib.Path(mount["source"]).read_text())
+    mounts = {m["target"]: pathlib.Path(m["source"]) for m in prometheus["volumes"]}
+    assert all(m["read_only"] is True for m in prometheus["volumes"])
+    config = pathlib.PurePosixPath("/etc/prometheus/prometheus.yml")
+    scrape = yaml.safe_load(mounts[str(config)].read_text())
+    # The alerting rules are mounted where the config names them (relative to itself).
+    (rules,) = scrape["rule_files"]
+    assert mounts[str(config.parent / rules)] == DEPLOY / "prometheus" / "alerts.yml"
+    assert len(mounts) == 2
     (job,) = scrape["scrape_configs"]
     _, config = compose_config(image, service)
     assert job["static_configs"][0]["targets"] == [f"batchwire:{config.metrics_port}"]
@@ -237,7 +281,24 @@ def test_compose_overrides_combine_as_the_readme_documents(
 
 
 @pytest.fixture(scope="module")
-def deployment() -> dict[str, Any]:
+def k8s() -> list[dict[str, Any]]:
+    """The objects ``kubectl apply -k deploy/k8s`` sends (``kubectl kustomize``)."""
+    if kustomize_command() is None:
+        pytest.skip(KUSTOMIZE_MISSING)
+    return kustomize()
+
+
+@pytest.fixture(scope="module")
+def k8s_object(k8s: list[dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    def find(kind: str) -> dict[str, Any]:
+        (found,) = [d for d in k8s if d["kind"] == kind]
+        return found
+
+    return find
+
+
+@pytest.fixture(scope="module")
+def deployment(k8s_object: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     return k8s_object("Deployment")
 
 
@@ -254,7 +315,10 @@ def container(pod: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def k8s_config(
-    image: Dockerfile, container: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+    image: Dockerfile,
+    container: dict[str, Any],
+    k8s_object: Callable[[str], dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[argparse.Namespace, ServerConfig]:
     """The pod's settings: image ENV < container env < ConfigMap file < args, resolved by
     the code, with the ConfigMap's file where the pod mounts it."""
@@ -270,13 +334,10 @@ def k8s_config(
     return args, resolve_config(args, environ)
 
 
-def test_kustomization_applies_every_manifest() -> None:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == files
-    namespace = k8s_object("Namespace")["metadata"]["name"]
-    assert kustomization["namespace"] == namespace
-    kinds = sorted(d["kind"] for d in k8s_documents())
+def test_kustomization_applies_every_manifest_in_its_namespace(
+    k8s: list[dict[str, Any]], k8s_object: Callable[[str], dict[str, Any]]
+) -> None:
+    kinds = sorted(d["kind"] for d in k8s)
     assert kinds == [
         "ConfigMap",
         "Deployment",
@@ -284,10 +345,43 @@ def test_kustomization_applies_every_manifest() -> None:
         "PodDisruptionBudget",
         "Service",
     ]
+    # Every object of every file in deploy/k8s is applied.
+    applied = {(d["kind"], d["metadata"]["name"]) for d in k8s}
+    for path in set(K8S.glob("*.yaml")) - {K8S / "kustomization.yaml"}:
+        for document in filter(None, yaml.safe_load_all(path.read_text())):
+            assert (document["kind"], document["metadata"]["name"]) in applied, path.name
+    namespace = k8s_object("Namespace")["metadata"]["name"]
+    namespaced = [d for d in k8s if d["kind"] != "Namespace"]
+    assert all(d["metadata"]["namespace"] == namespace for d in namespaced)
+    # The image: compose's name, tagged with the package's version.
+    (container,) = k8s_object("Deployment")["spec"]["template"]["spec"]["containers"]
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert container["image"] == f"batchwire:{version}"
+
+
+@pytest.mark.parametrize("version", ["oldest", "latest"])
+def test_manifests_are_valid_kubernetes_objects(k8s: list[dict[str, Any]], version: str) -> None:
+    """Against the oldest and the newest API schemas kubernetes-validate ships (README asks
+    for Kubernetes 1.24 or newer; the oldest schemas stand in for it). Strict: a misspelt or
+    misplaced field fails, as a wrong type does."""
+    validator = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (the test extra) is not installed"
+    )
+    versions = validator.utils.all_versions()
+    oldest = min(versions, key=lambda v: tuple(int(n) for n in v.split(".")))
+    wanted = validator.latest_version() if version == "latest" else oldest
+    for document in k8s:
+        try:
+            validator.validate(document, wanted, strict=True)
+        except validator.ValidationError as exc:
+            pytest.fail(f"{document['kind']} {document['metadata']['name']}: {exc.message}")
 
 
 def test_deployment_requests_a_gpu_and_mounts_data_read_only(
-    pod: dict[str, Any], container: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
+    pod: dict[str, Any],
+    container: dict[str, Any],
+    k8s_config: tuple[Any, ServerConfig],
+    k8s_object: Callable[[str], dict[str, Any]],
 ) -> None:
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     _, config = k8s_config
@@ -334,7 +428,9 @@ def test_termination_grace_outlasts_the_drain(
 
 
 def test_headless_service_and_disruption_budget_select_the_pods(
-    deployment: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
+    deployment: dict[str, Any],
+    k8s_config: tuple[Any, ServerConfig],
+    k8s_object: Callable[[str], dict[str, Any]],
 ) -> None:
     _, config = k8s_config
     labels = deployment["spec"]["template"]["metadata"]["labels"]
