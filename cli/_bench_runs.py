@@ -79,8 +79,7 @@ def _transport_server(
 
     from batchwire.common.sampler import Plan, PlannedBatch
     from batchwire.server.core import Batch
-    from batchwire.server.serving import tune_for_large_buffers
-    from batchwire.server.serving._servicer import encode_parts
+    from batchwire.server.serving import encode_parts, tune_for_large_buffers
     from batchwire.v1 import batchwire_pb2 as pb
 
     tune_for_large_buffers()  # as `batchwire serve` does
@@ -211,8 +210,9 @@ def _child(target: Callable[..., None], *args: Any) -> Iterator[tuple[str, int]]
 
 
 def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images: int) -> RunResult:
+    from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine, StreamRequest
+    from batchwire.server.core import Engine
 
     engine = Engine(ServerConfig(data_dir=data_dir, device="auto"))
     engine.open_datasets()
@@ -223,9 +223,7 @@ def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images:
             done, first = 0, None
             while done < images:
                 stream = engine.open_stream(
-                    StreamRequest(
-                        dataset=dataset, pipeline="train", batch_size=batch_size, epoch=done
-                    )
+                    StreamSpec(dataset=dataset, pipeline="train", batch_size=batch_size, epoch=done)
                 )
                 try:
                     for batch in stream:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import grpc
 
 from batchwire.client._security import ChannelSecurity
 from batchwire.v1 import batchwire_pb2_grpc
 
-__all__ = ["CHANNEL_OPTIONS", "open_channel", "stub"]
+__all__ = ["CHANNEL_OPTIONS", "ChannelCache", "open_channel", "stub"]
 
 # A batch (e.g. 512 x 3 x 224 x 224 uint8 = 77 MB) is one message, far above
 # gRPC's 4 MB default; the server caps batch sizes, so the client need not.
@@ -39,3 +42,44 @@ def open_channel(
 
 def stub(channel: grpc.Channel) -> batchwire_pb2_grpc.BatchwireStub:
     return batchwire_pb2_grpc.BatchwireStub(channel)
+
+
+class ChannelCache:
+    """Channels opened on first use, one per address, and again after a fork: a forked
+    process (a DataLoader worker) never uses its parent's channels."""
+
+    def __init__(
+        self,
+        security: ChannelSecurity | None = None,
+        on_open: Callable[[grpc.Channel], None] | None = None,
+    ) -> None:
+        self._security = security
+        self._on_open = on_open
+        self._channels: dict[tuple[str, str | None], grpc.Channel] = {}
+        self._pid = os.getpid()
+
+    def get(self, address: str, tls_name: str | None = None) -> grpc.Channel:
+        if self._pid != os.getpid():
+            self._channels, self._pid = {}, os.getpid()
+        channel = self._channels.get((address, tls_name))
+        if channel is None:
+            channel = open_channel(address, self._security, tls_name=tls_name)
+            if self._on_open is not None:
+                self._on_open(channel)
+            self._channels[address, tls_name] = channel
+        return channel
+
+    def __getstate__(self) -> dict[str, object]:
+        # A copy (a spawned worker) opens channels of its own.
+        return {"_security": self._security, "_on_open": self._on_open}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._channels, self._pid = {}, os.getpid()
+
+    def close(self) -> None:
+        """Close this process's channels (a parent's are left to the parent)."""
+        if self._pid == os.getpid():
+            for channel in self._channels.values():
+                channel.close()
+        self._channels = {}

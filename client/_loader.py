@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from batchwire.client._channel import open_channel, stub
+from batchwire.client._channel import ChannelCache, stub
 from batchwire.client._exceptions import (
     BatchwireError,
     InvalidArgumentError,
@@ -32,27 +31,54 @@ from batchwire.client._reader import Delivery, TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import RETRIABLE, Server, ServerSet
 from batchwire.common.sampler import Plan
+from batchwire.common.stream import StreamSpec
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["RemoteLoader"]
+__all__ = ["LoaderOptions", "RemoteLoader"]
 
 _STATE_VERSION = 2
 _READABLE_STATES = (1, 2)  # version 1: saved by batchwire 0.1, same fields and meaning
 # A state loads into a loader only if these match (the rank may differ: ranks move in
 # lockstep, and frameworks save rank 0's state and load it on every rank).
 _IDENTITY = ("dataset", "batch_size", "seed", "shuffle", "drop_last", "world_size")
-_DTYPES = {"uint8": pb.UINT8, "float16": pb.FLOAT16, "float32": pb.FLOAT32}
 _TORCH_DTYPES = {
     np.dtype("u1"): torch.uint8,
     np.dtype("<f2"): torch.float16,
     np.dtype("<f4"): torch.float32,
 }
 _PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
-_LAYOUTS = {"NCHW": pb.NCHW, "NHWC": pb.NHWC}
 
 
 def _invalid(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderOptions:
+    """How a loader delivers what it streams (see :class:`RemoteLoader`)."""
+
+    device: torch.device
+    normalize: bool = True
+    return_ids: bool = False
+    prefetch: int = 2
+    timeout: float = 300.0
+    retry_timeout: float = 60.0
+    resolve_every: float = 5.0
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.prefetch >= 1, f"prefetch must be at least 1, got {self.prefetch}"),
+            (self.retry_timeout >= 0, f"retry_timeout must be >= 0, got {self.retry_timeout}"),
+            (self.resolve_every > 0, f"resolve_every must be positive, got {self.resolve_every}"),
+            (self.timeout > 0, f"timeout must be positive, got {self.timeout}"),
+            (
+                self.device.type != "cuda" or torch.cuda.is_available(),
+                f"device={str(self.device)!r} but torch sees no CUDA device; use device='cpu'",
+            ),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,58 +170,45 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         process_group: Any = None,
     ) -> None:
         super().__init__()
-        addresses = [address] if isinstance(address, str) else list(address)
+        addresses = (address,) if isinstance(address, str) else tuple(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise _invalid("address must be 'host:port', a gRPC target, or a list of them")
-        if not dataset:
-            raise _invalid("dataset must be named")
         explicit = rank is not None or world_size is not None
-        rank = 0 if rank is None else rank
-        world_size = 1 if world_size is None else world_size
-        checks = (
-            (batch_size >= 1, f"batch_size must be at least 1, got {batch_size}"),
-            (world_size >= 1, f"world_size must be at least 1, got {world_size}"),
-            (
-                0 <= rank < world_size,
-                f"rank must be in [0, world_size), got {rank} of {world_size}",
-            ),
-            (seed >= 0, f"seed must be >= 0, got {seed}"),
-            (prefetch >= 1, f"prefetch must be at least 1, got {prefetch}"),
-            (retry_timeout >= 0, f"retry_timeout must be >= 0, got {retry_timeout}"),
-            (resolve_every > 0, f"resolve_every must be positive, got {resolve_every}"),
-            (timeout > 0, f"timeout must be positive, got {timeout}"),
-            (dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"),
-            (layout in _LAYOUTS, f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise _invalid(message)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise _invalid(f"device={device!r} but torch sees no CUDA device; use device='cpu'")
+        try:
+            # The stream every pass asks for (rank, world, epoch and cursor filled in
+            # then): validated once, here, and read-only from now on.
+            self._spec = StreamSpec(
+                dataset=dataset,
+                pipeline=pipeline,
+                batch_size=batch_size,
+                seed=seed,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                rank=rank or 0,
+                world_size=1 if world_size is None else world_size,
+                dtype=dtype,
+                layout=layout,
+                params=dict(params or {}),
+            )
+            self._options = LoaderOptions(
+                device=torch.device(device) if device is not None else torch.device("cpu"),
+                normalize=normalize,
+                return_ids=return_ids,
+                prefetch=prefetch,
+                timeout=timeout,
+                retry_timeout=retry_timeout,
+                resolve_every=resolve_every,
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise _invalid(str(exc)) from exc
         self._security = ChannelSecurity.from_options(
             token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
         )
-        self.addresses = tuple(addresses)
-        self.dataset_name = dataset
-        self.pipeline = pipeline
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.seed = seed
-        self.normalize = normalize
-        self.return_ids = return_ids
-        self.prefetch = prefetch
-        self.retry_timeout = retry_timeout
-        self.resolve_every = resolve_every
-        self.params = dict(params or {})
-        self.dtype = dtype
-        self.layout = layout
-        self.timeout = timeout
+        self._addresses = addresses
         self.skipped_ids: list[int] = []
         # Image payload bytes received and copied: one copy each, by design.
         self.transfer = TransferStats()
-        self._explicit = _Share(rank, world_size) if explicit else None
+        self._explicit = _Share(self._spec.rank, self._spec.world_size) if explicit else None
         self._group = process_group
         # The share torch.distributed gave when this loader was pickled: spawned
         # DataLoader workers have no process group of their own.
@@ -207,27 +220,49 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 DeprecationWarning,
                 stacklevel=2,
             )
-        self._servers = ServerSet(self.addresses)
-        self._channels: dict[Server, grpc.Channel] = {}
-        self._pid = -1
+        self._servers = ServerSet(self._addresses)
+        self._channels = ChannelCache(self._security, on_open=close_at_exit)
         self._ledger = Ledger()
         self._pass: StreamPass | None = None
         # load_state_dict ran in this DataLoader worker: see _begin.
         self._loaded_in_worker = False
 
+    # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return self._addresses
+
+    @property
+    def spec(self) -> StreamSpec:
+        """The stream this loader asks for (rank, world size, epoch and cursor aside)."""
+        return self._spec
+
+    @property
+    def options(self) -> LoaderOptions:
+        return self._options
+
+    dataset_name = property(lambda self: self._spec.dataset, doc="The dataset's name.")
+    pipeline = property(lambda self: self._spec.pipeline, doc="The pipeline's name.")
+    batch_size = property(lambda self: self._spec.batch_size, doc="Samples per batch.")
+    shuffle = property(lambda self: self._spec.shuffle)
+    drop_last = property(lambda self: self._spec.drop_last)
+    seed = property(lambda self: self._spec.seed)
+    dtype = property(lambda self: self._spec.dtype)
+    layout = property(lambda self: self._spec.layout)
+    params = property(lambda self: dict(self._spec.params))
+    device = property(lambda self: self._options.device)
+    normalize = property(lambda self: self._options.normalize)
+    return_ids = property(lambda self: self._options.return_ids)
+    prefetch = property(lambda self: self._options.prefetch)
+    timeout = property(lambda self: self._options.timeout)
+    retry_timeout = property(lambda self: self._options.retry_timeout)
+    resolve_every = property(lambda self: self._options.resolve_every)
+
     # -- dataset facts -----------------------------------------------------------------
 
     def _channel(self, server: Server) -> grpc.Channel:
-        # Channels are opened lazily and again after a fork (DataLoader workers).
-        if self._pid != os.getpid():
-            self._channels = {}
-            self._pid = os.getpid()
-        channel = self._channels.get(server)
-        if channel is None:
-            channel = open_channel(server.address, self._security, tls_name=server.tls_name)
-            close_at_exit(channel)
-            self._channels[server] = channel
-        return channel
+        return self._channels.get(server.address, server.tls_name)
 
     def _describe(self) -> pb.DatasetInfo:
         """The dataset as the first server that answers describes it (cached)."""
@@ -297,25 +332,27 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def world_size(self) -> int:
         return self._share().world_size
 
-    def _plan(self, share: _Share, epoch: int, start: int = 0) -> Plan:
+    def _plan(self, share: _Share, epoch: int, start: int = 0) -> tuple[StreamSpec, Plan]:
+        """The stream of ``share`` in ``epoch`` from cursor ``start``, and its plan."""
         try:
-            return Plan(
-                num_samples=self.num_samples,
-                batch_size=self.batch_size,
-                seed=self.seed,
-                epoch=epoch,
-                shuffle=self.shuffle,
-                drop_last=self.drop_last,
-                rank=share.rank,
-                world_size=share.world_size,
-                start=start,
+            spec = self._spec.replace(
+                rank=share.rank, world_size=share.world_size, epoch=epoch, start=start
             )
+            plan = spec.plan(self.num_samples)
         except ValueError as exc:
             raise _invalid(str(exc)) from exc
+        if plan.num_batches == 0:
+            raise _invalid(
+                f"batch_size {spec.batch_size} is larger than this rank's share of the "
+                f"dataset ({plan.num_samples} samples over {spec.world_size} ranks) and "
+                "drop_last=True leaves no batch: every epoch would be empty. Lower batch_size "
+                "or pass drop_last=False"
+            )
+        return spec, plan
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (equal on every rank)."""
-        return self._plan(self._share(), 0).num_batches
+        return self._plan(self._share(), 0)[1].num_batches
 
     # -- passes and state --------------------------------------------------------------
 
@@ -430,20 +467,20 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         tentative, self._loaded_in_worker = self._loaded_in_worker, False
         with self._ledger.update() as record:
             epoch, start = (record.epoch, record.cursor) if record.fresh else (record.epoch + 1, 0)
-            plan = self._plan(share, epoch, start)  # validates a loaded cursor
+            spec, plan = self._plan(share, epoch, start)  # validates a loaded cursor
             if 0 < plan.share_size == start:
                 # The end of an epoch is the start of the next: frameworks that count
                 # batches by len() (Lightning) never ask past the last one, so their
                 # checkpoint at an epoch's end is this, and the next pass is a new epoch.
                 epoch, start = epoch + 1, 0
-                plan = self._plan(share, epoch, start)
+                spec, plan = self._plan(share, epoch, start)
             stream_pass = StreamPass(
                 epoch=epoch,
                 start=start,
                 share_size=plan.share_size,
                 num_batches=plan.num_batches,
                 batch_size=self.batch_size,
-                spec=self._request(plan),
+                spec=spec.to_proto(),
                 open_call=self._open_call,
                 servers=self._servers,
                 convert=lambda d: self._convert(d, mean, std),
@@ -497,24 +534,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self._end(stream_pass)
         finally:
             stream_pass.stop()
-
-    def _request(self, plan: Plan) -> pb.StreamBatchesRequest:
-        """The stream a pass pulls its batches from: the plan's share from its cursor."""
-        return pb.StreamBatchesRequest(
-            dataset=self.dataset_name,
-            pipeline=self.pipeline,
-            batch_size=plan.batch_size,
-            seed=plan.seed,
-            epoch=plan.epoch,
-            shuffle=plan.shuffle,
-            drop_last=plan.drop_last,
-            rank=plan.rank,
-            world_size=plan.world_size,
-            start=plan.start,
-            dtype=_DTYPES[self.dtype],
-            layout=_LAYOUTS[self.layout],
-            params=self.params,
-        )
 
     def _open_call(self, server: Server, requests: Iterator[pb.PullRequest]) -> grpc.Call:
         # Raw message bytes (no deserializer): the puller parses them without copying
@@ -585,10 +604,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         current, self._pass = self._pass, None
         if current is not None:
             current.stop()
-        if self._pid == os.getpid():
-            for channel in self._channels.values():
-                channel.close()
-        self._channels = {}
+        self._channels.close()
 
     def __enter__(self) -> RemoteLoader:
         return self
@@ -607,8 +623,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             state["_explicit"] = _Share(*live)
         for key in ("_servers", "transfer", "_pass"):
             state[key] = None
-        state["_channels"] = {}
-        state["_pid"] = -1
         state["_loaded_in_worker"] = False
         return state
 

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import torch
 
-from batchwire.client._channel import open_channel, stub
+from batchwire.client._channel import ChannelCache, stub
 from batchwire.client._exceptions import (
     BadImagesError,
     InvalidArgumentError,
@@ -26,13 +26,12 @@ from batchwire.client._exceptions import (
 )
 from batchwire.client._normalize import channel_stats
 from batchwire.client._security import ChannelSecurity, PemSource
+from batchwire.common.stream import LAYOUTS, OUTPUT_DTYPES
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["ImageError", "Preprocessed", "Preprocessor"]
 
-_DTYPES = {"uint8": pb.UINT8, "float16": pb.FLOAT16, "float32": pb.FLOAT32}
-_LAYOUTS = {"NCHW": pb.NCHW, "NHWC": pb.NHWC}
 # Requests are cut so that each stays well inside a server's default
 # max_request_bytes (64 MiB) and batches well with other clients' requests.
 _REQUEST_IMAGES = 64
@@ -128,8 +127,11 @@ class Preprocessor:
         checks = (
             (isinstance(address, str) and bool(address), "address must be 'host:port'"),
             (isinstance(pipeline, str) and bool(pipeline), "pipeline must be named"),
-            (dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"),
-            (layout in _LAYOUTS, f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}"),
+            (
+                dtype in OUTPUT_DTYPES,
+                f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {dtype!r}",
+            ),
+            (layout in LAYOUTS, f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}"),
             (timeout > 0, f"timeout must be positive, got {timeout}"),
             (max_in_flight >= 1, f"max_in_flight must be at least 1, got {max_in_flight}"),
         )
@@ -150,8 +152,7 @@ class Preprocessor:
         self.params = dict(params or {})
         self.timeout = timeout
         self.max_in_flight = max_in_flight
-        self._channel: grpc.Channel | None = None
-        self._pid = -1
+        self._channels = ChannelCache(self._security)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -188,8 +189,8 @@ class Preprocessor:
                 request = pb.PreprocessRequest(
                     pipeline=self.pipeline,
                     images=chunk,
-                    dtype=_DTYPES[self.dtype],
-                    layout=_LAYOUTS[self.layout],
+                    dtype=OUTPUT_DTYPES[self.dtype],
+                    layout=LAYOUTS[self.layout],
                     params=self.params,
                 )
                 waiting.append(
@@ -235,16 +236,11 @@ class Preprocessor:
 
     def _open(self) -> grpc.Channel:
         # Opened lazily, and again in a forked child (a channel does not survive fork).
-        if self._channel is None or self._pid != os.getpid():
-            self._channel = open_channel(self.address, self._security)
-            self._pid = os.getpid()
-        return self._channel
+        return self._channels.get(self.address)
 
     def close(self) -> None:
         """Close the channel; a later call opens a new one."""
-        if self._channel is not None and self._pid == os.getpid():
-            self._channel.close()
-        self._channel = None
+        self._channels.close()
 
     def __enter__(self) -> Preprocessor:
         return self

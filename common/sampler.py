@@ -129,6 +129,14 @@ class Plan:
         """Batches in this rank's share of the epoch, over all lanes."""
         return num_batches(self.num_samples, self.batch_size, self.world_size, self.drop_last)
 
+    @property
+    def lane_batches(self) -> int:
+        """How many batches :meth:`batches` yields, by arithmetic (no permutation)."""
+        if self.start >= self.share_size:
+            return 0
+        first = self.start // self.batch_size
+        return len(range(first + (self.lane - first) % self.lanes, self.num_batches, self.lanes))
+
     def share(self) -> np.ndarray:
         order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
         return rank_share(order, self.rank, self.world_size, self.drop_last)[: self.share_size]

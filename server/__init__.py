@@ -24,7 +24,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from batchwire.server._config import ConfigError, ServerConfig, load_file, pipelines_from_config
+from batchwire.server._config import (
+    ConfigError,
+    ServerConfig,
+    Setting,
+    boolean,
+    device_ids,
+    load_file,
+    pipelines_from_config,
+    resolve,
+    settings,
+)
 
 if TYPE_CHECKING:
     from batchwire.server.serving import BatchwireServer, ServerError
@@ -34,8 +44,13 @@ __all__ = [
     "ConfigError",
     "ServerConfig",
     "ServerError",
+    "Setting",
+    "boolean",
+    "device_ids",
     "load_file",
     "pipelines_from_config",
+    "resolve",
+    "settings",
 ]
 
 

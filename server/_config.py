@@ -41,7 +41,7 @@ import dataclasses
 import os
 import pathlib
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from batchwire.server.core._pipelines import (
@@ -52,54 +52,150 @@ from batchwire.server.core._pipelines import (
     load_function,
 )
 
-__all__ = ["ConfigError", "ServerConfig", "load_file", "pipelines_from_config"]
+__all__ = [
+    "ConfigError",
+    "ServerConfig",
+    "Setting",
+    "load_file",
+    "pipelines_from_config",
+    "resolve",
+    "settings",
+]
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key and what to do."""
 
 
+def device_ids(text: str) -> tuple[int, ...]:
+    """``--devices``: GPU ids as ``0,1,...``; ``all`` (or nothing) is every visible GPU."""
+    value = text.strip().lower()
+    if value in ("", "all"):
+        return ()
+    try:
+        ids = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"not a list of GPU ids: {text!r} (use comma-separated numbers like 0,1 or 'all')"
+        ) from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"GPU ids must be distinct numbers >= 0, got {text!r}")
+    return ids
+
+
+def boolean(text: str) -> bool:
+    """A truth value as text: 1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _setting(
+    default: Any,
+    help: str,
+    parse: Callable[[str], Any] = int,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A ServerConfig field that is a setting: a flag ``--name``, a variable
+    ``BATCHWIRE_NAME`` and a file key ``name`` (see :func:`settings`)."""
+    metadata = {"help": help, "parse": parse, "metavar": metavar, "choices": choices}
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _path(text: str) -> pathlib.Path:
+    return pathlib.Path(text)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Everything ``batchwire serve`` needs. ``port=0`` picks a free port."""
+    """Everything ``batchwire serve`` needs. ``port=0`` picks a free port.
 
-    data_dir: pathlib.Path
-    host: str = "[::]"
-    port: int = 50051
-    device: str = "auto"
-    devices: tuple[int, ...] = ()
-    num_threads: int = 0
-    prefetch: int = 2
-    # Worker processes that read each stream's records (LMDB, Datum parse, format
-    # screen) through DALI's parallel external_source; 0 reads them in the thread
-    # that feeds the pipeline. See README "Reading records in parallel".
-    read_workers: int = 0
-    max_batch_size: int = 1024
-    max_streams: int = 64
-    max_idle_pipelines: int = 8
-    # Pipelines each device runs for every stream (server/_scheduler.py): they do not
-    # grow with the streams.
-    pipelines_per_device: int = 2
-    # Prometheus /metrics on this port (same host as gRPC); None: off, 0: any free port.
-    metrics_port: int | None = None
-    # Preprocess RPC (inference): images of concurrent requests share DALI
-    # batches of up to preprocess_batch_size, gathered for at most
-    # preprocess_max_delay_ms; at most preprocess_max_queued images wait.
-    # max_request_bytes bounds any request message (gRPC's receive limit).
-    preprocess_batch_size: int = 64
-    preprocess_max_delay_ms: float = 5.0
-    preprocess_max_queued: int = 1024
-    max_request_bytes: int = 64 * 1024 * 1024
-    # Larger batches travel as several messages: gRPC Python moves 8-16 MB
-    # messages fastest on loopback and slows sharply at 32 MB.
-    max_message_bytes: int = 8 * 1024 * 1024
-    # Security (see batchwire.server.serving._security): PEM files and a token file, read
-    # and checked when the server is built.
-    tls_cert: pathlib.Path | None = None
-    tls_key: pathlib.Path | None = None
-    tls_client_ca: pathlib.Path | None = None
-    token_file: pathlib.Path | None = None
-    health_open: bool = False
+    Each field but ``pipelines`` is a setting, declared here once: ``batchwire serve``
+    derives its flag, its environment variable and its config-file key from it.
+    """
+
+    data_dir: pathlib.Path = _setting(
+        dataclasses.MISSING, "datasets live in DIR/NAME/", _path, metavar="DIR"
+    )
+    host: str = _setting("[::]", "address to listen on (default [::], all)", str)
+    port: int = _setting(50051, "gRPC port (default 50051; 0: any free)")
+    device: str = _setting(
+        "auto", "where pipelines run (default auto)", str, choices=("auto", "cpu", "gpu")
+    )
+    devices: tuple[int, ...] = _setting(
+        (),
+        "GPU ids to run pipelines on, e.g. 0,1; new streams are spread over them "
+        "(default all: every visible GPU)",
+        device_ids,
+        metavar="IDS",
+    )
+    num_threads: int = _setting(0, "DALI threads per pipeline (default 0: one per core)")
+    prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)")
+    read_workers: int = _setting(
+        0,
+        "processes per StreamBatches stream that read its records through DALI's parallel "
+        "external_source (default 0: read in the thread feeding the pipeline)",
+    )
+    max_batch_size: int = _setting(1024, "largest batch a client may ask for (default 1024)")
+    max_streams: int = _setting(64, "concurrent streams before RESOURCE_EXHAUSTED (default 64)")
+    max_idle_pipelines: int = _setting(
+        8, "built pipelines kept idle for Preprocess and read_workers streams (default 8)"
+    )
+    pipelines_per_device: int = _setting(
+        2, "pipelines each device runs for all streams; they do not grow with streams (default 2)"
+    )
+    metrics_port: int | None = _setting(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free)",
+        metavar="PORT",
+    )
+    preprocess_batch_size: int = _setting(
+        64, "Preprocess RPC: images of concurrent requests per DALI batch (default 64)"
+    )
+    preprocess_max_delay_ms: float = _setting(
+        5.0, "Preprocess RPC: how long a batch gathers images, in ms (default 5)", float
+    )
+    preprocess_max_queued: int = _setting(
+        1024, "Preprocess RPC: images that may wait before RESOURCE_EXHAUSTED (default 1024)"
+    )
+    max_request_bytes: int = _setting(
+        64 * 1024 * 1024, "largest request message, e.g. encoded images (default 64 MiB)"
+    )
+    # gRPC Python moves 8-16 MB messages fastest on loopback and slows sharply at 32 MB.
+    max_message_bytes: int = _setting(
+        8 * 1024 * 1024, "larger batches travel as several messages of this size (default 8 MiB)"
+    )
+    grace: float = _setting(
+        30.0, "seconds in-flight streams get on SIGTERM or SIGINT (default 30)", float
+    )
+    tls_cert: pathlib.Path | None = _setting(
+        None, "PEM certificate chain: serve TLS (needs tls_key)", _path, metavar="FILE"
+    )
+    tls_key: pathlib.Path | None = _setting(
+        None, "PEM private key of tls_cert, unencrypted", _path, metavar="FILE"
+    )
+    tls_client_ca: pathlib.Path | None = _setting(
+        None,
+        "mutual TLS: require client certificates signed by this PEM CA",
+        _path,
+        metavar="FILE",
+    )
+    token_file: pathlib.Path | None = _setting(
+        None,
+        "require 'authorization: Bearer <token>' with a token from FILE (one per line, # comments)",
+        _path,
+        metavar="FILE",
+    )
+    health_open: bool = _setting(
+        False, "with token_file: the health service needs no token (for probes)", boolean
+    )
     pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=lambda: dict(PRESETS))
 
     def __post_init__(self) -> None:
@@ -165,13 +261,84 @@ class ServerConfig:
                 "tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too",
             ),
             (isinstance(self.health_open, bool), "health_open must be true or false"),
+            (0 <= self.grace <= 24 * 3600, "grace must be in [0, 86400] seconds"),
         )
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
 
 
-_SERVER_KEYS = {f.name for f in dataclasses.fields(ServerConfig)} - {"pipelines"}
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ServerConfig field as ``batchwire serve`` takes it."""
+
+    name: str
+    help: str
+    parse: Callable[[str], Any]
+    metavar: str | None
+    choices: tuple[str, ...] | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def variable(self) -> str:
+        return "BATCHWIRE_" + self.name.upper()
+
+
+def settings() -> list[Setting]:
+    """Every setting, in declaration order."""
+    return [
+        Setting(
+            f.name,
+            f.metadata["help"],
+            f.metadata["parse"],
+            f.metadata["metavar"],
+            f.metadata["choices"],
+        )
+        for f in dataclasses.fields(ServerConfig)
+        if "help" in f.metadata
+    ]
+
+
+_SERVER_KEYS = {s.name for s in settings()}
+
+
+def resolve(
+    flags: Mapping[str, Any], environ: Mapping[str, str], config_path: str | os.PathLike[str] | None
+) -> ServerConfig:
+    """Flags (parsed values; None: not given) > environment > config file > defaults."""
+    file = load_file(config_path) if config_path else {}
+    values: dict[str, Any] = dict(file.get("server", {}))
+    for setting in settings():
+        flag = flags.get(setting.name)
+        if flag is not None:
+            values[setting.name] = flag
+        elif setting.variable in environ:
+            text = environ[setting.variable]
+            try:
+                values[setting.name] = setting.parse(text)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"{setting.variable}={text!r} is not valid for {setting.name} ({exc}); "
+                    f"fix or unset it ({setting.help})"
+                ) from exc
+    if "data_dir" not in values:
+        raise ConfigError("no data directory: pass --data-dir DIR (or set BATCHWIRE_DATA_DIR)")
+    if "devices" in values:
+        values["devices"] = tuple(values["devices"])
+    try:
+        return ServerConfig(
+            pipelines=pipelines_from_config(
+                # A custom pipeline's "file.py:function" is relative to the config file.
+                file.get("pipelines"),
+                base_dir=pathlib.Path(config_path).parent if config_path else None,
+            ),
+            **values,
+        )
+    except TypeError as exc:  # a file value of the wrong kind, e.g. port = "x"
+        raise ConfigError(f"config file {config_path}: {exc}") from exc
 
 
 def load_file(path: pathlib.Path | str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from deployfiles import DEPLOY, ROOT
 
-from batchwire.server._metrics import ServerMetrics
+from batchwire.server.serving._metrics import ServerMetrics
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "alerts.test.yml"

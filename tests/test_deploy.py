@@ -35,8 +35,8 @@ from deployfiles import (
 )
 
 from batchwire.cli import build_parser
-from batchwire.cli._serve import _SETTINGS, resolve_config
-from batchwire.server import ServerConfig, load_file
+from batchwire.cli._serve import resolve_config
+from batchwire.server import ServerConfig, load_file, settings
 
 CONFIG_KEYS = {"server", "pipelines"}
 
@@ -466,10 +466,9 @@ def test_readme_documents_every_serve_flag_and_logging_option() -> None:
     missing = sorted(f for f in flags if f not in readme)
     assert not missing, f"README does not mention {missing}"
     # The settings tables name variables without their BATCHWIRE_ prefix.
-    variables = [variable for variable, _ in _SETTINGS.values()]
+    variables = [setting.variable for setting in settings()]
     variables += [
         "BATCHWIRE_CONFIG",
-        "BATCHWIRE_GRACE",
         "BATCHWIRE_LOG_LEVEL",
         "BATCHWIRE_LOG_FORMAT",
     ]

@@ -110,13 +110,15 @@ def test_client_raises_its_own_errors_with_codes(server: BatchwireServer) -> Non
         ({"prefetch": 0}, "prefetch"),
         ({"dtype": "int8"}, "dtype"),
         ({"device": "cuda"}, "CUDA"),
+        ({"dataset": "../etc"}, "not a valid name"),
+        ({"params": {"size": float("nan")}}, "finite"),
     ],
 )
 def test_bad_loader_arguments_fail_before_any_call(kwargs: dict[str, object], words: str) -> None:
     if kwargs.get("device") == "cuda" and __import__("torch").cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(ValueError, match=words) as caught:
-        RemoteLoader("localhost:1", dataset="shapes", **kwargs)  # type: ignore[arg-type]
+        RemoteLoader("localhost:1", **{"dataset": "shapes", **kwargs})  # type: ignore[arg-type]
     assert isinstance(caught.value, BatchwireError)
 
 
@@ -125,3 +127,31 @@ def test_dead_server_is_a_clear_unavailable_error() -> None:
     with pytest.raises(UnavailableError, match="batchwire serve") as caught:
         list(remote)
     assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_a_loaders_settings_are_read_only() -> None:
+    # Changing batch_size after construction would break resume (a state names the
+    # batch size it was saved with): the settings are fixed when the loader is built.
+    remote = RemoteLoader("localhost:1", dataset="shapes", batch_size=4, seed=3)
+    assert (remote.batch_size, remote.seed, remote.spec.batch_size) == (4, 3, 4)
+    with pytest.raises(AttributeError):
+        remote.batch_size = 8  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        remote.spec.batch_size = 8  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        remote.options.prefetch = 9  # type: ignore[misc]
+
+
+def test_a_batch_larger_than_the_share_with_drop_last_is_an_error_not_an_empty_epoch(
+    server: BatchwireServer,
+) -> None:
+    # shapes has 520 samples: 260 a rank over 2 ranks, so no batch of 300 with drop_last.
+    remote = RemoteLoader(server.target, dataset="shapes", batch_size=300, rank=0, world_size=2)
+    with pytest.raises(InvalidArgumentError, match="drop_last=False"):
+        list(remote)
+    with pytest.raises(InvalidArgumentError, match="Lower batch_size"):
+        len(remote)
+    short = RemoteLoader(
+        server.target, dataset="shapes", batch_size=300, rank=0, world_size=2, drop_last=False
+    )
+    assert [len(labels) for _, labels in short] == [260]

@@ -35,7 +35,6 @@ from batchwire.client import AuthenticationError, RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, ConfigError
 from batchwire.server.core import DeviceError, DevicePlan
-from batchwire.server.serving._servicer import lane_batches
 
 NODE = ROOT / "tests" / "node"
 PYTHON_BATCHWIRE = [sys.executable, "-m", "batchwire.cli"]
@@ -266,7 +265,7 @@ def test_the_stream_end_status_knows_how_many_batches_a_lane_has(drop_last: bool
             )
             for start in range(plan.share_size + 1):
                 resumed = dataclasses.replace(plan, start=start)
-                assert lane_batches(resumed) == len(list(resumed.batches())), resumed
+                assert resumed.lane_batches == len(list(resumed.batches())), resumed
 
 
 def test_log_settings_come_from_flags_then_the_environment() -> None:

@@ -128,12 +128,13 @@ def test_a_slow_consumer_makes_the_server_wait_instead_of_buffering(
 
 def test_closing_the_engine_closes_streams_nobody_closed(data_dir: pathlib.Path) -> None:
     # What a stream handler cancelled during shutdown leaves behind.
+    from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine, StreamRequest
+    from batchwire.server.core import Engine
 
     engine = Engine(ServerConfig(data_dir=data_dir, device="cpu", num_threads=1))
     engine.open_datasets()
-    stream = engine.open_stream(StreamRequest(dataset="shapes", pipeline="val", batch_size=8))
+    stream = engine.open_stream(StreamSpec(dataset="shapes", pipeline="val", batch_size=8))
     next(stream)
     engine.close()
     assert stream.closed and engine.active_streams == 0 and engine.streams() == []

@@ -16,8 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
+from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import Engine, Job, Result, RunnerKey, Scheduler, StreamRequest, Ticket
+from batchwire.server.core import Engine, Job, Result, RunnerKey, Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -154,7 +155,7 @@ def test_many_streams_share_one_pipeline_and_each_gets_its_exact_share(
     caplog.set_level(logging.INFO, logger="batchwire.server.core._scheduler")
     try:
         requests = [
-            StreamRequest(
+            StreamSpec(
                 dataset="shapes", pipeline="val", batch_size=20, seed=5, rank=r, world_size=6
             )
             for r in range(6)

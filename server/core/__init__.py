@@ -1,17 +1,17 @@
 """The DALI core: named pipelines, the scheduler that runs them for every stream, the engine.
 
 Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving layer
-(:mod:`batchwire.server.serving`) adapts messages to :class:`StreamRequest` and
+(:mod:`batchwire.server.serving`) adapts messages to :class:`~batchwire.common.stream.StreamSpec` and
 :class:`Batch` and maps the errors below to status codes::
 
     engine = Engine(ServerConfig(data_dir="data"))
-    stream = engine.open_stream(StreamRequest(dataset="pets", batch_size=64))
+    stream = engine.open_stream(StreamSpec(dataset="pets", batch_size=64))
 """
 
 from __future__ import annotations
 
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
-from batchwire.server.core._engine import Batch, BatchStream, Engine, StreamRequest, read_job
+from batchwire.server.core._engine import Batch, BatchStream, Engine, read_job
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -49,7 +49,6 @@ __all__ = [
     "RunnerKey",
     "Scheduler",
     "ServiceError",
-    "StreamRequest",
     "Ticket",
     "read_job",
     "visible_gpu_count",

@@ -1,7 +1,7 @@
 """The server core: datasets, pipelines and the batches of a stream.
 
 Takes plain arguments, yields NumPy arrays, never imports grpc. The servicer
-adapts messages to :class:`StreamRequest` and :class:`Batch`, and maps the
+adapts messages to :class:`StreamSpec` and :class:`Batch`, and maps the
 errors of ``batchwire.server.core._errors`` to status codes.
 """
 
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from batchwire.common.sampler import Plan
+from batchwire.common.stream import NAME_PATTERN, StreamSpec
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
@@ -38,45 +39,19 @@ from batchwire.server.core._runner import (
     RunnerKey,
 )
 from batchwire.server.core._scheduler import Scheduler, Ticket
-from batchwire.server.data._dataset import NAME_PATTERN, Dataset, DatasetError
+from batchwire.server.data._dataset import Dataset, DatasetError
 from batchwire.server.data._formats import unsupported_reason
 
 if TYPE_CHECKING:
     from batchwire.server._config import ServerConfig
 
-__all__ = ["Batch", "BatchStream", "Engine", "StreamRequest", "read_job"]
+__all__ = ["Batch", "BatchStream", "Engine", "StreamSpec", "read_job"]
 
 log = logging.getLogger(__name__)
 
-# Request fields beyond these are refused before anything is allocated.
-MAX_WORLD_SIZE = 1 << 16
-MAX_LANES = 1024
-MAX_SEED = (1 << 63) - 1
-MAX_EPOCH = 1 << 40
 # Batches a pulling client may have asked for and not yet received, per stream.
 MAX_PULL_AHEAD = 1024
 _WANT_POLL_S = 0.25  # how often a pulled stream waiting for requests checks for a drain
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StreamRequest:
-    """What a client asks for: one lane of one rank's share of one epoch."""
-
-    dataset: str
-    pipeline: str
-    batch_size: int
-    seed: int = 0
-    epoch: int = 0
-    shuffle: bool = True
-    drop_last: bool = True
-    rank: int = 0
-    world_size: int = 1
-    start: int = 0
-    lanes: int = 1
-    lane: int = 0
-    dtype: str = "uint8"
-    layout: str = "NCHW"
-    params: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +365,7 @@ class Engine:
 
     def open_stream(
         self,
-        request: StreamRequest,
+        request: StreamSpec,
         *,
         pull: bool = False,
         encode: Callable[[Batch], Any] | None = None,
@@ -461,32 +436,9 @@ class Engine:
             self._release()
             raise
 
-    def _plan(self, request: StreamRequest, dataset: Dataset) -> Plan:
-        # Bounds beyond the contract's own checks (Plan), so that nothing
-        # huge is allocated for a hostile request.
-        limits = (
-            ("world_size", request.world_size, MAX_WORLD_SIZE),
-            ("lanes", request.lanes, MAX_LANES),
-            ("seed", request.seed, MAX_SEED),
-            ("epoch", request.epoch, MAX_EPOCH),
-        )
-        for name, value, limit in limits:
-            if value > limit:
-                raise InvalidRequest(f"{name} must be at most {limit}, got {value}")
+    def _plan(self, request: StreamSpec, dataset: Dataset) -> Plan:
         try:
-            return Plan(
-                num_samples=dataset.num_samples,
-                batch_size=request.batch_size,
-                seed=request.seed,
-                epoch=request.epoch,
-                shuffle=request.shuffle,
-                drop_last=request.drop_last,
-                rank=request.rank,
-                world_size=request.world_size,
-                lanes=request.lanes,
-                lane=request.lane,
-                start=request.start,
-            )
+            return request.plan(dataset.num_samples)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
@@ -546,7 +498,7 @@ class Engine:
         name = next(iter(sorted(self.datasets)))
         pipeline = next(iter(self.pipelines))
         stream = self.open_stream(
-            StreamRequest(
+            StreamSpec(
                 dataset=name, pipeline=pipeline, batch_size=2, shuffle=False, drop_last=False
             )
         )

@@ -4,5 +4,12 @@ from __future__ import annotations
 
 from batchwire.server.serving._malloc import tune_for_large_buffers
 from batchwire.server.serving._server import BatchwireServer, ServerError
+from batchwire.server.serving._servicer import EncodedBatch, encode_parts
 
-__all__ = ["BatchwireServer", "ServerError", "tune_for_large_buffers"]
+__all__ = [
+    "BatchwireServer",
+    "EncodedBatch",
+    "ServerError",
+    "encode_parts",
+    "tune_for_large_buffers",
+]

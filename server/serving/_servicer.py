@@ -24,9 +24,10 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from batchwire.common.batch_codec import encode_batch
-from batchwire.common.sampler import Plan
+from batchwire.common.stream import StreamSpec, output_format
+from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
-from batchwire.server.core._engine import Batch, BatchStream, DatasetSummary, Engine, StreamRequest
+from batchwire.server.core._engine import Batch, BatchStream, DatasetSummary, Engine
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -35,7 +36,7 @@ from batchwire.server.core._errors import (
     ServiceError,
 )
 from batchwire.server.core._preprocess import PreprocessRequest, PreprocessResult
-from batchwire.server.data._dataset import NAME_PATTERN, DatasetError
+from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -53,13 +54,6 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     DatasetError: grpc.StatusCode.DATA_LOSS,
 }
 
-_DTYPES = {
-    pb.DTYPE_UNSPECIFIED: "uint8",
-    pb.UINT8: "uint8",
-    pb.FLOAT16: "float16",
-    pb.FLOAT32: "float32",
-}
-_LAYOUTS = {pb.LAYOUT_UNSPECIFIED: "NCHW", pb.NCHW: "NCHW", pb.NHWC: "NHWC"}
 # How long a stream whose write failed waits for gRPC to report the client gone (see write).
 _HANGUP_NOTICE_S = 5.0
 
@@ -92,51 +86,20 @@ def check_message(request: Message | Malformed) -> None:
 
 def check_name(kind: str, name: str) -> None:
     """Dataset and pipeline names are plain names: never paths, never empty."""
-    if not name:
-        raise InvalidRequest(f"{kind} must be named")
-    if not NAME_PATTERN.match(name):
-        raise InvalidRequest(
-            f"{kind} {name[:80]!r} is not a valid name: use letters, digits, '.', '_' or '-'"
-        )
+    try:
+        check_spec_name(kind, name)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
-def output_format(request: pb.StreamBatchesRequest | pb.PreprocessRequest) -> tuple[str, str]:
-    """The (dtype, layout) a request asks its images in; unknown enums are InvalidRequest."""
-    dtype = _DTYPES.get(request.dtype)
-    if dtype is None:
-        raise InvalidRequest(
-            f"dtype {request.dtype} is not an output dtype (UINT8, FLOAT16, FLOAT32)"
-        )
-    layout = _LAYOUTS.get(request.layout)
-    if layout is None:
-        raise InvalidRequest(f"layout {request.layout} is not NCHW or NHWC")
-    return dtype, layout
-
-
-def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamRequest:
+def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSpec:
     """Convert a request message; anything malformed is InvalidRequest."""
     check_message(request)
     assert not isinstance(request, Malformed)
-    check_name("dataset", request.dataset)
-    check_name("pipeline", request.pipeline)
-    dtype, layout = output_format(request)
-    return StreamRequest(
-        dataset=request.dataset,
-        pipeline=request.pipeline,
-        batch_size=request.batch_size,
-        seed=request.seed,
-        epoch=request.epoch,
-        shuffle=request.shuffle if request.HasField("shuffle") else True,
-        drop_last=request.drop_last if request.HasField("drop_last") else True,
-        rank=request.rank,
-        world_size=request.world_size or 1,
-        start=request.start,
-        lanes=request.lanes or 1,
-        lane=request.lane,
-        dtype=dtype,
-        layout=layout,
-        params=dict(request.params),
-    )
+    try:
+        return StreamSpec.from_proto(request)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,14 +141,6 @@ def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
     )
 
 
-def lane_batches(plan: Plan) -> int:
-    """How many batches ``plan.batches()`` yields, by arithmetic (no permutation)."""
-    if plan.start >= plan.share_size:
-        return 0
-    first = plan.start // plan.batch_size
-    return len(range(first + (plan.lane - first) % plan.lanes, plan.num_batches, plan.lanes))
-
-
 async def write(context: grpc.aio.ServicerContext, message: bytes) -> None:
     """Write one message of a stream; returns once gRPC has taken it.
 
@@ -207,7 +162,10 @@ def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> 
     check_message(request)
     assert not isinstance(request, Malformed)
     check_name("pipeline", request.pipeline)
-    dtype, layout = output_format(request)
+    try:
+        dtype, layout = output_format(request.dtype, request.layout)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
     return PreprocessRequest(
         pipeline=request.pipeline,
         images=request.images,
@@ -416,7 +374,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         context: grpc.aio.ServicerContext,
         *,
         pull: bool,
-    ) -> tuple[BatchStream, StreamRequest] | None:
+    ) -> tuple[BatchStream, StreamSpec] | None:
         """The request's stream, or None once the call was ended with the error's status."""
         loop = asyncio.get_running_loop()
         try:
@@ -447,7 +405,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
     async def _serve(
         self,
         stream: BatchStream,
-        stream_request: StreamRequest,
+        stream_request: StreamSpec,
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Write the stream's batches until its end, and close it. Writes with
@@ -485,7 +443,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         metrics = self._metrics.stream(stream_request.dataset, stream_request.pipeline)
         metrics.opened()
         # A pulled stream has no fixed length: its client half-closes when done.
-        expected = None if stream.pull else lane_batches(stream.plan)
+        expected = None if stream.pull else stream.plan.lane_batches
         sent = 0
         batches = 0
         last_write = False

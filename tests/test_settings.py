@@ -1,0 +1,126 @@
+"""Every server setting is declared once (ServerConfig) and reaches the server three ways:
+a flag, an environment variable and a config-file key, with the same meaning."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from batchwire.cli import _serve
+from batchwire.server import ConfigError, ServerConfig, settings
+
+# A valid value other than the default for every setting, as text and as parsed.
+EXAMPLES: dict[str, tuple[str, object]] = {
+    "data_dir": ("/srv/data", pathlib.Path("/srv/data")),
+    "host": ("127.0.0.1", "127.0.0.1"),
+    "port": ("6000", 6000),
+    "device": ("gpu", "gpu"),
+    "devices": ("0,1", (0, 1)),
+    "num_threads": ("3", 3),
+    "prefetch": ("4", 4),
+    "read_workers": ("2", 2),
+    "max_batch_size": ("512", 512),
+    "max_streams": ("300", 300),
+    "max_idle_pipelines": ("4", 4),
+    "pipelines_per_device": ("3", 3),
+    "metrics_port": ("9405", 9405),
+    "preprocess_batch_size": ("32", 32),
+    "preprocess_max_delay_ms": ("2.5", 2.5),
+    "preprocess_max_queued": ("100", 100),
+    "max_request_bytes": ("1048576", 1048576),
+    "max_message_bytes": ("4194304", 4194304),
+    "grace": ("12.5", 12.5),
+    "tls_cert": ("/etc/c.pem", pathlib.Path("/etc/c.pem")),
+    "tls_key": ("/etc/k.pem", pathlib.Path("/etc/k.pem")),
+    "tls_client_ca": ("/etc/ca.pem", pathlib.Path("/etc/ca.pem")),
+    "token_file": ("/etc/tokens", pathlib.Path("/etc/tokens")),
+    "health_open": ("1", True),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    _serve.add_parser(parser.add_subparsers())
+    return parser
+
+
+def test_every_field_of_the_config_is_a_setting_with_an_example() -> None:
+    fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"pipelines"}
+    assert {s.name for s in settings()} == fields == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("setting", settings(), ids=lambda s: s.name)
+def test_a_setting_means_the_same_as_a_flag_a_variable_and_a_file_key(
+    setting, tmp_path: pathlib.Path
+) -> None:
+    text, value = EXAMPLES[setting.name]
+    base = {"data_dir": "/data", "tls_cert": "/c", "tls_key": "/k"}  # what others need
+    parser = _parser()
+    flag = [setting.flag] if setting.name == "health_open" else [setting.flag, text]
+    extra = [] if setting.name == "data_dir" else ["--data-dir", "/data"]
+    if setting.name in ("tls_client_ca", "health_open"):
+        extra += ["--tls-cert", "/c", "--tls-key", "/k"]
+    if setting.name in ("tls_cert", "tls_key"):
+        other = "tls_key" if setting.name == "tls_cert" else "tls_cert"
+        extra += [f"--{other.replace('_', '-')}", "/x"]
+    by_flag = _serve.resolve_config(parser.parse_args(["serve", *flag, *extra]), {})
+    environ = {f"BATCHWIRE_{k.upper()}": v for k, v in base.items() if k != setting.name}
+    if setting.name not in ("tls_client_ca", "health_open", "tls_cert", "tls_key"):
+        environ = {"BATCHWIRE_DATA_DIR": "/data"} if setting.name != "data_dir" else {}
+    if setting.name in ("tls_cert", "tls_key"):
+        environ = {
+            "BATCHWIRE_DATA_DIR": "/data",
+            "BATCHWIRE_TLS_CERT": "/x",
+            "BATCHWIRE_TLS_KEY": "/x",
+        }
+    by_variable = _serve.resolve_config(
+        parser.parse_args(["serve"]), {**environ, setting.variable: text}
+    )
+    config_file = tmp_path / "server.toml"
+    file_values = {k.removeprefix("BATCHWIRE_").lower(): v for k, v in environ.items()}
+    file_values[setting.name] = text
+    lines = [f"{key} = {_toml(key, raw)}" for key, raw in file_values.items()]
+    config_file.write_text("[server]\n" + "\n".join(lines) + "\n")
+    by_file = _serve.resolve_config(parser.parse_args(["serve", "--config", str(config_file)]), {})
+    for config in (by_flag, by_variable, by_file):
+        assert getattr(config, setting.name) == value, setting.name
+
+
+def _toml(key: str, text: str) -> str:
+    _, value = EXAMPLES[key]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if isinstance(value, int | float):
+        return text
+    return f'"{text}"'
+
+
+def test_a_bad_variable_is_an_error_that_names_it_and_help_still_works() -> None:
+    with pytest.raises(ConfigError, match=r"BATCHWIRE_GRACE='abc' is not valid for grace"):
+        _serve.resolve_config(
+            _parser().parse_args(["serve"]), {"BATCHWIRE_DATA_DIR": "/d", "BATCHWIRE_GRACE": "abc"}
+        )
+    env = {"BATCHWIRE_GRACE": "abc", "PATH": "/usr/bin:/bin"}
+    for argv in (["--help"], ["serve", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "batchwire.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_grace_is_a_config_file_key(tmp_path: pathlib.Path) -> None:
+    config_file = tmp_path / "server.yaml"
+    config_file.write_text("server:\n  data_dir: /d\n  grace: 7\n")
+    args = _parser().parse_args(["serve", "--config", str(config_file)])
+    assert _serve.resolve_config(args, {}).grace == 7
