@@ -306,7 +306,7 @@ _SERVER_KEYS = {s.name for s in settings()}
 
 
 def resolve(
-    flags: Mapping[str, Any], environ: Mapping[str, str], config_path: str | os.PathLike[str] | None
+    flags: Mapping[str, Any], environ: Mapping[str, str], config_path: pathlib.Path | str | None
 ) -> ServerConfig:
     """Flags (parsed values; None: not given) > environment > config file > defaults."""
     file = load_file(config_path) if config_path else {}
