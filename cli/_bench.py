@@ -230,7 +230,9 @@ def _against(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with _progress(0 if deadline else target, "streaming") as bar:
         while (deadline and time.monotonic() < deadline) or (not deadline and images < target):
+            batches = 0
             for batch, _ in loader:
+                batches += 1
                 first = first or time.perf_counter() - started
                 images += len(batch)
                 nbytes += batch.numel() * batch.element_size()
@@ -239,6 +241,11 @@ def _against(args: argparse.Namespace) -> int:
                     not deadline and images >= target
                 ):
                     break
+            if batches == 0:  # another epoch would yield none either: stop, and say why
+                samples = loader.num_samples
+                loader.close()
+                print(_no_batch_error(args.dataset, samples, args.batch_size), file=sys.stderr)
+                return 2
     seconds = time.perf_counter() - started
     loader.close()
     print(
@@ -249,6 +256,14 @@ def _against(args: argparse.Namespace) -> int:
     )
     print(f"client RSS {rss_start:.0f} MiB at start, {rss_mib([os.getpid()]):.0f} MiB at end")
     return 0
+
+
+def _no_batch_error(dataset: str, samples: int, batch_size: int) -> str:
+    return (
+        f"error: an epoch of {dataset!r} yielded no batch: --batch-size {batch_size} is larger "
+        f"than the dataset ({samples} samples), or than this client's share of it (the last "
+        f"partial batch is dropped); lower --batch-size"
+    )
 
 
 def _compare(args: argparse.Namespace) -> int:

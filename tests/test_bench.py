@@ -10,8 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import start_server
 
 from batchwire.cli import main
+from batchwire.server.data import ingest, write_image_folders
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")
 
@@ -81,6 +83,23 @@ def test_against_a_running_server_reports_rate_and_client_cpu(
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "images/s" in out and "time to first batch" in out and "per 1000 images" in out
+
+
+@pytest.mark.timeout(120)  # it used to open empty streams forever
+def test_against_a_dataset_smaller_than_a_batch_stops_and_says_why(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_image_folders(tmp_path / "images", per_class=2, size=32, seed=3)  # 8 samples
+    ingest(tmp_path / "images", tmp_path / "datasets", name="tiny")
+    server = start_server(tmp_path / "datasets")
+    try:
+        args = ["bench", "--address", server.target, "--dataset", "tiny", "--pipeline", "val"]
+        assert main([*args, "--batch-size", "16", "--images", "32"]) == 2
+    finally:
+        server.stop(grace=1.0)
+    err = capsys.readouterr().err
+    assert "yielded no batch" in err and "--batch-size 16 is larger than the dataset" in err
+    assert "(8 samples)" in err and "lower --batch-size" in err
 
 
 def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
