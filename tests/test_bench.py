@@ -1,4 +1,5 @@
-"""`batchwire bench` runs end to end (small sizes; the numbers themselves are not tested)."""
+"""`batchwire bench` and `python -m benchmarks` run end to end (small sizes; the numbers
+themselves are not tested)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import sys
 import pytest
 from conftest import start_server
 
+import benchmarks
 from batchwire.cli import main
 from batchwire.server.data import ingest, write_image_folders
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")
+_CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
@@ -109,10 +112,11 @@ def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
     # process's gRPC threads or LMDB environments.
     result = tmp_path / "reading.json"
     env = {**os.environ, "BATCHWIRE_CACHE": str(tmp_path / "cache")}
-    args = ["bench", "--reading", "--photos", "48", "--images", "96", "--batch-size", "16"]
+    args = ["--reading", "--photos", "48", "--images", "96", "--batch-size", "16"]
     args += ["--repeats", "1", "--json", str(result)]
     done = subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", *args],
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=_CHECKOUT,  # run from a checkout, as they are not installed
         env=env,
         capture_output=True,
         text=True,
@@ -161,7 +165,7 @@ def test_stages_times_each_stage_of_dali_and_pil(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
-    assert main(["bench", "--stages", "--photos", "48"]) == 0
+    assert benchmarks.main(["--stages", "--photos", "48"]) == 0
     rows = {
         line[:48].strip(): float(line[48:])
         for line in capsys.readouterr().out.splitlines()[1:]
@@ -180,7 +184,6 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
 ) -> None:
     result = tmp_path / "streams.json"
     args = [
-        "bench",
         "--streams",
         "1,3",
         "--duration",
@@ -196,7 +199,7 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
         "--json",
         str(result),
     ]
-    assert main(args) == 0
+    assert benchmarks.main(args) == 0
     out = capsys.readouterr().out
     assert "K=3 vs K=1: images/s" in out
     rows = json.loads(result.read_text())["streams"]
@@ -205,7 +208,7 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
         assert row["refused"] == 0 and row["starved"] == 0, row
         assert row["images_per_s"] > 0 and row["threads"] > 1 and row["rss_mib"] > 0, row
         assert 0 <= row["first_p50"] <= row["first_max"] < 6, row
-    assert main(["bench", "--streams", "0"]) == 2
+    assert benchmarks.main(["--streams", "0"]) == 2
     assert "--streams takes stream counts" in capsys.readouterr().err
 
 
@@ -214,7 +217,6 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
 ) -> None:
     result = tmp_path / "chaos.json"
     args = [
-        "bench",
         "--chaos",
         "--duration",
         "8",
@@ -231,7 +233,7 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
         "--json",
         str(result),
     ]
-    assert main(args) == 0
+    assert benchmarks.main(args) == 0
     assert "exactly once: yes" in capsys.readouterr().out
     chaos = json.loads(result.read_text())["chaos"]
     assert sum(chaos["kills"].values()) >= 2  # servers were stopped while ranks streamed
@@ -246,8 +248,8 @@ def test_fleet_measures_each_server_alone_and_one_loader_over_both(
 ) -> None:
     monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
     result = tmp_path / "fleet.json"
-    args = ["bench", "--fleet", "--photos", "48", "--images", "48", "--batch-size", "16"]
-    assert main([*args, "--repeats", "1", "--json", str(result)]) == 0
+    args = ["--fleet", "--photos", "48", "--images", "48", "--batch-size", "16"]
+    assert benchmarks.main([*args, "--repeats", "1", "--json", str(result)]) == 0
     out = capsys.readouterr().out
     assert "both/(fast+slow) images/s" in out
     rows = json.loads(result.read_text())["fleet"]
