@@ -3,6 +3,7 @@ themselves are not tested)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -14,11 +15,12 @@ import pytest
 from conftest import start_server
 
 import benchmarks
-from batchwire.cli import main
+from batchwire.cli import build_parser, main
 from batchwire.server.data import ingest, write_image_folders
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")
 _CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+_RESEARCH = ("--messages", "--scaling", "--reading", "--stages", "--streams", "--fleet", "--chaos")
 
 
 def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
@@ -255,3 +257,50 @@ def test_fleet_measures_each_server_alone_and_one_loader_over_both(
     rows = json.loads(result.read_text())["fleet"]
     assert set(rows) == {"fast", "slow", "both"}
     assert all(row["images_per_s"] > 0 for row in rows.values()), rows
+
+
+def test_long_run_reports_memory_at_start_and_end(
+    data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--duration", "4", "--data-dir", str(data_dir), "--dataset", "shapes"]
+    assert benchmarks.main([*args, "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "images in 4s" in out and "server RSS MiB" in out and "client RSS MiB" in out
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--scaling pins a server to each of 2 cores")
+def test_scaling_measures_one_server_then_two(
+    data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--scaling", "--data-dir", str(data_dir), "--dataset", "shapes"]
+    assert benchmarks.main([*args, "--images", "32", "--batch-size", "8"]) == 0
+    assert "x with 2 servers (ideal 2.00x)" in capsys.readouterr().out
+
+
+def test_benchmarks_need_a_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert benchmarks.main([]) == 2
+    err = capsys.readouterr().err
+    assert all(flag in err for flag in _RESEARCH) and "--duration alone" in err
+
+
+def test_installed_bench_offers_only_address_and_compare(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    subparsers = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    options = set(subparsers.choices["bench"]._option_string_actions)
+    assert {"--address", "--compare", "--duration", "--runs", "--json", "--plot"} <= options
+    assert not options & {*_RESEARCH, "--size", "--every"}
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--streams", "1,64"])
+    assert refused.value.code == 2
+    capsys.readouterr()
+    for args in (["bench"], ["bench", "--duration", "60"]):  # no mode; a long run is research
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "--address" in err and "--compare" in err, err
+        assert "research modes" in err and "`python -m benchmarks`" in err, err
+        assert "from a checkout" in err, err
