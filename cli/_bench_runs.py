@@ -10,6 +10,10 @@
 
 Each run reports images, seconds, CPU seconds on the trainer side (this process, plus
 DataLoader workers) and on the server, and peak RSS on each side.
+
+Also what every measurement shares (the research modes of ``python -m benchmarks``, run
+from a checkout, too): the dataset of generated photos cached in
+``~/.cache/batchwire/bench``, and a description of this machine.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import math
 import multiprocessing
 import os
 import pathlib
+import platform
 import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -35,6 +41,10 @@ from batchwire.cli._bench_probe import CpuClock, RssSampler
 __all__ = [
     "LocalServer",
     "RunResult",
+    "bench_dataset",
+    "cache_dir",
+    "machine",
+    "progress",
     "run_inprocess",
     "run_pil",
     "run_raw",
@@ -46,6 +56,67 @@ IMAGE_BYTES = 3 * 224 * 224  # one uint8 NCHW sample of the train pipeline
 # What the transport (d) and raw (e) servers hold in memory and cycle through: far
 # more than a CPU cache, as a real stream's data is.
 IN_MEMORY_BYTES = 1024 * IMAGE_BYTES
+
+
+def cache_dir() -> pathlib.Path:
+    """Where generated datasets are kept: ``$BATCHWIRE_CACHE/bench``, by default
+    ``~/.cache/batchwire/bench`` (``$XDG_CACHE_HOME`` respected)."""
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return (
+        pathlib.Path(os.environ.get("BATCHWIRE_CACHE", pathlib.Path(base) / "batchwire")) / "bench"
+    )
+
+
+def bench_dataset(
+    data_dir: pathlib.Path | None, dataset: str | None, photos: int
+) -> tuple[pathlib.Path, str]:
+    """The data directory and dataset name to measure on: ``data_dir``'s ``dataset``, or
+    ``photos`` generated ImageNet-sized JPEGs, built once in :func:`cache_dir`."""
+    if data_dir is not None:
+        if not dataset:
+            raise SystemExit("error: --data-dir needs --dataset NAME")
+        return data_dir, dataset
+    from tqdm import tqdm
+
+    from batchwire.server.data import ingest, write_photo_folders
+
+    name = f"photos-{photos}"
+    root = cache_dir() / "datasets"
+    if not (root / name / "manifest.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="batchwire-bench-", dir=root.parent) as tmp:
+            source = pathlib.Path(tmp) / "images"
+            with tqdm(total=photos, desc="generating photos", unit="img") as bar:
+                write_photo_folders(source, count=photos, on_image=lambda: bar.update())
+            ingest(source, root, name=name, overwrite=True, progress=True)
+    return root, name
+
+
+def machine() -> dict[str, Any]:
+    """Cores, CPU model, visible GPUs and Python version, as results report them."""
+    from batchwire.server.core import visible_gpu_count
+
+    cpu = "unknown"
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "gpus": visible_gpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def progress(total: int, desc: str) -> Any:
+    """A transient progress bar counting images (``total`` 0: no end known)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="img", leave=False)
 
 
 @dataclasses.dataclass(frozen=True)

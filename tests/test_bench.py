@@ -1,7 +1,9 @@
-"""`batchwire bench` runs end to end (small sizes; the numbers themselves are not tested)."""
+"""`batchwire bench` and `python -m benchmarks` run end to end (small sizes; the numbers
+themselves are not tested)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -10,10 +12,15 @@ import subprocess
 import sys
 
 import pytest
+from conftest import start_server
 
-from batchwire.cli import main
+import benchmarks
+from batchwire.cli import build_parser, main
+from batchwire.server.data import ingest, write_image_folders
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")
+_CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
+_RESEARCH = ("--messages", "--scaling", "--reading", "--stages", "--streams", "--fleet", "--chaos")
 
 
 def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
@@ -83,6 +90,23 @@ def test_against_a_running_server_reports_rate_and_client_cpu(
     assert "images/s" in out and "time to first batch" in out and "per 1000 images" in out
 
 
+@pytest.mark.timeout(120)  # it used to open empty streams forever
+def test_against_a_dataset_smaller_than_a_batch_stops_and_says_why(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_image_folders(tmp_path / "images", per_class=2, size=32, seed=3)  # 8 samples
+    ingest(tmp_path / "images", tmp_path / "datasets", name="tiny")
+    server = start_server(tmp_path / "datasets")
+    try:
+        args = ["bench", "--address", server.target, "--dataset", "tiny", "--pipeline", "val"]
+        assert main([*args, "--batch-size", "16", "--images", "32"]) == 2
+    finally:
+        server.stop(grace=1.0)
+    err = capsys.readouterr().err
+    assert "yielded no batch" in err and "--batch-size 16 is larger than the dataset" in err
+    assert "(8 samples)" in err and "lower --batch-size" in err
+
+
 def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -90,10 +114,11 @@ def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
     # process's gRPC threads or LMDB environments.
     result = tmp_path / "reading.json"
     env = {**os.environ, "BATCHWIRE_CACHE": str(tmp_path / "cache")}
-    args = ["bench", "--reading", "--photos", "48", "--images", "96", "--batch-size", "16"]
+    args = ["--reading", "--photos", "48", "--images", "96", "--batch-size", "16"]
     args += ["--repeats", "1", "--json", str(result)]
     done = subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", *args],
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=_CHECKOUT,  # run from a checkout, as they are not installed
         env=env,
         capture_output=True,
         text=True,
@@ -142,7 +167,7 @@ def test_stages_times_each_stage_of_dali_and_pil(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
-    assert main(["bench", "--stages", "--photos", "48"]) == 0
+    assert benchmarks.main(["--stages", "--photos", "48"]) == 0
     rows = {
         line[:48].strip(): float(line[48:])
         for line in capsys.readouterr().out.splitlines()[1:]
@@ -161,7 +186,6 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
 ) -> None:
     result = tmp_path / "streams.json"
     args = [
-        "bench",
         "--streams",
         "1,3",
         "--duration",
@@ -177,7 +201,7 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
         "--json",
         str(result),
     ]
-    assert main(args) == 0
+    assert benchmarks.main(args) == 0
     out = capsys.readouterr().out
     assert "K=3 vs K=1: images/s" in out
     rows = json.loads(result.read_text())["streams"]
@@ -186,7 +210,7 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
         assert row["refused"] == 0 and row["starved"] == 0, row
         assert row["images_per_s"] > 0 and row["threads"] > 1 and row["rss_mib"] > 0, row
         assert 0 <= row["first_p50"] <= row["first_max"] < 6, row
-    assert main(["bench", "--streams", "0"]) == 2
+    assert benchmarks.main(["--streams", "0"]) == 2
     assert "--streams takes stream counts" in capsys.readouterr().err
 
 
@@ -195,7 +219,6 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
 ) -> None:
     result = tmp_path / "chaos.json"
     args = [
-        "bench",
         "--chaos",
         "--duration",
         "8",
@@ -212,7 +235,7 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
         "--json",
         str(result),
     ]
-    assert main(args) == 0
+    assert benchmarks.main(args) == 0
     assert "exactly once: yes" in capsys.readouterr().out
     chaos = json.loads(result.read_text())["chaos"]
     assert sum(chaos["kills"].values()) >= 2  # servers were stopped while ranks streamed
@@ -227,10 +250,57 @@ def test_fleet_measures_each_server_alone_and_one_loader_over_both(
 ) -> None:
     monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
     result = tmp_path / "fleet.json"
-    args = ["bench", "--fleet", "--photos", "48", "--images", "48", "--batch-size", "16"]
-    assert main([*args, "--repeats", "1", "--json", str(result)]) == 0
+    args = ["--fleet", "--photos", "48", "--images", "48", "--batch-size", "16"]
+    assert benchmarks.main([*args, "--repeats", "1", "--json", str(result)]) == 0
     out = capsys.readouterr().out
     assert "both/(fast+slow) images/s" in out
     rows = json.loads(result.read_text())["fleet"]
     assert set(rows) == {"fast", "slow", "both"}
     assert all(row["images_per_s"] > 0 for row in rows.values()), rows
+
+
+def test_long_run_reports_memory_at_start_and_end(
+    data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--duration", "4", "--data-dir", str(data_dir), "--dataset", "shapes"]
+    assert benchmarks.main([*args, "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "images in 4s" in out and "server RSS MiB" in out and "client RSS MiB" in out
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--scaling pins a server to each of 2 cores")
+def test_scaling_measures_one_server_then_two(
+    data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--scaling", "--data-dir", str(data_dir), "--dataset", "shapes"]
+    assert benchmarks.main([*args, "--images", "32", "--batch-size", "8"]) == 0
+    assert "x with 2 servers (ideal 2.00x)" in capsys.readouterr().out
+
+
+def test_benchmarks_need_a_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert benchmarks.main([]) == 2
+    err = capsys.readouterr().err
+    assert all(flag in err for flag in _RESEARCH) and "--duration alone" in err
+
+
+def test_installed_bench_offers_only_address_and_compare(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    subparsers = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    options = set(subparsers.choices["bench"]._option_string_actions)
+    assert {"--address", "--compare", "--duration", "--runs", "--json", "--plot"} <= options
+    assert not options & {*_RESEARCH, "--size", "--every"}
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--streams", "1,64"])
+    assert refused.value.code == 2
+    capsys.readouterr()
+    for args in (["bench"], ["bench", "--duration", "60"]):  # no mode; a long run is research
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "--address" in err and "--compare" in err, err
+        assert "research modes" in err and "`python -m benchmarks`" in err, err
+        assert "from a checkout" in err, err

@@ -1,4 +1,4 @@
-"""``batchwire bench --reading``: the server's record path, read inline or in parallel.
+"""``python -m benchmarks --reading``: the server's record path, read inline or in parallel.
 
 A stream's records are read by ``read_job`` (LMDB read, ``Datum`` parse, format
 screen) in the thread that feeds DALI. Whether that should run in parallel is a
@@ -21,11 +21,13 @@ before its interpreter lock, not its cores, sets the ceiling.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import os
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -35,7 +37,7 @@ import numpy as np
 
 from batchwire.cli._bench_probe import CpuClock, process_tree
 
-__all__ = ["ReadingResult", "measure_reading", "measure_serving", "reading_table"]
+__all__ = ["ReadingResult", "measure_reading", "measure_serving", "reading_table", "run_reading"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +126,7 @@ def measure_reading(
     from batchwire.server.data import Dataset, Manifest
 
     directory = data_dir / dataset
-    num_samples = Manifest.load(directory).num_samples
-    rng = np.random.default_rng(0)
-    order = np.concatenate(
-        [rng.permutation(num_samples) for _ in range(-(-images // num_samples))]
-    )[:images]
-    batches = [order[i : i + batch_size] for i in range(0, images, batch_size)]
+    batches = _batches(Manifest.load(directory).num_samples, images, batch_size)
     cores = os.cpu_count() or 1
 
     # Workers first: nothing of LMDB may be open in this process when they fork.
@@ -165,18 +162,33 @@ def measure_reading(
                 _timed, f"dali-workers-{count}", functools.partial(_epoch, pipe), pids
             )
         runs["decode"] = decoded
-        for name, run in runs.items():
-            log(f"warming up {name} ...")
-            run()
-        results = []
-        for repeat in range(repeats):
-            for name, run in runs.items():
-                result = run()
-                log(
-                    f"[{repeat + 1}/{repeats}] {name:<16} {result.records_per_second:8.0f} records/s"
-                )
-                results.append(result)
+        results = _alternate(runs, repeats, log)
     dataset_handle.close()
+    return results
+
+
+def _batches(num_samples: int, images: int, batch_size: int) -> list[np.ndarray]:
+    """``images`` ids in shuffled epochs, cut into batches."""
+    rng = np.random.default_rng(0)
+    order = np.concatenate(
+        [rng.permutation(num_samples) for _ in range(-(-images // num_samples))]
+    )[:images]
+    return [order[i : i + batch_size] for i in range(0, images, batch_size)]
+
+
+def _alternate(
+    runs: dict[str, Callable[[], ReadingResult]], repeats: int, log: Callable[[str], None]
+) -> list[ReadingResult]:
+    """Each run once to warm up, then ``repeats`` rounds of all of them."""
+    for name, run in runs.items():
+        log(f"warming up {name} ...")
+        run()
+    results = []
+    for repeat in range(repeats):
+        for name, run in runs.items():
+            result = run()
+            log(f"[{repeat + 1}/{repeats}] {name:<16} {result.records_per_second:8.0f} records/s")
+            results.append(result)
     return results
 
 
@@ -267,3 +279,42 @@ def measure_serving(
             f"{row['server_main_cpu_per_1000']:27.2f}"
         )
     return "\n".join(lines), rows
+
+
+def run_reading(args: argparse.Namespace) -> int:
+    """The record path inline, in threads and in DALI's workers, next to decoding; then
+    run (b) from a server reading inline and from one with read workers."""
+    from batchwire.cli._bench_report import write_json
+    from batchwire.cli._bench_runs import bench_dataset, machine, run_inprocess
+
+    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
+    batch, images, repeats = args.batch_size, args.images, args.repeats
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    results = measure_reading(
+        data_dir,
+        dataset,
+        batch,
+        images,
+        repeats,
+        decode=lambda: run_inprocess(data_dir, dataset, batch, images),
+        log=log,
+    )
+    text, rows = reading_table(results)
+    workers = os.cpu_count() or 1
+    serving, serving_rows = measure_serving(
+        data_dir, dataset, batch, images, repeats, workers, log=log
+    )
+    host = machine()
+    print(
+        f"\npython -m benchmarks --reading: {images} records per run, batch {batch}, "
+        f"median of {repeats}; {host['cores']} cores ({host['cpu']})"
+    )
+    print(text)
+    print(f"\nremote (b) from a server reading inline vs with --read-workers {workers}:")
+    print(serving)
+    if args.json:
+        write_json(args.json, {"machine": host, "reading": rows, "serving": serving_rows})
+    return 0

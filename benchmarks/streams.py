@@ -1,4 +1,4 @@
-"""``batchwire bench --streams K[,K...]``: one server under K concurrent streams.
+"""``python -m benchmarks --streams K[,K...]``: one server under K concurrent streams.
 
 The clients are raw asyncio gRPC streams in this process (one event loop, no decoding), so
 that what is measured is the server: K streams of one DDP-like job open at once, each on an
@@ -17,16 +17,19 @@ each batch received. Reported per K:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import pathlib
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CREDIT", "StreamsResult", "measure_streams", "table"]
+__all__ = ["CREDIT", "StreamsResult", "measure_streams", "run_streams", "table"]
 
 CREDIT = 4  # batches a stream asks for ahead, as RemoteLoader's default (prefetch + 2)
 
@@ -100,6 +103,66 @@ async def _requests(share: Any, wanted: asyncio.Queue[list[int] | None]) -> Any:
         yield batchwire_pb2.PullRequest(batches=batches)
 
 
+class _Streams:
+    """K streams of one run: its clock, what each stream asks for, and the tallies."""
+
+    def __init__(
+        self, stub: Any, request: dict[str, Any], streams: int, started: float, seconds: float
+    ) -> None:
+        self.stub = stub
+        self.request = request
+        self.num_batches = 0  # per epoch, set once the dataset is described
+        self.started = started
+        self.half = started + seconds / 2
+        self.end = started + seconds
+        self.firsts: list[float | None] = [None] * streams
+        self.counted = [0] * streams
+        self.refused = 0
+
+    async def stream(self, index: int) -> None:
+        """Epochs of stream ``index``, each a PullBatches call, until the run ends."""
+        epoch = index * 1000
+        while time.perf_counter() < self.end and await self._epoch(index, epoch):
+            epoch += 1
+
+    async def _epoch(self, index: int, epoch: int) -> bool:
+        """One epoch; False when the run ended during it or the stream failed."""
+        import grpc
+
+        from batchwire.v1 import batchwire_pb2
+
+        wanted: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        share = batchwire_pb2.StreamBatchesRequest(**self.request, seed=index, epoch=epoch)
+        asked = min(CREDIT, self.num_batches)
+        wanted.put_nowait(list(range(asked)))
+        received = 0
+        timeout = max(1.0, self.end - time.perf_counter() + 30)
+        call = self.stub.PullBatches(_requests(share, wanted), timeout=timeout)
+        try:
+            async for batch in call:
+                now = time.perf_counter()
+                if self.firsts[index] is None:
+                    self.firsts[index] = now - self.started
+                if self.half <= now < self.end:
+                    self.counted[index] += len(batch.ids)
+                if now >= self.end:
+                    call.cancel()
+                    return False
+                if batch.part + 1 < (batch.parts or 1):
+                    continue  # more parts of this batch to come
+                received += 1
+                if asked < self.num_batches:
+                    wanted.put_nowait([asked])
+                    asked += 1
+                elif received == self.num_batches:
+                    wanted.put_nowait(None)  # half-close: the epoch is done
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.CANCELLED:
+                self.refused += 1
+            return False
+        return True
+
+
 async def _run_streams(
     address: str, request: dict[str, Any], streams: int, seconds: float
 ) -> tuple[list[float | None], list[int], int]:
@@ -109,64 +172,21 @@ async def _run_streams(
     from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
 
     started = time.perf_counter()
-    half = started + seconds / 2
-    end = started + seconds
-    firsts: list[float | None] = [None] * streams
-    counted = [0] * streams
-    refused = 0
     options = [("grpc.max_receive_message_length", -1)]
-
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = batchwire_pb2_grpc.BatchwireStub(channel)
+        run = _Streams(stub, request, streams, started, seconds)
         info = await stub.DescribeDataset(
             batchwire_pb2.DescribeDatasetRequest(dataset=request["dataset"]), timeout=60
         )
-        num_batches = info.num_samples // request["batch_size"]  # drop_last, the default
-
-        async def one(index: int) -> None:
-            nonlocal refused
-            epoch = index * 1000
-            while time.perf_counter() < end:
-                wanted: asyncio.Queue[list[int] | None] = asyncio.Queue()
-                share = batchwire_pb2.StreamBatchesRequest(**request, seed=index, epoch=epoch)
-                asked = min(CREDIT, num_batches)
-                wanted.put_nowait(list(range(asked)))
-                received = 0
-                call = stub.PullBatches(
-                    _requests(share, wanted), timeout=max(1.0, end - time.perf_counter() + 30)
-                )
-                try:
-                    async for batch in call:
-                        now = time.perf_counter()
-                        if firsts[index] is None:
-                            firsts[index] = now - started
-                        if half <= now < end:
-                            counted[index] += len(batch.ids)
-                        if now >= end:
-                            call.cancel()
-                            return
-                        if batch.part + 1 < (batch.parts or 1):
-                            continue  # more parts of this batch to come
-                        received += 1
-                        if asked < num_batches:
-                            wanted.put_nowait([asked])
-                            asked += 1
-                        elif received == num_batches:
-                            wanted.put_nowait(None)  # half-close: the epoch is done
-                except grpc.aio.AioRpcError as error:
-                    if error.code() == grpc.StatusCode.CANCELLED:
-                        return
-                    refused += 1
-                    return
-                epoch += 1
-
-        tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+        run.num_batches = info.num_samples // request["batch_size"]  # drop_last, the default
+        tasks = [asyncio.create_task(run.stream(i)) for i in range(streams)]
         # A stream still waiting for a batch at the end is cancelled then, not waited for.
-        _, late = await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()) + 1)
+        _, late = await asyncio.wait(tasks, timeout=max(0.0, run.end - time.perf_counter()) + 1)
         for task in late:
             task.cancel()
         await asyncio.gather(*late, return_exceptions=True)
-    return firsts, counted, refused
+    return run.firsts, run.counted, run.refused
 
 
 def measure_streams(
@@ -234,3 +254,47 @@ def table(results: Sequence[StreamsResult]) -> str:
                 f"RSS {r.rss_mib / base.rss_mib if base.rss_mib else 0:.2f}x"
             )
     return "\n".join(lines)
+
+
+def run_streams(args: argparse.Namespace) -> int:
+    """A server of its own for each K of ``--streams``, ``--duration`` seconds (20) each."""
+    from batchwire.cli._bench_report import write_json
+    from batchwire.cli._bench_runs import LocalServer, bench_dataset, machine
+
+    try:
+        counts = [int(k) for k in args.streams.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        print("error: --streams takes stream counts, e.g. 1,64,256", file=sys.stderr)
+        return 2
+    seconds = args.duration or 20.0
+    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
+    params = {"size": float(args.size)} if args.size else None
+    results = []
+    print(
+        f"{dataset}, pipeline {args.pipeline}, batch {args.batch_size}"
+        f"{f', size {args.size}' if args.size else ''}: {seconds:.0f} s a run, a new server each"
+    )
+    for count in counts:
+        with (
+            tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
+            LocalServer(data_dir, pathlib.Path(work), max_streams=max(64, count + 8)) as server,
+        ):
+            print(f"  {count} streams ...", flush=True)
+            results.append(
+                measure_streams(
+                    server.address,
+                    server.pid,
+                    dataset,
+                    args.pipeline,
+                    args.batch_size,
+                    count,
+                    seconds,
+                    params,
+                )
+            )
+    print(table(results))
+    if args.json:
+        write_json(args.json, {"machine": machine(), "streams": [vars(r) for r in results]})
+    return 0

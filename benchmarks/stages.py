@@ -1,4 +1,4 @@
-"""``batchwire bench --stages``: CPU time per image of each stage, DALI next to PIL.
+"""``python -m benchmarks --stages``: CPU time per image of each stage, DALI next to PIL.
 
 Where a CPU pipeline spends its time, one thread, the same records. DALI's stages are
 measured by adding them to the graph one at a time (the difference is the stage):
@@ -10,6 +10,7 @@ function (crop-and-resize in one ``Image.resize(box=...)`` call, flip, CHW).
 
 from __future__ import annotations
 
+import argparse
 import io
 import pathlib
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["measure_stages"]
+__all__ = ["measure_stages", "run_stages"]
 
 _SIZE = 224
 
@@ -118,3 +119,11 @@ def measure_stages(directory: pathlib.Path, batch_size: int = 64, batches: int =
     lines = [f"{'stage (one thread)':<48} {'CPU us/image':>13}"]
     lines += [f"{name:<48} {seconds * 1e6:13.0f}" for name, seconds in rows]
     return "\n".join(lines)
+
+
+def run_stages(args: argparse.Namespace) -> int:
+    from batchwire.cli._bench_runs import bench_dataset
+
+    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
+    print(measure_stages(data_dir / dataset))
+    return 0

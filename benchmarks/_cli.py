@@ -1,0 +1,125 @@
+"""The command line of ``python -m benchmarks``: one flag per mode, a function per mode.
+
+The flags are those ``batchwire bench`` had when it shipped these modes, so that
+``batchwire bench --X`` became ``python -m benchmarks --X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+
+from benchmarks import chaos, fleet, longrun, messages, reading, scaling, stages, streams
+
+__all__ = ["MODES", "build_parser", "main"]
+
+Mode = Callable[[argparse.Namespace], int]
+
+# A mode flag and the function that runs it. ``--duration`` alone is the long run;
+# with --streams or --chaos it sets how long they run.
+MODES: dict[str, Mode] = {
+    "messages": messages.run_messages,
+    "scaling": scaling.run_scaling,
+    "reading": reading.run_reading,
+    "stages": stages.run_stages,
+    "streams": streams.run_streams,
+    "fleet": fleet.run_fleet,
+    "chaos": chaos.run_chaos,
+}
+LONG_RUN: Mode = longrun.run_long
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=sys.modules["benchmarks"].__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--messages", action="store_true", help="measure gRPC message sizes")
+    modes.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
+    modes.add_argument(
+        "--stages", action="store_true", help="CPU per image of each stage, DALI next to PIL"
+    )
+    modes.add_argument(
+        "--reading",
+        action="store_true",
+        help="the server's record path (LMDB, parse, screen) inline vs threads vs DALI workers",
+    )
+    modes.add_argument(
+        "--streams",
+        help="K[,K...]: one server under K concurrent streams each (--duration seconds a K, "
+        "default 20): images/s, server threads and RSS, first batch, rate spread",
+    )
+    modes.add_argument(
+        "--fleet",
+        action="store_true",
+        help="two servers on a core each, one sharing its core with busy processes: their "
+        "solo rates against one loader over both",
+    )
+    modes.add_argument(
+        "--chaos",
+        action="store_true",
+        help="three servers, two ranks, a server killed or drained and restarted every "
+        "--every seconds for --duration seconds (default 300): samples lost and repeated",
+    )
+    _add_options(parser)
+    return parser
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="alone: stream from a local server this many seconds, memory at start and end; "
+        "with --streams or --chaos: how long they run",
+    )
+    parser.add_argument("--dataset", help="dataset name (default: the generated one)")
+    parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
+    parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
+    parser.add_argument(
+        "--images", type=int, default=4096, help="images per run (default 4096: one epoch)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
+    parser.add_argument(
+        "--size", type=int, help="with --streams or --chaos: the pipeline's output size"
+    )
+    parser.add_argument(
+        "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"
+    )
+    parser.add_argument(
+        "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
+    )
+    parser.add_argument(
+        "--photos",
+        type=int,
+        default=4096,
+        help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
+    )
+    parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1 or args.images < args.batch_size or args.repeats < 1:
+        print(
+            "error: need --batch-size >= 1, --images >= --batch-size, --repeats >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    chosen = [mode for flag, mode in MODES.items() if getattr(args, flag)]
+    if not chosen and args.duration:
+        chosen = [LONG_RUN]
+    if not chosen:
+        flags = ", ".join(f"--{flag}" for flag in MODES)
+        print(f"error: give one of {flags}, or --duration alone (a long run)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return chosen[0](args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
