@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from batchwire.cli import _logs
+from batchwire.common import __version__
 
 __all__ = ["main"]
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="batchwire",
         description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
     )
+    parser.add_argument("--version", action="version", version=f"batchwire {__version__}")
     _add_log_options(parser, default=None)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:

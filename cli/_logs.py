@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,6 +87,34 @@ def configure(level: str, fmt: str) -> None:
         raise ValueError(f"log level must be one of {LEVELS}, got {level!r}")
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    if logging.getLogger().handlers:
+        return
+    if fmt == "json":
+        _capture_native_output()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(PLAIN))
     logging.basicConfig(level=level, handlers=[handler])
+
+
+def _capture_native_output() -> None:
+    """Make what C libraries write straight to file descriptors 1 and 2 (libjpeg's and
+    libpng's warnings from DALI's decoders, gRPC core) log records of
+    ``batchwire.native``, so that every line of a JSON log is JSON. Python's own
+    ``sys.stdout`` and ``sys.stderr`` keep writing where they did."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, encoding=sys.stdout.encoding)
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.dup2(write, 2)
+    os.close(write)
+    native = logging.getLogger("batchwire.native")
+
+    def forward() -> None:
+        with os.fdopen(read, "r", errors="replace") as lines:
+            for line in lines:
+                if line.strip():
+                    native.warning("%s", line.rstrip("\n"))
+
+    threading.Thread(target=forward, name="batchwire-native-output", daemon=True).start()

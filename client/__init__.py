@@ -27,6 +27,7 @@ from batchwire.client._exceptions import (
 )
 from batchwire.client._health import check_health
 from batchwire.client._security import ChannelSecurity
+from batchwire.common import __version__
 
 if TYPE_CHECKING:
     from batchwire.client._loader import RemoteLoader
@@ -45,6 +46,7 @@ __all__ = [
     "RemoteLoader",
     "ResourceExhaustedError",
     "UnavailableError",
+    "__version__",
     "check_health",
 ]
 

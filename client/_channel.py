@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 import grpc
 
+from batchwire.client._exceptions import InvalidArgumentError
 from batchwire.client._security import ChannelSecurity
 from batchwire.v1 import batchwire_pb2_grpc
 
-__all__ = ["CHANNEL_OPTIONS", "ChannelCache", "open_channel", "stub"]
+__all__ = ["CHANNEL_OPTIONS", "ChannelCache", "check_target", "open_channel", "stub"]
 
 # A batch (e.g. 512 x 3 x 224 x 224 uint8 = 77 MB) is one message, far above
 # gRPC's 4 MB default; the server caps batch sizes, so the client need not.
@@ -23,6 +25,24 @@ CHANNEL_OPTIONS = (
 )
 
 
+# host:port or [v6]:port; anything with a scheme (dns:///, unix:, ipv4:) is gRPC's to parse.
+_HOST_PORT = re.compile(r"(\[[^\]]+\]|[^:\[\]/]+):\d{1,5}")
+
+
+def check_target(target: str) -> str:
+    """``target`` if it names a port; InvalidArgumentError if it is a bare host, which gRPC
+    would dial on port 443."""
+    if ":/" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "unix-abstract:")):
+        return target
+    if not _HOST_PORT.fullmatch(target):
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"address {target!r} has no port: write HOST:PORT, e.g. gpu-host:50051 "
+            "(batchwire serve's default port), or dns:///NAME:PORT",
+        )
+    return target
+
+
 def open_channel(
     address: str, security: ChannelSecurity | None = None, *, tls_name: str | None = None
 ) -> grpc.Channel:
@@ -31,6 +51,7 @@ def open_channel(
     With TLS, ``tls_name`` is the host name the server certificate must carry
     when ``address`` is an IP address resolved from that name.
     """
+    check_target(address)
     credentials = security.channel_credentials() if security is not None else None
     if credentials is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from batchwire.client._channel import ChannelCache, stub
+from batchwire.client._channel import ChannelCache, check_target, stub
 from batchwire.client._exceptions import (
     BatchwireError,
     InvalidArgumentError,
@@ -173,6 +173,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         addresses = (address,) if isinstance(address, str) else tuple(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise _invalid("address must be 'host:port', a gRPC target, or a list of them")
+        for target in addresses:
+            check_target(target)
         explicit = rank is not None or world_size is not None
         try:
             # The stream every pass asks for (rank, world, epoch and cursor filled in

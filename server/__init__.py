@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from batchwire.common import __version__
 from batchwire.server._config import (
     ConfigError,
     ServerConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "ServerConfig",
     "ServerError",
     "Setting",
+    "__version__",
     "boolean",
     "device_ids",
     "load_file",

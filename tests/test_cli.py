@@ -5,6 +5,9 @@ from __future__ import annotations
 import pathlib
 import re
 import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 from processes import serve_process
@@ -76,3 +79,64 @@ def test_demo_builds_serves_and_prints_a_rate(
     assert "circle 24, cross 24, square 24, triangle 24" in out
     assert main(args) == 0  # the second run reuses the cached dataset
     assert "using the sample dataset" in capsys.readouterr().out
+
+
+def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+
+    import batchwire.client
+    import batchwire.server
+
+    installed = importlib.metadata.version("batchwire")
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"batchwire {installed}"
+    assert batchwire.client.__version__ == batchwire.server.__version__ == installed
+
+
+def test_an_address_without_a_port_is_refused_before_dialing_443(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["health", "--address", "localhost"]) == 1
+    assert "has no port" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no port: write HOST:PORT"):
+        RemoteLoader("gpu-host", dataset="shapes")
+
+
+def test_a_data_dir_that_is_one_dataset_says_to_point_at_its_parent(
+    data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dataset = data_dir / "shapes"
+    assert main(["serve", "--data-dir", str(dataset), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "is itself a dataset" in err and f"here {data_dir}" in err
+
+
+def test_a_port_in_use_is_one_line_without_tracebacks(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "batchwire.cli",
+                "serve",
+                "--data-dir",
+                str(data_dir),
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert "another process is using the port" in done.stderr
+    assert "Traceback" not in done.stderr and "Failed to add port" not in done.stderr

@@ -69,8 +69,9 @@ def entrypoint_args(image: Dockerfile, arguments: list[str]) -> argparse.Namespa
 
 
 def known_environment_variables() -> set[str]:
-    """Every BATCHWIRE_* variable the code reads (names in the CLI's and client's source)."""
-    names: set[str] = set()
+    """Every BATCHWIRE_* variable the code reads: the server settings' and the names in
+    the CLI's and client's source."""
+    names = {setting.variable for setting in settings()}
     for directory in ("cli", "client"):
         for path in (ROOT / directory).glob("*.py"):
             names.update(re.findall(r"BATCHWIRE_[A-Z_]+[A-Z]", path.read_text()))

@@ -425,3 +425,29 @@ def test_device_plan_spreads_streams_over_the_chosen_gpus(
 def test_a_gpu_id_the_host_does_not_have_is_refused() -> None:
     with pytest.raises(DeviceError, match=r"GPU ids \[2\] are not visible \(this host sees 2"):
         DevicePlan.resolve("gpu", (0, 2), gpu_count=2)
+
+
+def test_json_logs_carry_what_c_libraries_print_as_json_records() -> None:
+    # libjpeg and libpng (inside DALI's decoders) print warnings straight to file
+    # descriptors 1 and 2; in a JSON log they must be JSON lines too.
+    code = """
+import ctypes, time
+from batchwire.cli import _logs
+_logs.configure("INFO", "json")
+libc = ctypes.CDLL(None)
+libc.puts(b"libpng warning: iCCP: known incorrect sRGB profile")
+libc.fflush(None)
+libc.dprintf(2, b"Corrupt JPEG data: 12 extraneous bytes before marker 0xd9\\n")
+print("batchwire serving data on [::]:50051", flush=True)
+time.sleep(1.0)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout == "batchwire serving data on [::]:50051\n"
+    entries = [json.loads(line) for line in done.stderr.splitlines()]
+    native = [e["message"] for e in entries if e["logger"] == "batchwire.native"]
+    assert native == [
+        "libpng warning: iCCP: known incorrect sRGB profile",
+        "Corrupt JPEG data: 12 extraneous bytes before marker 0xd9",
+    ]

@@ -325,6 +325,12 @@ class Engine:
         root = pathlib.Path(self.config.data_dir)
         if not root.is_dir():
             raise DatasetError(f"data directory {root} does not exist or is not a directory")
+        if (root / "manifest.json").is_file():
+            raise DatasetError(
+                f"data directory {root} is itself a dataset (it holds manifest.json): point "
+                f"--data-dir at the directory that holds datasets by name, here {root.parent}, "
+                f"and clients ask for dataset {root.name!r}"
+            )
         for child in sorted(root.iterdir()):
             if child.name.startswith(".") or not (child / "manifest.json").is_file():
                 continue

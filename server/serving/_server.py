@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import importlib.metadata
 import logging
+import socket
 import threading
 
 import grpc
@@ -168,6 +170,8 @@ class BatchwireServer:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._main())
+        except ServerError as exc:
+            self._start_error = exc  # start() raises it, with a message that says enough
         except BaseException as exc:
             self._start_error = exc
             log.exception("server stopped with an error")
@@ -204,6 +208,7 @@ class BatchwireServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
+        _check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
         try:
             if credentials is None:
@@ -212,7 +217,8 @@ class BatchwireServer:
                 self._port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise ServerError(
-                f"cannot listen on {address}: {exc} (is another process using the port?)"
+                f"cannot listen on {address} (is another process using the port? pick another "
+                "with --port)"
             ) from exc
         await server.start()
         log.info("listening on %s (port %d; %s)", address, self._port, self.security.describe())
@@ -272,3 +278,24 @@ def _server_info(engine: Engine) -> dict[str, str]:
         "device": engine.devices.kind,
         "gpus": ",".join(str(i) for i in ids if i is not None),
     }
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ServerError if ``port`` is taken on ``host``: found before gRPC tries to bind, which
+    would print a C++ error line of its own."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # gRPC reports an unknown host itself
+    for family, kind, proto, _, sockaddr in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ServerError(
+                        f"cannot listen on {host}:{port}: another process is using the port "
+                        "(stop it, or pick another port with --port)"
+                    ) from None
