@@ -105,13 +105,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _against(args: argparse.Namespace) -> int:
     """A running server, as a trainer sees it: rate, MB/s, first batch, client CPU."""
-    from batchwire.cli._bench_probe import CpuClock, rss_mib
-    from batchwire.cli._bench_runs import progress
-    from batchwire.client import RemoteLoader
+    from batchwire.client import BatchwireError
 
     if not args.dataset:
         print("error: --address needs --dataset NAME", file=sys.stderr)
         return 2
+    try:
+        return _measure_against(args)
+    except BatchwireError as exc:
+        print(f"error: {exc.details}", file=sys.stderr)
+        return 2
+
+
+def _measure_against(args: argparse.Namespace) -> int:
+    from batchwire.cli._bench_probe import CpuClock, rss_mib
+    from batchwire.cli._bench_runs import progress
+    from batchwire.client import RemoteLoader
+
     loader = RemoteLoader(
         args.address,
         dataset=args.dataset,

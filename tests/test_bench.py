@@ -103,8 +103,9 @@ def test_against_a_dataset_smaller_than_a_batch_stops_and_says_why(
     finally:
         server.stop(grace=1.0)
     err = capsys.readouterr().err
-    assert "yielded no batch" in err and "--batch-size 16 is larger than the dataset" in err
-    assert "(8 samples)" in err and "lower --batch-size" in err
+    # The loader itself refuses a batch larger than its share, before any stream opens.
+    assert "batch_size 16 is larger than this rank's share" in err
+    assert "(8 samples over 1 ranks)" in err and "Lower batch_size" in err
 
 
 def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
