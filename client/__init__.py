@@ -30,6 +30,7 @@ from batchwire.client._security import ChannelSecurity
 from batchwire.common import __version__
 
 if TYPE_CHECKING:
+    from batchwire.client._delivery import LoaderOptions
     from batchwire.client._loader import RemoteLoader
     from batchwire.client._preprocessor import ImageError, Preprocessed, Preprocessor
 
@@ -40,6 +41,7 @@ __all__ = [
     "ChannelSecurity",
     "ImageError",
     "InvalidArgumentError",
+    "LoaderOptions",
     "NotFoundError",
     "Preprocessed",
     "Preprocessor",
@@ -59,6 +61,10 @@ def __getattr__(name: str) -> Any:
         from batchwire.client._loader import RemoteLoader
 
         return RemoteLoader
+    if name == "LoaderOptions":
+        from batchwire.client._delivery import LoaderOptions
+
+        return LoaderOptions
     if name in ("ImageError", "Preprocessed", "Preprocessor"):
         from batchwire.client import _preprocessor
 

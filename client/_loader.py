@@ -2,142 +2,107 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 import torch.utils.data
 
 from batchwire.client._channel import ChannelCache, check_target, stub
+from batchwire.client._delivery import LoaderOptions, Tensors
 from batchwire.client._exceptions import (
-    BatchwireError,
     InvalidArgumentError,
-    error_for,
-    from_rpc_error,
 )
 from batchwire.client._frameworks import (
     distributed_rank_world,
     refuse_accelerate_wrappers,
     worker_id,
 )
-from batchwire.client._ledger import Ledger, Record
-from batchwire.client._normalize import channel_stats
+from batchwire.client._ledger import Ledger
 from batchwire.client._pass import StreamPass, close_at_exit
-from batchwire.client._reader import Delivery, TransferStats
+from batchwire.client._reader import TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
-from batchwire.client._servers import RETRIABLE, Server, ServerSet
+from batchwire.client._servers import Server, ServerSet, describe_dataset
+from batchwire.client._state import Rank, Resumable
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["LoaderOptions", "RemoteLoader"]
 
-_STATE_VERSION = 2
-_READABLE_STATES = (1, 2)  # version 1: saved by batchwire 0.1, same fields and meaning
-# A state loads into a loader only if these match (the rank may differ: ranks move in
-# lockstep, and frameworks save rank 0's state and load it on every rank).
-_IDENTITY = ("dataset", "batch_size", "seed", "shuffle", "drop_last", "world_size")
-_TORCH_DTYPES = {
-    np.dtype("u1"): torch.uint8,
-    np.dtype("<f2"): torch.float16,
-    np.dtype("<f4"): torch.float32,
-}
 _PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
+
+
+# RemoteLoader's arguments that become its StreamSpec's and its LoaderOptions' fields as
+# they are (rank, world_size, params and device are converted first).
+_SPEC_ARGUMENTS = (
+    "dataset",
+    "pipeline",
+    "batch_size",
+    "seed",
+    "shuffle",
+    "drop_last",
+    "dtype",
+    "layout",
+)
+_OPTION_ARGUMENTS = (
+    "normalize",
+    "return_ids",
+    "prefetch",
+    "timeout",
+    "retry_timeout",
+    "resolve_every",
+)
 
 
 def _invalid(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoaderOptions:
-    """How a loader delivers what it streams (see :class:`RemoteLoader`)."""
+def _targets(address: str | Sequence[str]) -> tuple[str, ...]:
+    addresses = (address,) if isinstance(address, str) else tuple(address)
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise _invalid("address must be 'host:port', a gRPC target, or a list of them")
+    return tuple(check_target(target) for target in addresses)
 
-    device: torch.device
-    normalize: bool = True
-    return_ids: bool = False
-    prefetch: int = 2
-    timeout: float = 300.0
-    retry_timeout: float = 60.0
-    resolve_every: float = 5.0
 
-    def __post_init__(self) -> None:
-        checks = (
-            (self.prefetch >= 1, f"prefetch must be at least 1, got {self.prefetch}"),
-            (self.retry_timeout >= 0, f"retry_timeout must be >= 0, got {self.retry_timeout}"),
-            (self.resolve_every > 0, f"resolve_every must be positive, got {self.resolve_every}"),
-            (self.timeout > 0, f"timeout must be positive, got {self.timeout}"),
-            (
-                self.device.type != "cuda" or torch.cuda.is_available(),
-                f"device={str(self.device)!r} but torch sees no CUDA device; use device='cpu'",
-            ),
+def _warn_if_lanes(lanes: int | None) -> None:
+    if lanes is not None:
+        warnings.warn(
+            "RemoteLoader(lanes=) is ignored: batches go to whichever server is ready",
+            DeprecationWarning,
+            stacklevel=3,
         )
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Share:
-    """Who this process streams for: a rank of a world (resolved when a pass starts)."""
-
-    rank: int
-    world_size: int
-
-
-class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """Batches of one dataset, preprocessed by a named pipeline on remote servers.
 
     ``for images, labels in loader`` yields ``batch_size`` samples at a time
-    (``images, labels, ids`` with ``return_ids=True``): images as float32
-    normalized with the pipeline's mean/std (``normalize=True``) or as served
-    (uint8 NCHW for the presets), labels and ids as int64. Each rank of a DDP
-    job gets a disjoint share; every rank gets the same number of batches. The
-    order of an epoch depends only on ``(seed, epoch)``.
+    (``images, labels, ids`` with ``return_ids=True``): images as float32 normalized
+    with the pipeline's mean/std (``normalize=True``) or as served (uint8 NCHW for the
+    presets), labels and ids as int64. Each rank gets a disjoint share of every epoch,
+    and every rank the same number of batches; an epoch's order depends only on
+    ``(seed, epoch)``. ``rank``/``world_size`` default to ``torch.distributed``'s (or
+    ``process_group``'s) when a pass starts.
 
-    Rank and world size are ``rank``/``world_size`` if given, else taken from
-    ``torch.distributed`` (the world, or ``process_group``) when a pass starts,
-    so a loader may be built before ``init_process_group``. Explicit values
-    that disagree with an initialized ``torch.distributed`` raise.
+    Each ``iter()`` is a pass: it resumes a loaded state, or starts the epoch given to
+    ``set_epoch``, or else the epoch after the previous pass's. ``state_dict()`` counts
+    only batches handed out and loads on every rank of the same job. In ``DataLoader``
+    workers, worker 0 streams the whole share (so order and ``StatefulDataLoader``'s
+    state stay exact) and the others end at once.
 
-    Each ``iter()`` is a pass: after ``load_state_dict`` it resumes the saved
-    epoch at the saved position (the end of an epoch is the start of the next);
-    after ``set_epoch(e)`` it starts epoch ``e``
-    (keeping the position of a loaded state of epoch ``e``); otherwise it starts
-    the epoch after the previous pass's, whether that pass ran to its end or
-    was left early. A pass begins when its iterator is first advanced, and
-    stops the previous pass of the same loader. ``state_dict()`` counts only
-    batches handed out, never prefetched ones; a state saved on one rank loads
-    on every rank of the same job.
-
-    ``address`` is ``"host:port"``, a list of them, or ``"dns:///name:port"``
-    (every address behind the name, resolved again every ``resolve_every``
-    seconds: servers that join take batches within the epoch). Every server streams at once, and
-    each is asked for the rank's next batch whenever it has delivered one, so a
-    faster server carries more; batches reach the user in order ``k`` whichever
-    server carried them. When a server fails or drains, the batches it held are
-    asked of the others, and it is tried again with backoff; after
-    ``retry_timeout`` seconds without a batch from any server the loop raises.
-    When a server stalls without failing, the batches it holds are also asked of
-    the others once the loop has waited far longer than batches usually take.
-
-    In ``DataLoader`` workers, worker 0 streams the whole share and the other
-    workers end at once, so the order and ``StatefulDataLoader``'s state are
-    exact; workers add nothing, since the server does the work.
-
-    Each server is asked for at most ``prefetch + 2`` batches at a time, by
-    background threads, and at most ``prefetch + 2 * (prefetch + 2) * servers``
-    batches beyond the one taken next are asked for or held: room for the
-    faster servers to run ahead while a server at half their speed (or less)
-    finishes the batch the loop waits for. A batch that takes longer than ``timeout`` seconds raises
-    ``UnavailableError``. Every error is a ``BatchwireError`` with a ``code``.
-    ``token``, ``tls_ca``, ``tls_cert`` and ``tls_key`` (PEM paths or bytes)
-    authenticate to secured servers. The loader pickles (spawned workers,
-    ``ddp_spawn``) without its threads and channels.
+    ``address`` is ``"host:port"``, a list of them, or ``"dns:///name:port"`` (resolved
+    again every ``resolve_every`` seconds). Every server streams at once and is asked
+    for the next batch whenever it delivers one (at most ``prefetch + 2`` at a time);
+    batches reach the user in order whichever server carried them, and those of a
+    server that fails or stalls are asked of the others. ``retry_timeout`` seconds
+    without any batch, or one batch slower than ``timeout``, raise ``UnavailableError``;
+    every error is a ``BatchwireError`` with a ``code``. ``token`` and ``tls_*`` (PEM
+    paths or bytes) authenticate to secured servers. The settings are read-only
+    (``spec``, ``options``); see the client guide for the whole contract.
     """
 
     def __init__(
@@ -170,58 +135,41 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         process_group: Any = None,
     ) -> None:
         super().__init__()
-        addresses = (address,) if isinstance(address, str) else tuple(address)
-        if not addresses or not all(isinstance(a, str) and a for a in addresses):
-            raise _invalid("address must be 'host:port', a gRPC target, or a list of them")
-        for target in addresses:
-            check_target(target)
-        explicit = rank is not None or world_size is not None
+        self._addresses = _targets(address)
+        given = locals()
         try:
             # The stream every pass asks for (rank, world, epoch and cursor filled in
-            # then): validated once, here, and read-only from now on.
+            # then) and how it is delivered: validated once, here, read-only from now on.
             self._spec = StreamSpec(
-                dataset=dataset,
-                pipeline=pipeline,
-                batch_size=batch_size,
-                seed=seed,
-                shuffle=shuffle,
-                drop_last=drop_last,
+                **{name: given[name] for name in _SPEC_ARGUMENTS},
                 rank=rank or 0,
                 world_size=1 if world_size is None else world_size,
-                dtype=dtype,
-                layout=layout,
                 params=dict(params or {}),
             )
             self._options = LoaderOptions(
-                device=torch.device(device) if device is not None else torch.device("cpu"),
-                normalize=normalize,
-                return_ids=return_ids,
-                prefetch=prefetch,
-                timeout=timeout,
-                retry_timeout=retry_timeout,
-                resolve_every=resolve_every,
+                **{name: given[name] for name in _OPTION_ARGUMENTS},
+                device=torch.device(device or "cpu"),
             )
         except (ValueError, RuntimeError) as exc:
             raise _invalid(str(exc)) from exc
         self._security = ChannelSecurity.from_options(
             token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
         )
-        self._addresses = addresses
+        explicit = rank is not None or world_size is not None
+        self._explicit = Rank(self._spec.rank, self._spec.world_size) if explicit else None
+        self._group = process_group
+        _warn_if_lanes(lanes)
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        """What a loader holds besides its settings: nothing streamed, nothing resolved."""
         self.skipped_ids: list[int] = []
         # Image payload bytes received and copied: one copy each, by design.
         self.transfer = TransferStats()
-        self._explicit = _Share(self._spec.rank, self._spec.world_size) if explicit else None
-        self._group = process_group
         # The share torch.distributed gave when this loader was pickled: spawned
         # DataLoader workers have no process group of their own.
-        self._inherited: _Share | None = None
+        self._inherited: Rank | None = None
         self._info: pb.DatasetInfo | None = None
-        if lanes is not None:
-            warnings.warn(
-                "RemoteLoader(lanes=) is ignored: batches go to whichever server is ready",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         self._servers = ServerSet(self._addresses)
         self._channels = ChannelCache(self._security, on_open=close_at_exit)
         self._ledger = Ledger()
@@ -268,34 +216,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _describe(self) -> pb.DatasetInfo:
         """The dataset as the first server that answers describes it (cached)."""
-        if self._info is not None:
-            return self._info
-        error: BatchwireError | None = None
-        for lane in range(len(self._servers.servers())):
-            server = self._servers.pick(lane)
-            try:
-                info = stub(self._channel(server)).DescribeDataset(
-                    pb.DescribeDatasetRequest(dataset=self.dataset_name),
-                    timeout=self.timeout,
-                    metadata=self._security.metadata(),
-                )
-            except grpc.RpcError as exc:
-                error = from_rpc_error(exc, server.address)
-                error.__cause__ = exc
-                if error.code not in RETRIABLE:
-                    raise error from exc
-                self._servers.mark_failed(server)
-                continue
-            if not any(p.name == self.pipeline for p in info.pipelines):
-                known = ", ".join(p.name for p in info.pipelines)
-                raise error_for(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"server {server.address} has no pipeline {self.pipeline!r} (it has: {known})",
-                )
-            self._info = info
-            return info
-        assert error is not None
-        raise error
+        if self._info is None:
+            self._info = describe_dataset(
+                self._servers,
+                lambda server: stub(self._channel(server)),
+                self._spec,
+                timeout=self.timeout,
+                metadata=self._security.metadata(),
+            )
+        return self._info
 
     @property
     def num_samples(self) -> int:
@@ -307,34 +236,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """Class names by label, from the dataset's manifest."""
         return list(self._describe().classes)
 
-    # -- ranks ---------------------------------------------------------------------------
-
-    def _share(self) -> _Share:
-        """This process's rank and world size, as of now (see the class docstring)."""
-        live = distributed_rank_world(self._group)
-        if self._explicit is not None:
-            if live is not None and live != (self._explicit.rank, self._explicit.world_size):
-                raise _invalid(
-                    f"rank={self._explicit.rank}, world_size={self._explicit.world_size} were "
-                    f"given, but torch.distributed is initialized with rank {live[0]} of "
-                    f"{live[1]}: this process would train on another share than its rank's. "
-                    "Leave rank and world_size unset to take them from torch.distributed, or "
-                    "pass process_group= to shard over a subgroup"
-                )
-            return self._explicit
-        if live is not None:
-            return _Share(*live)
-        return self._inherited or _Share(0, 1)
-
-    @property
-    def rank(self) -> int:
-        return self._share().rank
-
-    @property
-    def world_size(self) -> int:
-        return self._share().world_size
-
-    def _plan(self, share: _Share, epoch: int, start: int = 0) -> tuple[StreamSpec, Plan]:
+    def _plan(self, share: Rank, epoch: int, start: int = 0) -> tuple[StreamSpec, Plan]:
         """The stream of ``share`` in ``epoch`` from cursor ``start``, and its plan."""
         try:
             spec = self._spec.replace(
@@ -356,107 +258,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """Batches per epoch for this rank (equal on every rank)."""
         return self._plan(self._share(), 0)[1].num_batches
 
-    # -- passes and state --------------------------------------------------------------
+    # -- passes -------------------------------------------------------------------------
 
-    @property
-    def epoch(self) -> int:
-        """The epoch of the pass in progress, or of the next pass if none is."""
-        return int(self._position(self._ledger.read())[0])
-
-    def set_epoch(self, epoch: int) -> None:
-        """The next pass starts ``epoch`` (at the loaded position if a loaded state is
-        about to resume ``epoch``, as after ``load_state_dict``)."""
-        refuse_accelerate_wrappers()
-        if epoch < 0:
-            raise _invalid(f"epoch must be >= 0, got {epoch}")
-        with self._ledger.update() as record:
-            if record.fresh and record.epoch == epoch:
-                return
-            record.epoch, record.cursor, record.fresh = epoch, 0, True
-            record.pass_id, record.in_workers = 0, False
-
-    def _position(self, record: Record) -> tuple[int, int]:
-        """(epoch, cursor) after the last batch handed out, or where the next pass starts."""
-        current = self._pass
-        if current is not None and record.pass_id == current.id:
-            if current.cursor == current.share_size:
-                return current.epoch + 1, 0  # after the last batch: see _begin
-            return current.epoch, current.cursor
-        if record.fresh:
-            return record.epoch, record.cursor
-        return record.epoch + 1, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: the position after the last batch handed out
-        (prefetched ones don't count), or where the next pass starts.
-
-        ``cursor`` is a position in a rank's share of ``epoch``; it is the same on
-        every rank, so the state loads on any rank of the job.
-        """
-        record = self._ledger.read()
-        if worker_id() is None and record.in_workers:
-            raise _invalid(
-                "this loader's last pass ran in DataLoader worker processes, so this process "
-                "cannot tell how many of its batches training has used. Checkpoint through "
-                "torchdata's StatefulDataLoader(loader, batch_size=None, num_workers=N) (Lightning "
-                "saves its state_dict() itself), or use num_workers=0, where the server does the "
-                "work all the same"
-            )
-        epoch, cursor = self._position(record)
-        share = self._share()
-        return {
-            "version": _STATE_VERSION,
-            **self._identity(share),
-            "pipeline": self.pipeline,
-            "rank": share.rank,
-            "epoch": epoch,
-            "cursor": cursor,
-        }
-
-    def _identity(self, share: _Share) -> dict[str, Any]:
-        """The settings a state must share with a loader to load into it (_IDENTITY)."""
-        return {
-            "dataset": self.dataset_name,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "world_size": share.world_size,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The next pass continues from ``state``: exactly the rest of its epoch.
-
-        Refuses a state of another dataset, seed, batch size, shuffle, drop_last or
-        world size, with a message.
-        """
-        if state.get("version") not in _READABLE_STATES:
-            raise _invalid(
-                f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
-            )
-        mine = self._identity(self._share())
-        for key in _IDENTITY:
-            if state.get(key) != mine[key]:
-                hint = "create the loader with the same settings to resume"
-                if key == "world_size" and distributed_rank_world(self._group) is None:
-                    hint = "load it after torch.distributed is initialized"
-                raise _invalid(
-                    f"state was saved with {key}={state.get(key)!r} but this loader has "
-                    f"{key}={mine[key]!r}; {hint}"
-                )
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if epoch < 0 or cursor < 0:
-            raise _invalid(f"state has epoch={epoch}, cursor={cursor}; both must be >= 0")
-        worker = worker_id()
-        if worker not in (None, 0):
-            return  # workers other than 0 stream nothing (see the class docstring)
-        with self._ledger.update() as record:
-            record.epoch, record.cursor, record.fresh = epoch, cursor, True
-            record.pass_id, record.in_workers = 0, False
-        self._loaded_in_worker = worker is not None
-        self.skipped_ids = []
-
-    def _begin(self, share: _Share, mean: torch.Tensor, std: torch.Tensor) -> StreamPass:
+    def _begin(self, share: Rank, tensors: Tensors) -> StreamPass:
         """Stop the previous pass, claim the next one in the ledger, start its readers."""
         previous, self._pass = self._pass, None
         if previous is not None:
@@ -485,8 +289,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 spec=spec.to_proto(),
                 open_call=self._open_call,
                 servers=self._servers,
-                convert=lambda d: self._convert(d, mean, std),
-                allocate=self._allocate,
+                convert=tensors.convert,
+                allocate=tensors.allocate,
                 stats=self.transfer,
                 credit=self.prefetch + 2,
                 # Twice the servers' credit: with one credit's worth of room, a server at
@@ -523,8 +327,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         refuse_accelerate_wrappers()
         if worker_id() not in (None, 0):
             return  # worker 0 streams the whole share, in order
-        mean, std = self._stats(self._describe())
-        stream_pass = self._begin(self._share(), mean, std)
+        info = next(p for p in self._describe().pipelines if p.name == self.pipeline)
+        tensors = Tensors(self._options, info, self.layout)
+        stream_pass = self._begin(self._share(), tensors)
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):
                 delivery = stream_pass.take(index)
@@ -532,7 +337,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 self.skipped_ids.extend(delivery.skipped_ids)
                 if len(delivery.ids) == 0:
                     continue  # every sample of this batch was unreadable
-                yield self._output(delivery, mean, std)
+                yield tensors.output(delivery)
             self._end(stream_pass)
         finally:
             stream_pass.stop()
@@ -546,57 +351,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             response_deserializer=None,
         )
         return pull(requests, metadata=self._security.metadata())  # type: ignore[no-any-return]
-
-    # -- tensors -----------------------------------------------------------------------
-
-    def _stats(self, info: pb.DatasetInfo) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = next(p for p in info.pipelines if p.name == self.pipeline)
-        return channel_stats(spec.mean, spec.std, self.layout, self.device)
-
-    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[object, np.ndarray]:
-        """Where a batch's images are assembled, so that the one copy from the received
-        bytes is also the last: pinned memory (torch's caching host allocator) when
-        bound for a GPU; otherwise NumPy memory, which NumPy backs with huge pages:
-        a fresh torch.empty of a batch costs page faults worth several times the copy."""
-        if self.device.type == "cuda":
-            tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True)
-            return tensor, tensor.numpy()
-        array = np.empty(shape, dtype)
-        return torch.from_numpy(array), array
-
-    def _convert(self, d: Delivery, mean: torch.Tensor, std: torch.Tensor) -> Delivery:
-        """Runs in the reader thread: labels to tensors, CPU images normalized early."""
-        images: torch.Tensor = d.images  # type: ignore[assignment]
-        labels = torch.from_numpy(d.labels)  # type: ignore[arg-type]
-        if self.device.type == "cuda":
-            labels = labels.pin_memory()
-        elif self.normalize and not d.normalized and images.numel():
-            images = images.float().sub_(mean).div_(std)
-        return Delivery(
-            index=d.index,
-            ids=d.ids,
-            images=images,
-            labels=labels,
-            cursor=d.cursor,
-            skipped_ids=d.skipped_ids,
-            normalized=d.normalized or (self.normalize and self.device.type != "cuda"),
-            layout=d.layout,
-        )
-
-    def _output(
-        self, d: Delivery, mean: torch.Tensor, std: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        images: torch.Tensor = d.images  # type: ignore[assignment]
-        labels: torch.Tensor = d.labels  # type: ignore[assignment]
-        if self.device.type == "cuda":
-            images = images.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            if self.normalize and not d.normalized:
-                images = images.float().sub_(mean).div_(std)
-        labels = labels.reshape(-1)
-        if self.return_ids:
-            return images, labels, torch.from_numpy(np.asarray(d.ids, dtype=np.int64))
-        return images, labels
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -619,10 +373,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         ``ddp_spawn``); it carries the share torch.distributed gives here."""
         state = self.__dict__.copy()
         live = distributed_rank_world(self._group)
-        state["_inherited"] = _Share(*live) if live is not None else self._inherited
+        state["_inherited"] = Rank(*live) if live is not None else self._inherited
         state["_group"] = None  # process groups don't pickle; the share above stands in
         if self._group is not None and self._explicit is None and live is not None:
-            state["_explicit"] = _Share(*live)
+            state["_explicit"] = Rank(*live)
         for key in ("_servers", "transfer", "_pass"):
             state[key] = None
         state["_loaded_in_worker"] = False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -156,6 +156,7 @@ class ServerPuller(threading.Thread):
             over = threading.Event()  # the call is over: its request stream asks for nothing
             accepted = threading.Event()  # the server opened the stream: ask it for batches
             failure: tuple[grpc.StatusCode, str] | None = None
+            before = self.delivered
             try:
                 with self._lock:
                     if self._halt.is_set():
@@ -165,30 +166,13 @@ class ServerPuller(threading.Thread):
                     )
                 call.initial_metadata()  # type: ignore[attr-defined]  # sent once it opened
                 accepted.set()
-                parts: list[DecodedBatch] = []
-                for raw in call:  # type: ignore[attr-defined]
-                    part = decode_batch(raw)
-                    if part.header.part != len(parts):
-                        raise BatchwireError(
-                            grpc.StatusCode.INTERNAL,
-                            f"batch {part.header.index}: part {part.header.part} arrived "
-                            f"after {len(parts)} parts",
-                        )
-                    parts.append(part)
-                    if len(parts) < (part.header.parts or 1):
-                        continue
-                    self._book.deliver(
-                        held, self._convert(assemble(parts, self._allocate, self._stats))
-                    )
-                    parts = []
-                    self.delivered += 1
-                    if attempt:
-                        attempt = 0
-                        self._servers.mark_ok(self.server)
+                self._receive(call, held, recovering=attempt > 0)  # type: ignore[arg-type]
                 return  # the stream ended: the pass is finished
             except grpc.RpcError as exc:
                 if self._halt.is_set():
                     return
+                if self.delivered > before:
+                    attempt = 0  # it delivered since it last failed: a new outage
                 code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
                 if code not in RETRIABLE:
                     raise from_rpc_error(exc, self.server.address) from exc
@@ -210,6 +194,27 @@ class ServerPuller(threading.Thread):
             if self._halt.wait(backoff(attempt)):
                 return
             attempt += 1
+
+    def _receive(self, call: Iterable[bytes], held: Held, *, recovering: bool) -> None:
+        """Hand the call's batches to the book as their last parts arrive, until it ends."""
+        parts: list[DecodedBatch] = []
+        for raw in call:
+            part = decode_batch(raw)
+            if part.header.part != len(parts):
+                raise BatchwireError(
+                    grpc.StatusCode.INTERNAL,
+                    f"batch {part.header.index}: part {part.header.part} arrived "
+                    f"after {len(parts)} parts",
+                )
+            parts.append(part)
+            if len(parts) < (part.header.parts or 1):
+                continue
+            self._book.deliver(held, self._convert(assemble(parts, self._allocate, self._stats)))
+            parts = []
+            self.delivered += 1
+            if recovering:
+                recovering = False
+                self._servers.mark_ok(self.server)
 
     def _requests(
         self, held: Held, over: threading.Event, accepted: threading.Event

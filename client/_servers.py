@@ -15,13 +15,22 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
-from batchwire.client._exceptions import InvalidArgumentError, UnavailableError
+from batchwire.client._exceptions import (
+    BatchwireError,
+    InvalidArgumentError,
+    UnavailableError,
+    error_for,
+    from_rpc_error,
+)
+from batchwire.common.stream import StreamSpec
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc
 
-__all__ = ["RETRIABLE", "Server", "ServerSet", "backoff", "resolve"]
+__all__ = ["RETRIABLE", "Server", "ServerSet", "backoff", "describe_dataset", "resolve"]
 
 # Codes after which the same stream may continue elsewhere from its cursor.
 RETRIABLE = frozenset(
@@ -125,3 +134,38 @@ class ServerSet:
     def mark_ok(self, server: Server) -> None:
         with self._lock:
             self._failed_at.pop(server, None)
+
+
+def describe_dataset(
+    servers: ServerSet,
+    stub_for: Callable[[Server], batchwire_pb2_grpc.BatchwireStub],
+    spec: StreamSpec,
+    *,
+    timeout: float,
+    metadata: Sequence[tuple[str, str]],
+) -> pb.DatasetInfo:
+    """``spec``'s dataset as the first server that answers describes it; NOT_FOUND if that
+    server has no such dataset or no pipeline ``spec.pipeline``."""
+    error: BatchwireError | None = None
+    for lane in range(len(servers.servers())):
+        server = servers.pick(lane)
+        try:
+            info = stub_for(server).DescribeDataset(
+                pb.DescribeDatasetRequest(dataset=spec.dataset), timeout=timeout, metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc, server.address)
+            error.__cause__ = exc
+            if error.code not in RETRIABLE:
+                raise error from exc
+            servers.mark_failed(server)
+            continue
+        if not any(p.name == spec.pipeline for p in info.pipelines):
+            known = ", ".join(p.name for p in info.pipelines)
+            raise error_for(
+                grpc.StatusCode.NOT_FOUND,
+                f"server {server.address} has no pipeline {spec.pipeline!r} (it has: {known})",
+            )
+        return info
+    assert error is not None
+    raise error

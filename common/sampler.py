@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["Plan", "PlannedBatch", "epoch_order", "num_batches", "rank_share"]
+__all__ = ["Plan", "PlannedBatch", "Share", "epoch_order", "num_batches", "rank_share"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,14 +80,12 @@ class PlannedBatch:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
-    """One rank's share of one epoch, cut into batches and lanes.
+class Share:
+    """Which share of which epoch: every number that fixes a rank's batches but the
+    dataset's size. ``start`` is a cursor: batches (or the tail of a batch, when
+    ``start`` falls inside one) before it are not planned. Batch ``k`` travels in lane
+    ``k % lanes``."""
 
-    ``start`` is a cursor: batches (or the tail of a batch, when ``start``
-    falls inside one) before it are not planned.
-    """
-
-    num_samples: int
     batch_size: int
     seed: int = 0
     epoch: int = 0
@@ -100,19 +98,45 @@ class Plan:
     start: int = 0
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}"
-            )
-        if self.lanes < 1 or not 0 <= self.lane < self.lanes:
-            raise ValueError(
-                f"lane must be in [0, lanes), got lane={self.lane}, lanes={self.lanes}"
-            )
-        if self.seed < 0 or self.epoch < 0 or self.num_samples < 0:
-            raise ValueError("seed, epoch and num_samples must be >= 0")
-        if not 0 <= self.start <= self.share_size:
+        checks = (
+            (self.batch_size >= 1, f"batch_size must be at least 1, got {self.batch_size}"),
+            (
+                self.world_size >= 1 and 0 <= self.rank < self.world_size,
+                f"rank must be in [0, world_size), got {self.rank} of {self.world_size}",
+            ),
+            (
+                self.lanes >= 1 and 0 <= self.lane < self.lanes,
+                f"lane must be in [0, lanes), got {self.lane} of {self.lanes}",
+            ),
+            (self.seed >= 0 and self.epoch >= 0, "seed and epoch must be >= 0"),
+            (self.start >= 0, f"start must be >= 0, got {self.start}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def share_fields(self) -> dict[str, object]:
+        """This share's numbers by name (what a Plan needs besides the dataset's size)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Share)}
+
+    def plan(self, num_samples: int) -> Plan:
+        """This share of a dataset of ``num_samples`` (``ValueError`` if, say, ``start``
+        lies past its end)."""
+        return Plan(num_samples=num_samples, **self.share_fields())  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan(Share):
+    """One rank's share of one epoch of a dataset of ``num_samples``, cut into batches
+    and lanes."""
+
+    num_samples: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {self.num_samples}")
+        if self.start > self.share_size:
             raise ValueError(
                 f"start must be a cursor in [0, {self.share_size}] for this share, got {self.start}"
             )

@@ -18,7 +18,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from batchwire.common.sampler import Plan
+from batchwire.common.sampler import Share
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
@@ -72,8 +72,9 @@ def output_format(dtype: int, layout: int) -> tuple[str, str]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StreamSpec:
-    """One lane of one rank's share of one epoch of a dataset, through a pipeline.
+class StreamSpec(Share):
+    """A share of a dataset (:class:`~batchwire.common.sampler.Share`: batch size, seed,
+    epoch, rank, cursor, ...) through a named pipeline, in an output format.
 
     ``params`` override the pipeline's declared parameters (e.g. ``{"size": 160}``);
     ``dtype``/``layout`` are the images' output format. ``lanes``/``lane`` serve
@@ -83,48 +84,18 @@ class StreamSpec:
 
     dataset: str
     pipeline: str = "train"
-    batch_size: int
-    seed: int = 0
-    epoch: int = 0
-    shuffle: bool = True
-    drop_last: bool = True
-    rank: int = 0
-    world_size: int = 1
-    start: int = 0
-    lanes: int = 1
-    lane: int = 0
     dtype: str = "uint8"
     layout: str = "NCHW"
     params: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_name("dataset", self.dataset)
         check_name("pipeline", self.pipeline)
-        checks = (
-            (self.batch_size >= 1, f"batch_size must be at least 1, got {self.batch_size}"),
-            (self.world_size >= 1, f"world_size must be at least 1, got {self.world_size}"),
-            (
-                0 <= self.rank < self.world_size,
-                f"rank must be in [0, world_size), got {self.rank} of {self.world_size}",
-            ),
-            (
-                0 <= self.lane < self.lanes,
-                f"lane must be in [0, lanes), got {self.lane} of {self.lanes}",
-            ),
-            (self.seed >= 0 and self.epoch >= 0, "seed and epoch must be >= 0"),
-            (self.start >= 0, f"start must be >= 0, got {self.start}"),
-            (
-                self.dtype in OUTPUT_DTYPES,
-                f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {self.dtype!r}",
-            ),
-            (
-                self.layout in LAYOUTS,
-                f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}",
-            ),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        if self.dtype not in OUTPUT_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
         for name, limit in LIMITS.items():
             if getattr(self, name) > limit:
                 raise ValueError(f"{name} must be at most {limit}, got {getattr(self, name)}")
@@ -139,60 +110,31 @@ class StreamSpec:
         """A copy with ``changes``, validated again."""
         return dataclasses.replace(self, **changes)
 
-    def plan(self, num_samples: int) -> Plan:
-        """This stream's share of a dataset of ``num_samples`` (``ValueError`` if, say,
-        ``start`` lies past its end)."""
-        return Plan(
-            num_samples=num_samples,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            epoch=self.epoch,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            rank=self.rank,
-            world_size=self.world_size,
-            lanes=self.lanes,
-            lane=self.lane,
-            start=self.start,
-        )
-
     def to_proto(self) -> pb.StreamBatchesRequest:
         return pb.StreamBatchesRequest(
             dataset=self.dataset,
             pipeline=self.pipeline,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            epoch=self.epoch,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            rank=self.rank,
-            world_size=self.world_size,
-            start=self.start,
-            lanes=self.lanes,
-            lane=self.lane,
             dtype=OUTPUT_DTYPES[self.dtype],
             layout=LAYOUTS[self.layout],
             params=dict(self.params),
+            **self.share_fields(),
         )
 
     @classmethod
     def from_proto(cls, message: pb.StreamBatchesRequest) -> StreamSpec:
         """The spec a request message names; fields left unset take their defaults."""
         dtype, layout = output_format(message.dtype, message.layout)
+        share = {f.name: getattr(message, f.name) for f in dataclasses.fields(Share)}
+        # Unset optional fields are the contract's defaults, not protobuf's zeros.
+        share["shuffle"] = message.shuffle if message.HasField("shuffle") else True
+        share["drop_last"] = message.drop_last if message.HasField("drop_last") else True
+        share["world_size"] = message.world_size or 1
+        share["lanes"] = message.lanes or 1
         return cls(
             dataset=message.dataset,
             pipeline=message.pipeline,
-            batch_size=message.batch_size,
-            seed=message.seed,
-            epoch=message.epoch,
-            shuffle=message.shuffle if message.HasField("shuffle") else True,
-            drop_last=message.drop_last if message.HasField("drop_last") else True,
-            rank=message.rank,
-            world_size=message.world_size or 1,
-            start=message.start,
-            lanes=message.lanes or 1,
-            lane=message.lane,
             dtype=dtype,
             layout=layout,
             params=dict(message.params),
+            **share,
         )

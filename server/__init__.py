@@ -31,11 +31,10 @@ from batchwire.server._config import (
     Setting,
     boolean,
     device_ids,
-    load_file,
-    pipelines_from_config,
     resolve,
     settings,
 )
+from batchwire.server._config_file import load_file, pipelines_from_config
 
 if TYPE_CHECKING:
     from batchwire.server.serving import BatchwireServer, ServerError

@@ -1,38 +1,10 @@
-"""Server configuration: a frozen object built from a file, flags and the environment.
+"""Server configuration: a frozen object built from flags, the environment and a file.
 
-A config file is TOML (``.toml``) or YAML (``.yaml``/``.yml``)::
-
-    [server]
-    port = 50051
-    device = "auto"          # auto | cpu | gpu
-    devices = [0, 1]         # GPU ids to use (default: every visible GPU)
-    metrics_port = 9405      # Prometheus /metrics (default: off)
-    max_batch_size = 1024
-    max_streams = 64
-    tls_cert = "/etc/batchwire/server.pem"     # PEM; TLS needs both cert and key
-    tls_key = "/etc/batchwire/server.key"
-    tls_client_ca = "/etc/batchwire/ca.pem"    # mutual TLS: client certs signed by this CA
-    token_file = "/etc/batchwire/tokens"       # one bearer token per line
-    health_open = true                         # health reachable without a token
-    preprocess_batch_size = 64     # Preprocess RPC: images per DALI batch,
-    preprocess_max_delay_ms = 5    # gathered for at most this long,
-    preprocess_max_queued = 1024   # with at most this many waiting
-    max_request_bytes = 67108864   # largest request message (encoded images)
-
-    [pipelines.train]        # a preset with other defaults
-    preset = "train"
-    size = 176
-
-    [pipelines.val]
-    preset = "val"
-
-    [pipelines.small]        # a custom graph (see docs), never chosen by clients' code
-    function = "my_module:build"   # or "pipelines.py:build", relative to this file
-    params = { size = { default = 128, low = 32, high = 512, integer = true } }
-
-Without a ``[pipelines]`` table the server offers the ``train`` and ``val`` presets.
-Precedence: flags > environment (``BATCHWIRE_*``) > file > defaults; only the CLI
-entry point reads flags and the environment.
+Every setting is a field of :class:`ServerConfig`, declared once with its help, how it
+is parsed from text and the values it takes; ``batchwire serve`` derives from that
+declaration a flag ``--name``, an environment variable ``BATCHWIRE_NAME`` and a key
+``name`` of a config file's ``[server]`` table (see :mod:`batchwire.server._config_file`).
+Precedence: flags > environment > file > defaults.
 """
 
 from __future__ import annotations
@@ -40,24 +12,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from batchwire.server.core._pipelines import (
-    PRESETS,
-    Param,
-    ParamError,
-    PipelineSpec,
-    load_function,
-)
+from batchwire.server.core._pipelines import PRESETS, PipelineSpec
 
 __all__ = [
     "ConfigError",
     "ServerConfig",
     "Setting",
-    "load_file",
-    "pipelines_from_config",
     "resolve",
     "settings",
 ]
@@ -100,10 +63,18 @@ def _setting(
     *,
     metavar: str | None = None,
     choices: tuple[str, ...] | None = None,
+    bounds: tuple[float, float] | None = None,
 ) -> Any:
     """A ServerConfig field that is a setting: a flag ``--name``, a variable
-    ``BATCHWIRE_NAME`` and a file key ``name`` (see :func:`settings`)."""
-    metadata = {"help": help, "parse": parse, "metavar": metavar, "choices": choices}
+    ``BATCHWIRE_NAME`` and a file key ``name`` (see :func:`settings`), with the values
+    it takes (``choices``, or ``bounds`` inclusive)."""
+    metadata = {
+        "help": help,
+        "parse": parse,
+        "metavar": metavar,
+        "choices": choices,
+        "bounds": bounds,
+    }
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -125,7 +96,7 @@ class ServerConfig:
         dataclasses.MISSING, "datasets live in DIR/NAME/", _path, metavar="DIR"
     )
     host: str = _setting("[::]", "address to listen on (default [::], all)", str)
-    port: int = _setting(50051, "gRPC port (default 50051; 0: any free)")
+    port: int = _setting(50051, "gRPC port (default 50051; 0: any free)", bounds=(0, 65535))
     device: str = _setting(
         "auto", "where pipelines run (default auto)", str, choices=("auto", "cpu", "gpu")
     )
@@ -136,44 +107,70 @@ class ServerConfig:
         device_ids,
         metavar="IDS",
     )
-    num_threads: int = _setting(0, "DALI threads per pipeline (default 0: one per core)")
-    prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)")
+    num_threads: int = _setting(
+        0, "DALI threads per pipeline (default 0: one per core)", bounds=(0, 1024)
+    )
+    prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
     read_workers: int = _setting(
         0,
         "processes per StreamBatches stream that read its records through DALI's parallel "
         "external_source (default 0: read in the thread feeding the pipeline)",
+        bounds=(0, 64),
     )
-    max_batch_size: int = _setting(1024, "largest batch a client may ask for (default 1024)")
-    max_streams: int = _setting(64, "concurrent streams before RESOURCE_EXHAUSTED (default 64)")
+    max_batch_size: int = _setting(
+        1024, "largest batch a client may ask for (default 1024)", bounds=(1, 65536)
+    )
+    max_streams: int = _setting(
+        64, "concurrent streams before RESOURCE_EXHAUSTED (default 64)", bounds=(1, 4096)
+    )
     max_idle_pipelines: int = _setting(
-        8, "built pipelines kept idle for Preprocess and read_workers streams (default 8)"
+        8,
+        "built pipelines kept idle for Preprocess and read_workers streams (default 8)",
+        bounds=(0, 256),
     )
     pipelines_per_device: int = _setting(
-        2, "pipelines each device runs for all streams; they do not grow with streams (default 2)"
+        2,
+        "pipelines each device runs for all streams; they do not grow with streams (default 2)",
+        bounds=(1, 64),
     )
     metrics_port: int | None = _setting(
         None,
         "serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free)",
         metavar="PORT",
+        bounds=(0, 65535),
     )
     preprocess_batch_size: int = _setting(
-        64, "Preprocess RPC: images of concurrent requests per DALI batch (default 64)"
+        64,
+        "Preprocess RPC: images of concurrent requests per DALI batch (default 64)",
+        bounds=(1, 4096),
     )
     preprocess_max_delay_ms: float = _setting(
-        5.0, "Preprocess RPC: how long a batch gathers images, in ms (default 5)", float
+        5.0,
+        "Preprocess RPC: how long a batch gathers images, in ms (default 5)",
+        float,
+        bounds=(0, 1000),
     )
     preprocess_max_queued: int = _setting(
-        1024, "Preprocess RPC: images that may wait before RESOURCE_EXHAUSTED (default 1024)"
+        1024,
+        "Preprocess RPC: images that may wait before RESOURCE_EXHAUSTED (default 1024)",
+        bounds=(1, 1048576),
     )
     max_request_bytes: int = _setting(
-        64 * 1024 * 1024, "largest request message, e.g. encoded images (default 64 MiB)"
+        64 * 1024 * 1024,
+        "largest request message, e.g. encoded images (default 64 MiB)",
+        bounds=(65536, 1073741824),
     )
     # gRPC Python moves 8-16 MB messages fastest on loopback and slows sharply at 32 MB.
     max_message_bytes: int = _setting(
-        8 * 1024 * 1024, "larger batches travel as several messages of this size (default 8 MiB)"
+        8 * 1024 * 1024,
+        "larger batches travel as several messages of this size (default 8 MiB)",
+        bounds=(65536, 1073741824),
     )
     grace: float = _setting(
-        30.0, "seconds in-flight streams get on SIGTERM or SIGINT (default 30)", float
+        30.0,
+        "seconds in-flight streams get on SIGTERM or SIGINT (default 30)",
+        float,
+        bounds=(0, 86400),
     )
     tls_cert: pathlib.Path | None = _setting(
         None, "PEM certificate chain: serve TLS (needs tls_key)", _path, metavar="FILE"
@@ -206,20 +203,9 @@ class ServerConfig:
                 if not isinstance(value, str | os.PathLike):
                     raise ConfigError(f"{name} must be a file path, got {value!r}")
                 object.__setattr__(self, name, pathlib.Path(value))
+        for setting in settings():
+            setting.check(getattr(self, setting.name))
         checks = (
-            (0 <= self.port <= 65535, "port must be in [0, 65535] (0: any free port)"),
-            (self.device in ("auto", "cpu", "gpu"), "device must be auto, cpu or gpu"),
-            (self.num_threads >= 0, "num_threads must be >= 0 (0: one per core)"),
-            (1 <= self.prefetch <= 16, "prefetch must be in [1, 16]"),
-            (0 <= self.read_workers <= 64, "read_workers must be in [0, 64] (0: read inline)"),
-            (1 <= self.max_batch_size <= 65536, "max_batch_size must be in [1, 65536]"),
-            (1 <= self.max_streams <= 4096, "max_streams must be in [1, 4096]"),
-            (0 <= self.max_idle_pipelines <= 256, "max_idle_pipelines must be in [0, 256]"),
-            (1 <= self.pipelines_per_device <= 64, "pipelines_per_device must be in [1, 64]"),
-            (
-                self.metrics_port is None or 0 <= self.metrics_port <= 65535,
-                "metrics_port must be in [0, 65535] (0: any free port; leave it out for none)",
-            ),
             (
                 all(isinstance(i, int) and i >= 0 for i in self.devices)
                 and len(set(self.devices)) == len(self.devices),
@@ -229,26 +215,6 @@ class ServerConfig:
                 not self.devices or self.device != "cpu",
                 "devices picks GPUs: it cannot be combined with device = cpu "
                 "(use --device auto or gpu, or leave --devices out)",
-            ),
-            (
-                1 <= self.preprocess_batch_size <= 4096,
-                "preprocess_batch_size must be in [1, 4096]",
-            ),
-            (
-                0 <= self.preprocess_max_delay_ms <= 1000,
-                "preprocess_max_delay_ms must be in [0, 1000]",
-            ),
-            (
-                1 <= self.preprocess_max_queued <= 1 << 20,
-                "preprocess_max_queued must be in [1, 1048576]",
-            ),
-            (
-                64 * 1024 <= self.max_request_bytes <= 1024**3,
-                "max_request_bytes must be in [65536, 1073741824]",
-            ),
-            (
-                64 * 1024 <= self.max_message_bytes <= 1024**3,
-                "max_message_bytes must be in [65536, 1073741824]",
             ),
             (bool(self.pipelines), "at least one pipeline must be configured"),
             (
@@ -261,7 +227,6 @@ class ServerConfig:
                 "tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too",
             ),
             (isinstance(self.health_open, bool), "health_open must be true or false"),
-            (0 <= self.grace <= 24 * 3600, "grace must be in [0, 86400] seconds"),
         )
         for ok, message in checks:
             if not ok:
@@ -277,6 +242,24 @@ class Setting:
     parse: Callable[[str], Any]
     metavar: str | None
     choices: tuple[str, ...] | None
+    bounds: tuple[float, float] | None
+
+    def check(self, value: Any) -> None:
+        """ConfigError unless ``value`` is one this setting takes (None: unset, where the
+        setting may be left out)."""
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(
+                f"{self.name} must be one of {', '.join(self.choices)}, got {value!r}"
+            )
+        if self.bounds is None or value is None:
+            return
+        low, high = self.bounds
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not low <= value <= high
+        ):
+            raise ConfigError(f"{self.name} must be a number in [{low}, {high}], got {value!r}")
 
     @property
     def flag(self) -> str:
@@ -287,28 +270,24 @@ class Setting:
         return "BATCHWIRE_" + self.name.upper()
 
 
+_METADATA = ("help", "parse", "metavar", "choices", "bounds")
+
+
 def settings() -> list[Setting]:
     """Every setting, in declaration order."""
     return [
-        Setting(
-            f.name,
-            f.metadata["help"],
-            f.metadata["parse"],
-            f.metadata["metavar"],
-            f.metadata["choices"],
-        )
+        Setting(f.name, **{key: f.metadata[key] for key in _METADATA})
         for f in dataclasses.fields(ServerConfig)
         if "help" in f.metadata
     ]
-
-
-_SERVER_KEYS = {s.name for s in settings()}
 
 
 def resolve(
     flags: Mapping[str, Any], environ: Mapping[str, str], config_path: pathlib.Path | str | None
 ) -> ServerConfig:
     """Flags (parsed values; None: not given) > environment > config file > defaults."""
+    from batchwire.server._config_file import load_file, pipelines_from_config
+
     file = load_file(config_path) if config_path else {}
     values: dict[str, Any] = dict(file.get("server", {}))
     for setting in settings():
@@ -339,100 +318,3 @@ def resolve(
         )
     except TypeError as exc:  # a file value of the wrong kind, e.g. port = "x"
         raise ConfigError(f"config file {config_path}: {exc}") from exc
-
-
-def load_file(path: pathlib.Path | str) -> dict[str, Any]:
-    """Read a TOML or YAML config file into plain data."""
-    path = pathlib.Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
-    except Exception as exc:  # yaml.YAMLError without importing yaml at module level
-        raise ConfigError(f"config file {path} does not parse: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a table/mapping at the top level")
-    unknown = set(data) - {"server", "pipelines"}
-    if unknown:
-        raise ConfigError(f"config file {path}: unknown sections {sorted(unknown)}")
-    server = data.get("server", {})
-    if not isinstance(server, dict):
-        raise ConfigError(f"config file {path}: [server] must be a table")
-    bad = set(server) - _SERVER_KEYS
-    if bad:
-        raise ConfigError(
-            f"config file {path}: unknown [server] keys {sorted(bad)} (known: {sorted(_SERVER_KEYS)})"
-        )
-    return data
-
-
-def pipelines_from_config(
-    table: Mapping[str, Any] | None, base_dir: pathlib.Path | None = None
-) -> dict[str, PipelineSpec]:
-    """PipelineSpecs from a config's ``[pipelines]`` table (presets when absent).
-
-    ``base_dir`` (the config file's directory) anchors relative ``file.py:function``
-    references of custom pipelines.
-    """
-    if not table:
-        return dict(PRESETS)
-    specs: dict[str, PipelineSpec] = {}
-    for name, entry in table.items():
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"[pipelines.{name}] must be a table")
-        entry = dict(entry)
-        try:
-            if "preset" in entry:
-                preset = PRESETS.get(str(entry.pop("preset")))
-                if preset is None:
-                    raise ConfigError(
-                        f"[pipelines.{name}]: preset must be one of {sorted(PRESETS)}"
-                    )
-                spec = dataclasses.replace(preset.with_defaults(entry), name=name)
-            elif "function" in entry:
-                spec = _custom(name, entry, base_dir)
-            else:
-                raise ConfigError(f"[pipelines.{name}] needs either preset = ... or function = ...")
-        except ParamError as exc:
-            raise ConfigError(f"[pipelines.{name}]: {exc}") from exc
-        specs[name] = spec
-    return specs
-
-
-def _custom(name: str, entry: dict[str, Any], base_dir: pathlib.Path | None = None) -> PipelineSpec:
-    function = load_function(str(entry.pop("function")), base_dir)
-    params: dict[str, Param] = {}
-    for pname, decl in dict(entry.pop("params", {})).items():
-        if not isinstance(decl, Mapping) or "default" not in decl:
-            raise ConfigError(f"[pipelines.{name}] parameter {pname!r} needs default, low and high")
-        default = float(decl["default"])
-        params[pname] = Param(
-            default=default,
-            low=float(decl.get("low", default)),
-            high=float(decl.get("high", default)),
-            integer=bool(decl.get("integer", False)),
-            help=str(decl.get("help", "")),
-        )
-    kwargs: dict[str, Any] = {}
-    for key in ("mean", "std"):
-        if key in entry:
-            kwargs[key] = tuple(float(v) for v in entry.pop(key))
-    description = str(entry.pop("description", ""))
-    if entry:
-        raise ConfigError(f"[pipelines.{name}]: unknown keys {sorted(entry)}")
-    spec = PipelineSpec(
-        name=name, function=function, params=params, description=description, **kwargs
-    )
-    spec.resolve()
-    return spec
