@@ -38,7 +38,7 @@ def run_messages(args: argparse.Namespace) -> int:
 
 
 def _raw_by_size() -> list[dict[str, Any]]:
-    from batchwire.cli._bench_runs import raw_server, run_raw
+    from batchwire.cli._bench_transport import raw_server, run_raw
 
     print(f"{'message':>10} {'GB/s':>7} {'client CPU-s/GB':>16}")
     rows: list[dict[str, Any]] = []
@@ -54,7 +54,8 @@ def _raw_by_size() -> list[dict[str, Any]]:
 
 
 def _parts_vs_whole(batch: int) -> list[dict[str, Any]]:
-    from batchwire.cli._bench_runs import IMAGE_BYTES, run_remote, transport_server
+    from batchwire.cli._bench_runs import IMAGE_BYTES, run_remote
+    from batchwire.cli._bench_transport import transport_server
 
     print(f"\nbatches of {batch} ({batch * IMAGE_BYTES / 2**20:.0f} MiB), transport only (d):")
     rows: list[dict[str, Any]] = []

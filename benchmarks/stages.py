@@ -64,7 +64,7 @@ def _pil_stages(records: list[np.ndarray], count: int) -> tuple[float, float]:
     """CPU seconds per image: (full decode, what run (c) does per sample)."""
     from PIL import Image
 
-    from batchwire.cli._bench_runs import pil_train_sample
+    from batchwire.cli._bench_pil import pil_train_sample
 
     chosen = [records[i % len(records)].tobytes() for i in range(count)]
     started = time.process_time()

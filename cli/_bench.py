@@ -180,13 +180,8 @@ _RUNS = ("inprocess", "remote", "pil", "transport", "raw")
 
 def _compare(args: argparse.Namespace) -> int:
     """Runs (a)..(e) alternated on the same data and cores, medians reported."""
-    from batchwire.cli._bench_runs import (
-        IMAGE_BYTES,
-        LocalServer,
-        bench_dataset,
-        raw_server,
-        transport_server,
-    )
+    from batchwire.cli._bench_runs import IMAGE_BYTES, LocalServer, bench_dataset
+    from batchwire.cli._bench_transport import raw_server, transport_server
     from batchwire.server.data import Manifest
 
     wanted = [name.strip() for name in args.runs.split(",") if name.strip()]
@@ -227,7 +222,9 @@ def _compare_runs(
     raw: tuple[str, int],
 ) -> dict[str, Callable[[], RunResult]]:
     """Each of (a)..(e) as a function that measures one run of it; servers as (address, pid)."""
-    from batchwire.cli._bench_runs import IMAGE_BYTES, run_inprocess, run_pil, run_raw, run_remote
+    from batchwire.cli._bench_pil import run_pil
+    from batchwire.cli._bench_runs import IMAGE_BYTES, run_inprocess, run_remote
+    from batchwire.cli._bench_transport import run_raw
 
     batch, images = args.batch_size, args.images
     per_message = _per_message(batch)
