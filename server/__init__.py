@@ -17,7 +17,8 @@ Its parts, by role:
 - :mod:`batchwire.server.serving`: the gRPC server, its security and metrics.
 
 ``BatchwireServer`` and ``ServerError`` load on first use, so importing the data or
-core parts never loads grpc.
+core parts never loads grpc; the settings (``ServerConfig``, ``settings``) load without
+DALI or LMDB, so a thin client's ``batchwire`` command line builds.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from batchwire.server._config import (
     resolve,
     settings,
 )
-from batchwire.server._config_file import load_file, pipelines_from_config
 
 if TYPE_CHECKING:
+    from batchwire.server._config_file import load_file, pipelines_from_config
     from batchwire.server.serving import BatchwireServer, ServerError
 
 __all__ = [
@@ -56,6 +57,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("load_file", "pipelines_from_config"):
+        from batchwire.server import _config_file
+
+        return getattr(_config_file, name)
     if name in ("BatchwireServer", "ServerError"):
         from batchwire.server import serving
 

@@ -13,9 +13,11 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchwire.server.core._pipelines import PRESETS, PipelineSpec
+if TYPE_CHECKING:
+    from batchwire.server.core._pipelines import PipelineSpec
+
 
 __all__ = [
     "ConfigError",
@@ -78,6 +80,14 @@ def _setting(
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def _presets() -> dict[str, PipelineSpec]:
+    # Imported when a config is built: the declaration of the settings (and so the
+    # CLI's flags) needs no DALI, LMDB or server code.
+    from batchwire.server.core._pipelines import PRESETS
+
+    return dict(PRESETS)
 
 
 def _path(text: str) -> pathlib.Path:
@@ -193,7 +203,7 @@ class ServerConfig:
     health_open: bool = _setting(
         False, "with token_file: the health service needs no token (for probes)", boolean
     )
-    pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=lambda: dict(PRESETS))
+    pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=lambda: _presets())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", pathlib.Path(self.data_dir))

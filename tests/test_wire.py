@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
-import tracemalloc
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -14,9 +16,6 @@ from batchwire.client._reader import TransferStats, assemble
 from batchwire.common.batch_codec import decode_batch, encode_batch
 from batchwire.common.tensors import from_proto, to_proto
 from batchwire.server import BatchwireServer
-from batchwire.server.core import PRESETS, BuildContext, OutputSpec, Result, RunnerKey, read_job
-from batchwire.server.core._runner import Runner
-from batchwire.server.data import Dataset
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -81,56 +80,63 @@ def test_large_batches_travel_in_parts_a_plain_client_can_join(server: Batchwire
     loader.close()
 
 
+_COUNT_COPIES = """
+import json, sys, tracemalloc
+import numpy as np
+from batchwire.common.batch_codec import decode_batch, encode_batch
+from batchwire.common.tensors import to_proto
+from batchwire.server.core import PRESETS, BuildContext, OutputSpec, RunnerKey, read_job
+from batchwire.server.core._runner import Runner
+from batchwire.server.data import Dataset
+from batchwire.v1 import batchwire_pb2 as pb
+
+spec = PRESETS["val"]
+params = tuple(sorted(spec.resolve({"size": 224}).items()))
+key = RunnerKey(pipeline="val", params=params, dtype="uint8", layout="NCHW", batch_size=16,
+                device="cpu", device_id=None)
+runner = Runner(key, spec, BuildContext(device="cpu", output=OutputSpec()), num_threads=1,
+                prefetch=1)
+views = []
+
+def finish(result):
+    views.append(not result.images.flags.owndata)  # DALI's buffer, not an array of ours
+    header = pb.Batch(ids=result.ids.tolist(), labels=to_proto("labels", result.labels, "N"))
+    return encode_batch(header, result.images, "NCHW")
+
+with Dataset(sys.argv[1]) as dataset:
+    jobs = [read_job(dataset, seq, np.arange(seq * 16, seq * 16 + 16)) for seq in range(6)]
+    for job in jobs:
+        job.finish = finish
+    shapes = []
+    tracemalloc.start()
+    for result in runner.run(iter(jobs)):
+        shapes.append([list(decode_batch(result.payload).images.shape), result.images.size])
+        del result
+    _, peak = tracemalloc.get_traced_memory()
+print(json.dumps({"peak": peak, "views": views, "shapes": shapes}))
+"""
+
+
 def test_the_server_copies_each_image_once_from_dalis_buffer_into_the_message(
     data_dir: pathlib.Path,
 ) -> None:
     """A stream's messages are built while the images are still in DALI's output buffer:
     the Python heap then holds one copy of a batch's pixels (the message), not two (an
-    array copied out of DALI, then the message built from it)."""
-    spec = PRESETS["val"]
-    params = spec.resolve({"size": 224})
-    key = RunnerKey(
-        pipeline="val",
-        params=tuple(sorted(params.items())),
-        dtype="uint8",
-        layout="NCHW",
-        batch_size=16,
-        device="cpu",
-        device_id=None,
+    array copied out of DALI, then the message built from it). Measured in a process of
+    its own, so that no other thread's allocations count."""
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT_COPIES, str(data_dir / "shapes")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
-    runner = Runner(
-        key,
-        spec,
-        BuildContext(device="cpu", output=OutputSpec()),
-        num_threads=1,
-        prefetch=1,
-    )
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
     image_bytes = 16 * 3 * 224 * 224
-    seen: list[bool] = []
-
-    def finish(result: Result) -> bytes:
-        # A view of DALI's buffer, not an array of our own.
-        seen.append(not result.images.flags.owndata)
-        header = pb.Batch(ids=result.ids.tolist(), labels=to_proto("labels", result.labels, "N"))
-        return encode_batch(header, result.images, "NCHW")
-
-    with Dataset(data_dir / "shapes") as dataset:
-        jobs = [read_job(dataset, seq, np.arange(seq * 16, seq * 16 + 16)) for seq in range(6)]
-        for job in jobs:
-            job.finish = finish
-        tracemalloc.start()
-        try:
-            messages = 0
-            for result in runner.run(iter(jobs)):
-                decoded = decode_batch(result.payload)
-                assert decoded.images.shape == (16, 3, 224, 224)
-                assert result.images.size == 0  # nothing kept beside the message
-                messages += 1
-                del result, decoded
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-    assert messages == 6 and seen == [True] * 6
-    # One batch's message at a time (the consumer drops each): one copy of its pixels,
-    # plus small change. Copied out of DALI first, the peak is two batches' worth.
+    assert measured["views"] == [True] * 6
+    # Nothing kept beside each message.
+    assert measured["shapes"] == [[[16, 3, 224, 224], 0]] * 6
+    # One batch's message at a time (each dropped before the next): one copy of its
+    # pixels plus small change. Copied out of DALI first, the peak is two batches' worth.
+    peak = measured["peak"]
     assert image_bytes <= peak < 1.5 * image_bytes, f"peak {peak} for {image_bytes} B batches"
