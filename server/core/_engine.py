@@ -27,25 +27,20 @@ from batchwire.common.sampler import Plan
 from batchwire.common.stream import NAME_PATTERN, StreamSpec
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server.core._jobs import Job, Result, read_job
+from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._parallel import ParallelRunner, PlannedSource
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
 from batchwire.server.core._pool import RunnerPool
 from batchwire.server.core._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
-from batchwire.server.core._runner import (
-    Job,
-    ParallelRunner,
-    PlannedSource,
-    Result,
-    Runner,
-    RunnerKey,
-)
+from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, Ticket
 from batchwire.server.data._dataset import Dataset, DatasetError
-from batchwire.server.data._formats import unsupported_reason
 
 if TYPE_CHECKING:
     from batchwire.server._config import ServerConfig
 
-__all__ = ["Batch", "BatchStream", "Engine", "StreamSpec", "read_job"]
+__all__ = ["Batch", "BatchStream", "Engine", "StreamSpec"]
 
 log = logging.getLogger(__name__)
 
@@ -75,31 +70,6 @@ class DatasetSummary:
     num_samples: int
     classes: tuple[str, ...]
     format_version: int
-
-
-def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job:
-    """The records of ``ids`` ready for a pipeline: read from LMDB, parsed, screened.
-
-    This is the server's whole record path, run in the thread that feeds DALI.
-    Records that are missing, not a ``Datum`` or not a decodable image are left
-    out and named in ``Job.skipped`` (and the log).
-    """
-    images, labels = dataset.read(ids)
-    good, skipped = [], []
-    for i, image in enumerate(images):
-        reason = "missing or not a Datum" if image is None else unsupported_reason(image)
-        if reason is None:
-            good.append(i)
-            continue
-        skipped.append(int(ids[i]))
-        log.warning("dataset %r: skipping sample %d: %s", dataset.name, ids[i], reason)
-    return Job(
-        seq=seq,
-        ids=ids[good],
-        images=[images[i] for i in good],  # type: ignore[misc]
-        labels=labels[good],
-        skipped=skipped,
-    )
 
 
 class BatchStream:

@@ -34,8 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server.core._jobs import Job
+from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import OutputSpec, ParamError, PipelineSpec
-from batchwire.server.core._runner import Job, Runner, RunnerKey
+from batchwire.server.core._runner import Runner
 from batchwire.server.data._formats import unsupported_reason
 
 __all__ = [
