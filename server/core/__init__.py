@@ -11,7 +11,7 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 from __future__ import annotations
 
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
-from batchwire.server.core._engine import Batch, BatchStream, Engine
+from batchwire.server.core._engine import Engine
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -29,6 +29,7 @@ from batchwire.server.core._pipelines import (
     PipelineSpec,
 )
 from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.core._stream import Batch, BatchStream
 
 __all__ = [
     "PRESETS",
