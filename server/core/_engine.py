@@ -30,7 +30,8 @@ from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
 from batchwire.server.core._pool import RunnerPool
-from batchwire.server.core._preprocess import PreprocessBatcher, PreprocessRequest, PreprocessResult
+from batchwire.server.core._preprocess import PreprocessBatcher
+from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, Ticket
 from batchwire.server.core._stream import Batch, BatchStream

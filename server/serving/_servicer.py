@@ -35,7 +35,7 @@ from batchwire.server.core._errors import (
     OverCapacity,
     ServiceError,
 )
-from batchwire.server.core._preprocess import PreprocessRequest, PreprocessResult
+from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
