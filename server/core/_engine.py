@@ -26,9 +26,9 @@ from batchwire.common.stream import NAME_PATTERN, StreamSpec
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
 from batchwire.server.core._jobs import Job, read_job
-from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
-from batchwire.server.core._pipelines import BuildContext, OutputSpec, ParamError, PipelineSpec
+from batchwire.server.core._pipelines import BuildContext, OutputSpec, PipelineSpec
 from batchwire.server.core._pool import RunnerPool
 from batchwire.server.core._preprocess import PreprocessBatcher
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
@@ -151,41 +151,19 @@ class Engine:
         if self.draining:
             raise Draining("the server is shutting down; resume the stream on another server")
         dataset = self._dataset(request.dataset)
-        spec = self.pipelines.get(request.pipeline)
-        if spec is None:
-            known = ", ".join(sorted(self.pipelines))
-            raise NotFound(f"no pipeline named {request.pipeline!r} (this server has: {known})")
+        spec = pipeline_named(self.pipelines, request.pipeline)
         if request.batch_size > self.config.max_batch_size:
             raise InvalidRequest(
                 f"batch_size {request.batch_size} exceeds this server's limit of "
                 f"{self.config.max_batch_size} (server flag --max-batch-size)"
             )
         plan = self._plan(request, dataset)
+        key, output = runner_key(
+            spec, request, batch_size=request.batch_size, device=self.devices.kind
+        )
+        self._reserve_stream()
         try:
-            params = spec.resolve(request.params)
-            output = OutputSpec(
-                dtype=request.dtype, layout=request.layout, mean=spec.mean, std=spec.std
-            )
-        except ParamError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        with self._streams_lock:
-            if self._streams >= self.config.max_streams:
-                raise OverCapacity(
-                    f"the server already serves {self._streams} streams, its limit "
-                    f"(--max-streams {self.config.max_streams}); retry later or add servers"
-                )
-            self._streams += 1
-        try:
-            device_id = next(self._device_cycle)
-            key = RunnerKey(
-                pipeline=spec.name,
-                params=tuple(sorted(params.items())),
-                dtype=output.dtype,
-                layout=output.layout,
-                batch_size=request.batch_size,
-                device=self.devices.kind,
-                device_id=device_id,
-            )
+            key = dataclasses.replace(key, device_id=next(self._device_cycle))
             parallel = None
             if self.config.read_workers and not pull:
                 parallel = functools.partial(self._build_parallel, key, dataset)
@@ -246,6 +224,16 @@ class Engine:
         # A stream asks for a few batches beyond the pipelines' own prefetch, so that one
         # stream alone keeps more than one pipeline busy.
         return self._scheduler.ticket(key, count, read, window=self.config.prefetch + 2)
+
+    def _reserve_stream(self) -> None:
+        """Count a new stream, or refuse it at the limit (``_release`` uncounts it)."""
+        with self._streams_lock:
+            if self._streams >= self.config.max_streams:
+                raise OverCapacity(
+                    f"the server already serves {self._streams} streams, its limit "
+                    f"(--max-streams {self.config.max_streams}); retry later or add servers"
+                )
+            self._streams += 1
 
     def _release(self) -> None:
         with self._streams_lock:

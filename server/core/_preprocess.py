@@ -33,10 +33,10 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
 from batchwire.server.core._jobs import Job
-from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._pipelines import OutputSpec, ParamError, PipelineSpec
+from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
+from batchwire.server.core._pipelines import PipelineSpec
 from batchwire.server.core._preprocess_request import (
     Pending,
     PreprocessRequest,
@@ -132,10 +132,7 @@ class PreprocessBatcher:
         """Validate and queue ``request``; raises ServiceErrors for request-level problems."""
         if self._draining() or self._stop.is_set():
             raise Draining("the server is shutting down; send the request to another server")
-        spec = self._pipelines.get(request.pipeline)
-        if spec is None:
-            known = ", ".join(sorted(self._pipelines))
-            raise NotFound(f"no pipeline named {request.pipeline!r} (this server has: {known})")
+        spec = pipeline_named(self._pipelines, request.pipeline)
         count = len(request.images)
         if count == 0:
             raise InvalidRequest("send at least one encoded image")
@@ -155,13 +152,7 @@ class PreprocessBatcher:
                 f"the request holds {size} bytes of images, over this server's limit of "
                 f"{self.max_bytes} (server setting max_request_bytes): send fewer images per request"
             )
-        try:
-            params = spec.resolve(request.params)
-            output = OutputSpec(
-                dtype=request.dtype, layout=request.layout, mean=spec.mean, std=spec.std
-            )
-        except ParamError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        key, output = runner_key(spec, request, batch_size=self.batch_size, device=self._device)
 
         pending = Pending(count, 0, output, spec)
         good: list[tuple[int, np.ndarray]] = []
@@ -176,15 +167,6 @@ class PreprocessBatcher:
             pending.parts_left = 1
             pending.part_done()
             return pending.future
-        key = RunnerKey(
-            pipeline=spec.name,
-            params=tuple(sorted(params.items())),
-            dtype=output.dtype,
-            layout=output.layout,
-            batch_size=self.batch_size,
-            device=self._device,
-            device_id=None,
-        )
         self._enqueue(key, pending, good)
         return pending.future
 
