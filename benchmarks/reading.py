@@ -122,7 +122,7 @@ def measure_reading(
 ) -> list[ReadingResult]:
     """Every run of the module docstring, ``repeats`` times alternated, after a warm-up."""
     from batchwire.server.core import read_job
-    from batchwire.server.core._runner import PlannedSource
+    from batchwire.server.core._parallel import PlannedSource
     from batchwire.server.data import Dataset, Manifest
 
     directory = data_dir / dataset

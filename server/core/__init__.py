@@ -11,7 +11,7 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 from __future__ import annotations
 
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
-from batchwire.server.core._engine import Batch, BatchStream, Engine, read_job
+from batchwire.server.core._engine import Engine
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -19,6 +19,8 @@ from batchwire.server.core._errors import (
     OverCapacity,
     ServiceError,
 )
+from batchwire.server.core._jobs import Job, Result, read_job
+from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import (
     PRESETS,
     BuildContext,
@@ -26,8 +28,8 @@ from batchwire.server.core._pipelines import (
     ParamError,
     PipelineSpec,
 )
-from batchwire.server.core._runner import Job, Result, RunnerKey
 from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.core._stream import Batch, BatchStream
 
 __all__ = [
     "PRESETS",

@@ -12,7 +12,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from batchwire.server.core._runner import Runner, RunnerKey
+from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._runner import Runner
 
 __all__ = ["RunnerPool"]
 

@@ -29,23 +29,24 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
-from batchwire.server.core._pipelines import OutputSpec, ParamError, PipelineSpec
-from batchwire.server.core._runner import Job, Runner, RunnerKey
+from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
+from batchwire.server.core._jobs import Job
+from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
+from batchwire.server.core._pipelines import PipelineSpec
+from batchwire.server.core._preprocess_request import (
+    Pending,
+    PreprocessRequest,
+    PreprocessResult,
+    settle,
+)
+from batchwire.server.core._runner import Runner
 from batchwire.server.data._formats import unsupported_reason
 
-__all__ = [
-    "IDLE_SECONDS",
-    "MAX_LANES",
-    "ImageFailure",
-    "PreprocessBatcher",
-    "PreprocessRequest",
-    "PreprocessResult",
-]
+__all__ = ["IDLE_SECONDS", "MAX_LANES", "PreprocessBatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -58,114 +59,11 @@ _DALI_FAILED = (
 )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PreprocessRequest:
-    """Encoded images to run through ``pipeline``; the caller owns the buffers."""
-
-    pipeline: str
-    images: Sequence[bytes]
-    dtype: str = "uint8"
-    layout: str = "NCHW"
-    params: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageFailure:
-    """Image ``index`` of a request could not be preprocessed, because ``reason``."""
-
-    index: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class PreprocessResult:
-    """``images[i]`` is the request's image ``indices[i]``; the rest are in ``failures``.
-
-    ``images`` owns its memory; it has shape ``(0,)`` when nothing succeeded.
-    """
-
-    images: np.ndarray
-    indices: tuple[int, ...]
-    failures: tuple[ImageFailure, ...]
-    normalized: bool
-    layout: str
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-def settle(
-    future: concurrent.futures.Future[PreprocessResult],
-    *,
-    result: PreprocessResult | None = None,
-    exception: BaseException | None = None,
-) -> None:
-    """Complete ``future`` unless it is already done (the client may have cancelled it)."""
-    try:
-        if exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-class _Pending:
-    """A submitted request whose parts are on their way through the lanes."""
-
-    def __init__(self, size: int, parts: int, output: OutputSpec, spec: PipelineSpec) -> None:
-        self.future: concurrent.futures.Future[PreprocessResult] = concurrent.futures.Future()
-        self.rows: list[np.ndarray | None] = [None] * size
-        self.reasons: dict[int, str] = {}
-        self.parts_left = parts
-        self.output = output
-        self.spec = spec
-        self.lock = threading.Lock()
-
-    def fail(self, index: int, reason: str) -> None:
-        self.reasons[index] = reason
-
-    def part_done(self) -> None:
-        with self.lock:
-            self.parts_left -= 1
-            if self.parts_left > 0:
-                return
-        try:
-            result = self._result()
-        except Exception as exc:  # e.g. rows of different shapes from a custom pipeline
-            settle(self.future, exception=exc)
-        else:
-            settle(self.future, result=result)
-
-    def _result(self) -> PreprocessResult:
-        indices = tuple(i for i, row in enumerate(self.rows) if row is not None)
-        if indices:
-            rows = [self.rows[i] for i in indices]
-            shapes = {row.shape for row in rows}  # type: ignore[union-attr]
-            if len(shapes) > 1:
-                raise InvalidRequest(
-                    f"pipeline {self.spec.name!r} gave images of different shapes "
-                    f"{sorted(shapes)}: preprocessing needs one output shape (crop to a size)"
-                )
-            images = np.stack(rows)  # type: ignore[arg-type]
-        else:
-            images = np.zeros((0,), dtype=np.uint8)
-        failures = tuple(ImageFailure(i, self.reasons[i]) for i in sorted(self.reasons))
-        return PreprocessResult(
-            images=images,
-            indices=indices,
-            failures=failures,
-            normalized=self.output.normalized,
-            layout=self.output.layout,
-            mean=tuple(self.spec.mean),
-            std=tuple(self.spec.std),
-        )
-
-
 @dataclasses.dataclass
 class _Part:
     """Images ``offset .. offset + len(images)`` of a request, screened and queued."""
 
-    pending: _Pending
+    pending: Pending
     offset: int
     images: list[np.ndarray]
     arrived: float
@@ -234,10 +132,7 @@ class PreprocessBatcher:
         """Validate and queue ``request``; raises ServiceErrors for request-level problems."""
         if self._draining() or self._stop.is_set():
             raise Draining("the server is shutting down; send the request to another server")
-        spec = self._pipelines.get(request.pipeline)
-        if spec is None:
-            known = ", ".join(sorted(self._pipelines))
-            raise NotFound(f"no pipeline named {request.pipeline!r} (this server has: {known})")
+        spec = pipeline_named(self._pipelines, request.pipeline)
         count = len(request.images)
         if count == 0:
             raise InvalidRequest("send at least one encoded image")
@@ -257,15 +152,9 @@ class PreprocessBatcher:
                 f"the request holds {size} bytes of images, over this server's limit of "
                 f"{self.max_bytes} (server setting max_request_bytes): send fewer images per request"
             )
-        try:
-            params = spec.resolve(request.params)
-            output = OutputSpec(
-                dtype=request.dtype, layout=request.layout, mean=spec.mean, std=spec.std
-            )
-        except ParamError as exc:
-            raise InvalidRequest(str(exc)) from exc
+        key, output = runner_key(spec, request, batch_size=self.batch_size, device=self._device)
 
-        pending = _Pending(count, 0, output, spec)
+        pending = Pending(count, 0, output, spec)
         good: list[tuple[int, np.ndarray]] = []
         for index, image in enumerate(request.images):
             reason = "empty: no bytes" if not image else unsupported_reason(image)
@@ -278,20 +167,11 @@ class PreprocessBatcher:
             pending.parts_left = 1
             pending.part_done()
             return pending.future
-        key = RunnerKey(
-            pipeline=spec.name,
-            params=tuple(sorted(params.items())),
-            dtype=output.dtype,
-            layout=output.layout,
-            batch_size=self.batch_size,
-            device=self._device,
-            device_id=None,
-        )
         self._enqueue(key, pending, good)
         return pending.future
 
     def _enqueue(
-        self, key: RunnerKey, pending: _Pending, good: list[tuple[int, np.ndarray]]
+        self, key: RunnerKey, pending: Pending, good: list[tuple[int, np.ndarray]]
     ) -> None:
         # Parts are runs of consecutive good images, at most batch_size long, so
         # any part fits one DALI batch. Failed images split runs.

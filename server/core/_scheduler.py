@@ -27,7 +27,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from batchwire.server.core._runner import Job, Result, Runner, RunnerKey
+from batchwire.server.core._jobs import Job, Result
+from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._runner import Runner
 
 __all__ = ["Scheduler", "Ticket"]
 

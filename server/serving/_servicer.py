@@ -27,7 +27,7 @@ from batchwire.common.batch_codec import encode_batch
 from batchwire.common.stream import StreamSpec, output_format
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
-from batchwire.server.core._engine import Batch, BatchStream, DatasetSummary, Engine
+from batchwire.server.core._engine import DatasetSummary, Engine
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -35,7 +35,8 @@ from batchwire.server.core._errors import (
     OverCapacity,
     ServiceError,
 )
-from batchwire.server.core._preprocess import PreprocessRequest, PreprocessResult
+from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb

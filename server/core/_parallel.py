@@ -1,0 +1,157 @@
+"""A stream's pipeline whose records are read in DALI's worker processes.
+
+:class:`PlannedSource` holds the stream's batches and reads them, in each worker, through
+the engine's record path; :class:`ParallelRunner` runs the pipeline it feeds and hands the
+stream over to an inline :class:`~batchwire.server.core._runner.Runner` when a batch fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import pickle
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import numpy as np
+
+from batchwire.server.core._dali import build_pipeline, error_line, to_numpy
+from batchwire.server.core._jobs import Job, Result
+from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._pipelines import BuildContext, PipelineSpec
+
+__all__ = ["ParallelRunner", "PlannedSource", "UnreadableBatch"]
+
+log = logging.getLogger(__name__)
+
+
+class UnreadableBatch(Exception):
+    """No record of a batch can be fed to DALI (it cannot run an empty batch)."""
+
+
+class PlannedSource:
+    """A stream's batches, read in DALI's worker processes by ``read``.
+
+    The parallel external_source calls it with the batch number; ``read`` is the
+    engine's record path (``read_job``). It is pickled into each worker, which
+    opens its own LMDB environment on first use.
+    """
+
+    def __init__(
+        self, directory: str, batches: list[np.ndarray], read: Callable[[Any, int, np.ndarray], Job]
+    ) -> None:
+        self.directory = directory
+        self.batches = batches
+        self.read = read
+        self._dataset: Any = None
+        # The workers log skipped records as this process does (level, plain or JSON).
+        root = logging.getLogger()
+        formatter = next((h.formatter for h in root.handlers if h.formatter), None)
+        try:
+            pickle.dumps(formatter)
+        except Exception:  # a formatter bound to something local: plain lines then
+            formatter = None
+        self._logging = (root.level, formatter)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_dataset": None}
+
+    def __call__(self, info: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        if info.iteration >= len(self.batches):
+            raise StopIteration
+        if self._dataset is None:
+            from batchwire.server.data._dataset import Dataset
+
+            root = logging.getLogger()
+            if not root.handlers:  # a fresh worker process
+                level, formatter = self._logging
+                handler = logging.StreamHandler()
+                handler.setFormatter(formatter)
+                root.addHandler(handler)
+                root.setLevel(level)
+            self._dataset = Dataset(pathlib.Path(self.directory))
+        job = self.read(self._dataset, info.iteration, self.batches[info.iteration])
+        if not job.images:
+            raise UnreadableBatch(f"no record of batch {job.seq} can be decoded")
+        return job.inputs()
+
+
+class ParallelRunner:
+    """One stream's pipeline whose records are read by DALI worker processes.
+
+    It is built for its stream (the source holds the stream's batches) and shut
+    down after it. A batch that fails ends the parallel part: the stream goes on
+    from that batch through ``fallback``, an inline :class:`Runner` that finds
+    the culprits one by one and skips them.
+    """
+
+    def __init__(
+        self,
+        key: RunnerKey,
+        spec: PipelineSpec,
+        ctx: BuildContext,
+        source: PlannedSource,
+        *,
+        num_threads: int,
+        prefetch: int,
+        workers: int,
+    ) -> None:
+        self.key = key
+        self._name = spec.name
+        self._batches = source.batches
+        self._pipe: Any = build_pipeline(
+            spec,
+            dict(key.params),
+            ctx,
+            batch_size=key.batch_size,
+            num_threads=num_threads,
+            device_id=key.device_id,
+            prefetch=prefetch,
+            source=source,
+            read_workers=workers,
+        )
+
+    def run(self, fallback: Callable[[int], Iterator[Result]]) -> Generator[Result, None, None]:
+        """Every batch's result in order; ``fallback(seq)`` yields from batch ``seq`` on."""
+        seq = 0
+        try:
+            while seq < len(self._batches):
+                try:
+                    outputs = self._pipe.run()
+                except Exception as exc:  # a worker's error comes back as its own type
+                    log.warning(
+                        "pipeline %r failed at batch %d or a batch read ahead of it by the "
+                        "worker processes (%s); reading the rest of the stream inline",
+                        self._name,
+                        seq,
+                        error_line(exc),
+                    )
+                    self.close()
+                    yield from fallback(seq)
+                    return
+                yield self._result(seq, outputs)
+                seq += 1
+        finally:
+            self.close()
+
+    def _result(self, seq: int, outputs: Any) -> Result:
+        images, labels, meta = (to_numpy(out) for out in outputs)
+        if meta.shape[0] == 0 or np.any(meta[:, 0] != seq):
+            raise RuntimeError(f"DALI's output does not match batch {seq} of the stream")
+        ids = meta[:, 1].copy()
+        read = set(ids.tolist())
+        skipped = tuple(int(i) for i in self._batches[seq] if int(i) not in read)
+        if skipped:
+            # The workers log each record's reason.
+            log.warning("skipping sample ids %s: unreadable records", list(skipped))
+        return Result(
+            seq=seq,
+            ids=ids,
+            images=images,
+            labels=labels.reshape(-1).astype(np.int64, copy=False),
+            skipped=skipped,
+        )
+
+    def close(self) -> None:
+        """Let the pipeline go: DALI stops its worker processes with it. Idempotent."""
+        self._pipe = None
