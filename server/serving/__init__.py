@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from batchwire.server.serving._malloc import tune_for_large_buffers
+from batchwire.server.serving._messages import EncodedBatch, encode_parts
 from batchwire.server.serving._server import BatchwireServer, ServerError
-from batchwire.server.serving._servicer import EncodedBatch, encode_parts
 
 __all__ = [
     "BatchwireServer",

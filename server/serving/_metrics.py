@@ -31,6 +31,7 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import socket
@@ -104,56 +105,42 @@ class ServerMetrics:
     """The metrics of one server, in a registry of their own."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.streams_started = Counter(
-            "batchwire_streams_started", "Streams opened.", LABELS, registry=r
-        )
-        self.streams_ended = Counter(
+        self.registry = r = CollectorRegistry()
+        # The per-stream metrics, all labelled by dataset and pipeline.
+        counter = functools.partial(Counter, labelnames=LABELS, registry=r)
+        histogram = functools.partial(Histogram, labelnames=LABELS, registry=r)
+        self.streams_started = counter("batchwire_streams_started", "Streams opened.")
+        self.streams_ended = counter(
             "batchwire_streams_ended",
             "Streams ended, by status: OK when the lane's whole share was delivered.",
-            (*LABELS, "status"),
-            registry=r,
+            labelnames=(*LABELS, "status"),
         )
         self.active_streams = Gauge(
             "batchwire_active_streams", "Streams open now.", LABELS, registry=r
         )
-        self.batches_sent = Counter(
-            "batchwire_batches_sent",
-            "Batches sent to clients (handed to gRPC).",
-            LABELS,
-            registry=r,
+        self.batches_sent = counter(
+            "batchwire_batches_sent", "Batches sent to clients (handed to gRPC)."
         )
-        self.samples_sent = Counter(
-            "batchwire_samples_sent", "Samples in the batches sent.", LABELS, registry=r
+        self.samples_sent = counter("batchwire_samples_sent", "Samples in the batches sent.")
+        self.bytes_sent = counter(
+            "batchwire_bytes_sent", "Serialized bytes of the batches sent (before gRPC framing)."
         )
-        self.bytes_sent = Counter(
-            "batchwire_bytes_sent",
-            "Serialized bytes of the batches sent (before gRPC framing).",
-            LABELS,
-            registry=r,
-        )
-        self.skipped_samples = Counter(
+        self.skipped_samples = counter(
             "batchwire_skipped_samples",
             "Samples left out of their batch because they could not be decoded.",
-            LABELS,
-            registry=r,
         )
-        self.pipeline_seconds = Histogram(
+        self.pipeline_seconds = histogram(
             "batchwire_pipeline_seconds",
             "Seconds to produce one batch: LMDB read, DALI run, message build.",
-            LABELS,
             buckets=_PIPELINE_BUCKETS,
-            registry=r,
         )
-        self.client_wait_seconds = Histogram(
+        self.client_wait_seconds = histogram(
             "batchwire_client_wait_seconds",
             "Seconds one batch waited for the client to take it (flow control; "
             "high values mean slow or busy trainers).",
-            LABELS,
             buckets=_WAIT_BUCKETS,
-            registry=r,
         )
+        # The server's own.
         self.errors = Counter(
             "batchwire_errors",
             "Calls that ended with a status other than OK or CANCELLED.",

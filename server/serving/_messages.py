@@ -1,0 +1,177 @@
+"""The service's messages: checking and converting requests, encoding batches, and
+mapping domain errors to status codes.
+
+A request that does not parse as its message arrives as :class:`Malformed` (see
+:func:`tolerant`) and is refused like any other invalid request: INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from batchwire.common.batch_codec import encode_batch
+from batchwire.common.stream import StreamSpec, output_format
+from batchwire.common.stream import check_name as check_spec_name
+from batchwire.common.tensors import to_proto
+from batchwire.server.core._errors import (
+    Draining,
+    InvalidRequest,
+    NotFound,
+    OverCapacity,
+)
+from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.core._stream import Batch
+from batchwire.server.data._dataset import DatasetError
+from batchwire.v1 import batchwire_pb2 as pb
+
+__all__ = [
+    "STATUS_CODES",
+    "EncodedBatch",
+    "Malformed",
+    "check_message",
+    "check_name",
+    "encode_parts",
+    "preprocess_request_from_proto",
+    "preprocess_result_to_proto",
+    "request_from_proto",
+    "status_for",
+    "tolerant",
+]
+
+# Domain error -> status code: the one place where the mapping lives.
+STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    DatasetError: grpc.StatusCode.DATA_LOSS,
+}
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    for kind, code in STATUS_CODES.items():
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class Malformed:
+    """What a request that does not parse as its message becomes (see ``tolerant``)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def tolerant(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | Malformed]:
+    """A request deserializer that turns what does not parse into ``Malformed``."""
+
+    def deserialize(data: bytes) -> Message | Malformed:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Malformed(str(exc) or "cannot parse")
+
+    return deserialize
+
+
+def check_message(request: Message | Malformed) -> None:
+    """A request must parse and carry only fields this server knows."""
+    if isinstance(request, Malformed):
+        raise InvalidRequest(f"the request is not a valid protobuf message: {request.reason}")
+    unknown = sorted({field.field_number for field in UnknownFieldSet(request)})
+    if unknown:
+        raise InvalidRequest(
+            f"the request has fields this server does not know (numbers {unknown}); "
+            "the client speaks a newer protocol: upgrade the server or drop those fields"
+        )
+
+
+def check_name(kind: str, name: str) -> None:
+    """Dataset and pipeline names are plain names: never paths, never empty."""
+    try:
+        check_spec_name(kind, name)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSpec:
+    """Convert a request message; anything malformed is InvalidRequest."""
+    check_message(request)
+    assert not isinstance(request, Malformed)
+    try:
+        return StreamSpec.from_proto(request)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> PreprocessRequest:
+    """Convert a Preprocess request; anything malformed is InvalidRequest."""
+    check_message(request)
+    assert not isinstance(request, Malformed)
+    check_name("pipeline", request.pipeline)
+    try:
+        dtype, layout = output_format(request.dtype, request.layout)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return PreprocessRequest(
+        pipeline=request.pipeline,
+        images=request.images,
+        dtype=dtype,
+        layout=layout,
+        params=dict(request.params),
+    )
+
+
+def preprocess_result_to_proto(result: PreprocessResult) -> pb.PreprocessResponse:
+    return pb.PreprocessResponse(
+        images=to_proto("images", result.images, result.layout if result.indices else ""),
+        indices=result.indices,
+        errors=[pb.ImageError(index=f.index, reason=f.reason) for f in result.failures],
+        normalized=result.normalized,
+        mean=result.mean,
+        std=result.std,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedBatch:
+    """One batch as the Batch messages that carry it (several parts if large)."""
+
+    messages: list[bytes]
+    samples: int
+    nbytes: int
+    skipped: int = 0  # samples left out of the batch (undecodable)
+
+
+def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
+    """Batch message bytes, split into parts of at most ``max_message_bytes`` of
+    images each (at least one sample per part); each image byte is copied once."""
+    total = len(batch.ids)
+    per_sample = max(1, batch.images[:1].nbytes)
+    step = max(1, max_message_bytes // per_sample)
+    parts = max(1, -(-total // step))
+    messages = []
+    for part in range(parts):
+        lo, hi = part * step, min(total, (part + 1) * step)
+        last = part == parts - 1
+        header = pb.Batch(
+            index=batch.index,
+            ids=batch.ids[lo:hi].tolist(),
+            labels=to_proto("labels", batch.labels[lo:hi], "N"),
+            cursor=batch.cursor if last else 0,
+            skipped_ids=batch.skipped_ids if last else (),
+            normalized=batch.normalized,
+            num_batches=batch.num_batches,
+            part=part,
+            parts=parts,
+            samples=total,
+        )
+        messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
+    return EncodedBatch(
+        messages, total, sum(len(m) for m in messages), skipped=len(batch.skipped_ids)
+    )

@@ -1,0 +1,212 @@
+"""Serving one opened stream: writing its batches until its end, its end status, its
+start and end log lines, and its metrics.
+
+Blocking work (LMDB reads, DALI runs, building messages) runs on a bounded thread
+pool; the event loop only awaits it and writes to the wire, so a slow client holds
+back only its own stream (the next batch is not computed until the previous one is
+written).
+
+A client that cancels its stream (or closes its channel, or exits) is normal
+operation: the stream ends with one INFO line, ``status=CANCELLED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from batchwire.common.stream import StreamSpec
+from batchwire.server.core._errors import ServiceError
+from batchwire.server.core._stream import BatchStream
+from batchwire.server.data._dataset import DatasetError
+from batchwire.server.serving._messages import EncodedBatch, status_for
+from batchwire.server.serving._metrics import ServerMetrics, StreamMetrics
+
+__all__ = ["serve_stream", "write"]
+
+# The stream start and end lines are the servicer's: operators find and filter them
+# under this logger name (it is in the JSON log lines, see the README).
+log = logging.getLogger("batchwire.server.serving._servicer")
+
+# How long a stream whose write failed waits for gRPC to report the client gone (see write).
+_HANGUP_NOTICE_S = 5.0
+
+
+async def write(context: grpc.aio.ServicerContext, message: bytes) -> None:
+    """Write one message of a stream; returns once gRPC has taken it.
+
+    A write fails (``grpc.aio.InternalError``) when the call ended under it, nearly
+    always because the client went away mid-message; gRPC reports that a moment later
+    by cancelling the handler's task. The write waits for that cancellation: raised
+    first, gRPC would log the failure at ERROR with a traceback. A failed write that
+    no cancellation follows is a real error and is raised.
+    """
+    try:
+        await context.write(message)
+    except grpc.aio.InternalError:
+        await asyncio.sleep(_HANGUP_NOTICE_S)  # cancelled here when the client went away
+        raise
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What a stream has handed to gRPC so far; its end line reports it."""
+
+    sent: int = 0  # samples
+    batches: int = 0
+    # The share's last message is being handed over: a client that hangs up now has
+    # had every batch.
+    last_write: bool = False
+
+
+async def serve_stream(
+    stream: BatchStream,
+    stream_request: StreamSpec,
+    context: grpc.aio.ServicerContext,
+    executor: concurrent.futures.ThreadPoolExecutor,
+    server_metrics: ServerMetrics,
+) -> None:
+    """Write the stream's batches until its end, and close it. Writes with
+    context.write rather than yielding: a client's hang-up then reaches this handler
+    (as CancelledError, see write) instead of gRPC's write loop, and this handler's
+    cleanup runs in its own task rather than when an abandoned generator is
+    garbage-collected."""
+    loop = asyncio.get_running_loop()
+    fields = _log_start(stream, stream_request, context.peer())
+    metrics = server_metrics.stream(stream_request.dataset, stream_request.pipeline)
+    metrics.opened()
+    # A pulled stream has no fixed length: its client half-closes when done.
+    expected = None if stream.pull else stream.plan.lane_batches
+    progress = _Progress()
+    status = "CANCELLED"  # unless the loop ends otherwise: the client went away
+    started = time.monotonic()
+    try:
+        if stream.pull:
+            # Tells the client the stream is open, so it asks this server for batches
+            # only now: a server that is down or refuses never holds any. Inside the
+            # try: a client gone by now still gets its stream closed below.
+            await context.send_initial_metadata(())
+        await _write_batches(stream, context, executor, metrics, expected, progress)
+        status = "OK"
+    except (ServiceError, DatasetError) as exc:
+        status = status_for(exc).name
+        await context.abort(status_for(exc), str(exc))
+    except Exception as exc:
+        status = grpc.StatusCode.INTERNAL.name
+        log.exception("stream failed: dataset=%s", stream_request.dataset)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, f"the server failed while streaming ({exc}); see its log"
+        )
+    finally:
+        if status == "CANCELLED" and progress.last_write:
+            status = "OK"  # the client had every batch and hung up before the end
+        metrics.closed(status)
+        _log_end(fields, stream_request, progress, time.monotonic() - started, status)
+        # Runs on cancellation too: the pipeline drains and returns to the pool. A
+        # cancellation arriving during this await ends the handler here (the shielded
+        # close goes on), so everything else is done before it.
+        await asyncio.shield(loop.run_in_executor(executor, stream.close))
+
+
+async def _write_batches(
+    stream: BatchStream,
+    context: grpc.aio.ServicerContext,
+    executor: concurrent.futures.ThreadPoolExecutor,
+    metrics: StreamMetrics,
+    expected: int | None,
+    progress: _Progress,
+) -> None:
+    """Compute and write the stream's batches until it has no more."""
+    loop = asyncio.get_running_loop()
+    while True:
+        computing = time.perf_counter()
+        # The stream yields its batches encoded (encode_parts, given when it was
+        # opened), their images copied once, from DALI's buffer into the messages.
+        encoded: EncodedBatch | None
+        if stream.awaitable:  # the server's pipelines: no thread waits for it
+            encoded = await stream.next_async()
+        else:
+            encoded = await loop.run_in_executor(executor, next, stream, None)
+        if encoded is None:
+            return
+        metrics.produced(time.perf_counter() - computing, encoded.skipped)
+        # Counted when handed to gRPC: a client can hold the batch (and hang up)
+        # before this handler resumes after its last write.
+        progress.sent += encoded.samples
+        progress.batches += 1
+        metrics.sent(encoded.samples, encoded.nbytes)
+        waited = 0.0  # each write returns once gRPC has taken the message
+        try:
+            for part, message in enumerate(encoded.messages):
+                writing = time.perf_counter()
+                last_part = part == len(encoded.messages) - 1
+                progress.last_write = progress.batches == expected and last_part
+                await write(context, message)
+                waited += time.perf_counter() - writing
+        finally:
+            # Also when the client hangs up before this handler resumes after
+            # the batch's last message, as the batch is counted sent above.
+            metrics.waited(waited)
+
+
+def _log_start(stream: BatchStream, stream_request: StreamSpec, peer: str) -> dict[str, Any]:
+    """Log the stream's start line; returns the fields its start and end lines share."""
+    # Structured copies of the start and end lines (JSON logs: --log-format json).
+    fields = {
+        "peer": peer,
+        "dataset": stream_request.dataset,
+        "pipeline": stream_request.pipeline,
+        "rank": stream_request.rank,
+        "world_size": stream_request.world_size,
+        "lane": stream_request.lane,
+        "lanes": stream_request.lanes,
+        "pull": stream.pull,
+        "epoch": stream_request.epoch,
+        "start": stream_request.start,
+    }
+    log.info(
+        "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d %s epoch=%d start=%d",
+        peer,
+        stream_request.dataset,
+        stream_request.pipeline,
+        stream_request.rank,
+        stream_request.world_size,
+        "pull" if stream.pull else f"lane={stream_request.lane}/{stream_request.lanes}",
+        stream_request.epoch,
+        stream_request.start,
+        extra={"event": "stream_start", **fields},
+    )
+    return fields
+
+
+def _log_end(
+    fields: dict[str, Any],
+    stream_request: StreamSpec,
+    progress: _Progress,
+    duration: float,
+    status: str,
+) -> None:
+    log.info(
+        "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f status=%s",
+        fields["peer"],
+        stream_request.dataset,
+        stream_request.pipeline,
+        stream_request.rank,
+        progress.sent,
+        duration,
+        status,
+        extra={
+            "event": "stream_end",
+            **fields,
+            "samples": progress.sent,
+            "batches": progress.batches,
+            "duration_s": round(duration, 3),
+            "status": status,
+        },
+    )
