@@ -68,13 +68,16 @@ def _free_port() -> str:
 class Page:
     """What one page's examples share: a directory, a port map, background processes."""
 
-    def __init__(self, path: pathlib.Path, workdir: pathlib.Path, ports: dict[str, str]):
+    def __init__(
+        self, path: pathlib.Path, workdir: pathlib.Path, ports: dict[str, str], cache: pathlib.Path
+    ):
         self.path = path
         self.workdir = workdir
         self.ports = ports
         self.groups: list[int] = []
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
-        self.env["BATCHWIRE_CACHE"] = str(workdir / "cache")  # batchwire demo's dataset
+        # batchwire demo's dataset, made by README's demo and kept for the pages' (as ~/.cache is)
+        self.env["BATCHWIRE_CACHE"] = str(cache)
         self.env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
 
     def text(self, example: Example) -> str:
@@ -170,6 +173,7 @@ def pages(
     tmp_path_factory: pytest.TempPathFactory, images: pathlib.Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[[str], Page]]:
     """Opens each page's working directory when its first example runs."""
+    cache = tmp_path_factory.mktemp("cache")
 
     def open_page(name: str) -> Page:
         if name in OPEN:
@@ -185,7 +189,7 @@ def pages(
             (workdir / "datasets").symlink_to(datasets)
         if path.stem == "security":
             _credentials(workdir)
-        OPEN[name] = Page(path, workdir, ports)
+        OPEN[name] = Page(path, workdir, ports, cache)
         return OPEN[name]
 
     yield open_page
