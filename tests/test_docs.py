@@ -4,7 +4,7 @@ Every ```` ```python ```` and ```` ```bash ```` block in README.md and docs/*.md
 page order, by Sybil's Markdown parsers, one test per block. Each page runs in a working
 directory of its own that holds what its text assumes:
 
-* ``my-images/``: a folder of images in class subfolders (generated photos), and the
+* ``my-images/``: a folder of images in class subfolders (generated JPEGs), and the
   checkout's ``examples/``;
 * for docs/ pages, ``datasets/pets`` ingested from it and a real ``batchwire serve`` process
   serving ``datasets/`` (CPU DALI), which the pages call ``localhost:50051``; README's quick
@@ -42,14 +42,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 from certs import make_authority
+from PIL import Image, ImageDraw
 from processes import serve_process
 from sybil import Example, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
-
-from batchwire.server._ingest import ingest
-from batchwire.server._synthetic import write_image_folders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -151,9 +150,16 @@ EXAMPLES = [(document, example) for document in map(SYBIL.parse, PAGES) for exam
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """``my-images/<class>/*.jpg``: 4 classes of 32 generated photos."""
+    """``my-images/<class>/*.jpg``: 4 classes of 32 photos, a shape on a noisy background."""
     root = tmp_path_factory.mktemp("images") / "my-images"
-    write_image_folders(root, per_class=32, size=96, seed=3)
+    rng = np.random.default_rng(3)
+    for label, name in enumerate(("circle", "square", "triangle", "cross")):
+        (root / name).mkdir(parents=True)
+        for i in range(32):
+            pixels = rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)
+            image = Image.fromarray(pixels)
+            ImageDraw.Draw(image).regular_polygon((64, 48, 30), 3 + label * 2, fill="white")
+            image.save(root / name / f"{i:03d}.jpg", quality=90)
     return root
 
 
@@ -163,7 +169,13 @@ def served(
 ) -> Iterator[tuple[pathlib.Path, str]]:
     """``datasets/pets`` and a `batchwire serve` process serving it: docs' localhost:50051."""
     root = tmp_path_factory.mktemp("served")
-    ingest(images, root / "datasets", name="pets")
+    command = ["ingest", str(images), str(root / "datasets"), "--name", "pets"]
+    subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", *command],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     with serve_process(root / "datasets", root / "serve.log") as process:
         yield root / "datasets", process.address
 
