@@ -13,28 +13,16 @@ import pathlib
 import stat
 from collections.abc import Iterator
 
+from batchwire.server.data._batches import Rejected, bounded_batches
+from batchwire.server.data._dataset import MAX_LABEL
 from batchwire.server.data._ingest_error import IngestError
 
 __all__ = [
-    "Rejected",
     "SourceFile",
     "Sources",
-    "read_batches",
     "read_file_list",
     "scan_class_folders",
 ]
-
-# A validation batch also stops growing at this many encoded bytes.
-_BATCH_BYTES = 8 << 20
-_MAX_LABEL = 2**31 - 1  # Datum.label is an int32
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Rejected:
-    """A source file left out of the dataset: ``path`` is relative to SRC."""
-
-    path: str
-    reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +41,17 @@ class Sources:
     classes: tuple[str, ...]
     files: tuple[SourceFile, ...]
     ignored: tuple[Rejected, ...] = ()
+
+    @property
+    def total(self) -> int:
+        """How many files there are to read (for progress)."""
+        return len(self.files)
+
+    def batches(
+        self, batch_size: int
+    ) -> Iterator[tuple[list[tuple[SourceFile, bytes]], list[Rejected]]]:
+        """Readable files in id order, in bounded batches, with those unreadable."""
+        return bounded_batches(_entries(self.files), batch_size)
 
 
 def scan_class_folders(src: pathlib.Path) -> Sources:
@@ -108,8 +107,8 @@ def read_file_list(src: pathlib.Path, file_list: pathlib.Path) -> Sources:
             raise IngestError(
                 f"{where}: label {label_text!r} is not an integer (expected 'relative/path label')"
             ) from None
-        if not 0 <= label <= _MAX_LABEL:
-            raise IngestError(f"{where}: label {label} is outside 0..{_MAX_LABEL}")
+        if not 0 <= label <= MAX_LABEL:
+            raise IngestError(f"{where}: label {label} is outside 0..{MAX_LABEL}")
         if os.path.isabs(relpath):
             raise IngestError(f"{where}: path {relpath!r} must be relative to SRC")
         files.append(SourceFile(path=src / relpath, relpath=relpath, label=label))
@@ -119,31 +118,21 @@ def read_file_list(src: pathlib.Path, file_list: pathlib.Path) -> Sources:
     return Sources(classes=tuple(str(i) for i in range(num_classes)), files=tuple(files))
 
 
-def read_batches(
-    files: tuple[SourceFile, ...], batch_size: int
-) -> Iterator[tuple[list[tuple[SourceFile, bytes]], list[Rejected]]]:
-    """Readable files in order, in batches bounded by count and bytes, with those unreadable."""
-    batch: list[tuple[SourceFile, bytes]] = []
-    unreadable: list[Rejected] = []
-    size = 0
+def _entries(files: tuple[SourceFile, ...]) -> Iterator[tuple[SourceFile, bytes] | Rejected]:
     for file in files:
-        try:
-            mode = os.stat(file.path).st_mode
-            if not stat.S_ISREG(mode):
-                # Opening a FIFO or device could block or never end.
-                unreadable.append(Rejected(file.relpath, "not a regular file"))
-                continue
-            data = file.path.read_bytes()
-        except OSError as exc:
-            unreadable.append(Rejected(file.relpath, f"cannot read: {exc.strerror or exc}"))
-            continue
-        batch.append((file, data))
-        size += len(data)
-        if len(batch) >= batch_size or size >= _BATCH_BYTES:
-            yield batch, unreadable
-            batch, unreadable, size = [], [], 0
-    if batch or unreadable:
-        yield batch, unreadable
+        data = _read(file)
+        yield (file, data) if isinstance(data, bytes) else data
+
+
+def _read(file: SourceFile) -> bytes | Rejected:
+    try:
+        mode = os.stat(file.path).st_mode
+        if not stat.S_ISREG(mode):
+            # Opening a FIFO or device could block or never end.
+            return Rejected(file.relpath, "not a regular file")
+        return file.path.read_bytes()
+    except OSError as exc:
+        return Rejected(file.relpath, f"cannot read: {exc.strerror or exc}")
 
 
 def _walk_files(src: pathlib.Path, top: pathlib.Path) -> Iterator[str]:

@@ -31,12 +31,11 @@ import sys
 import time
 from collections.abc import Iterator
 
+from batchwire.server.data._batches import Rejected
 from batchwire.server.data._dataset import MANIFEST, NAME_PATTERN, Manifest
 from batchwire.server.data._file_sources import (
-    Rejected,
     SourceFile,
     Sources,
-    read_batches,
     read_file_list,
     scan_class_folders,
 )
@@ -238,7 +237,7 @@ def _write(
     total_bytes = 0
     writer = ShardWriter(directory, shard_size)
     bar = tqdm(
-        total=len(sources.files) if isinstance(sources, Sources) else sources.total,
+        total=sources.total,
         desc=f"ingest {name}",
         unit="file",
         file=sys.stderr,
@@ -303,12 +302,8 @@ def _write(
 
 def _batches(
     sources: Sources | LmdbSource, batch_size: int
-) -> Iterator[tuple[list[tuple[SourceFile | Record, bytes]], list[Rejected]]]:
-    if isinstance(sources, Sources):
-        yield from read_batches(sources.files, batch_size)  # type: ignore[misc]
-        return
+) -> Iterator[tuple[list[tuple[SourceFile, bytes]] | list[tuple[Record, bytes]], list[Rejected]]]:
     try:
-        for batch, rejects in sources.batches(batch_size):
-            yield batch, [Rejected(key, reason) for key, reason in rejects]  # type: ignore[misc]
+        yield from sources.batches(batch_size)
     except LmdbSourceError as exc:
         raise IngestError(str(exc)) from None
