@@ -17,6 +17,11 @@ any failure or interrupt.
 checks each shard's LMDB entry count against the manifest.
 
 Errors a user can fix are ``IngestError``, with a message that says what to do.
+
+This module runs the steps; each is a module of its own: the sources
+(``_file_sources``, ``_lmdb_sources``, batched by ``_batches``), the dataset's
+content (``_dataset_writer``, with ``_shard_writer``), and the atomic rename
+into place (``_publish``).
 """
 
 from __future__ import annotations

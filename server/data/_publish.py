@@ -19,6 +19,8 @@ __all__ = ["check_replaceable", "new_dir", "publish"]
 
 
 def check_replaceable(final: pathlib.Path, overwrite: bool) -> None:
+    """Refuse (``IngestError``) to replace ``final`` unless it is absent or an empty
+    directory, or ``overwrite`` is given and it is a batchwire dataset."""
     if not (final.exists() or final.is_symlink()):
         return
     if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
@@ -55,6 +57,7 @@ def publish(partial: pathlib.Path, final: pathlib.Path, overwrite: bool) -> None
 
 
 def new_dir(parent: pathlib.Path, prefix: str) -> pathlib.Path:
+    """A new empty directory ``parent/<prefix><random hex>``."""
     # Not tempfile.mkdtemp: its 0700 mode would stick to the published dataset
     # and lock out a server running as another user; mkdir honours the umask.
     while True:
