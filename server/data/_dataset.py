@@ -37,6 +37,7 @@ from batchwire.v1 import datum_pb2
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
+    "MAX_LABEL",
     "NAME_PATTERN",
     "Dataset",
     "DatasetError",
@@ -50,6 +51,7 @@ FORMAT = "batchwire-dataset"
 FORMAT_VERSION = 1
 # Dataset names: what the server discovered, safe as a path component.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_LABEL = 2**31 - 1  # the largest class index: Datum.label is an int32
 
 
 class DatasetError(Exception):

@@ -17,7 +17,7 @@ batchwire shards, keeping every image's original bytes:
   any of it runs.
 
 Records that are not usable (not a Datum, an empty image, a bad label) are
-reported as rejects ``(key, reason)`` and left out; the ingest goes on.
+reported as ``Rejected`` (key, reason) and left out; the ingest goes on.
 The source is opened read-only and never written. Never imports grpc.
 """
 
@@ -28,10 +28,11 @@ import io
 import logging
 import pathlib
 from collections.abc import Iterator
-from typing import Any
 
 import lmdb
 
+from batchwire.server.data._batches import Rejected, bounded_batches
+from batchwire.server.data._dataset import MAX_LABEL
 from batchwire.server.data._safe_pickle import UnsafePickle, safe_loads
 from batchwire.v1 import datum_pb2
 
@@ -43,8 +44,6 @@ log = logging.getLogger(__name__)
 # (little-endian), the same on 32- and 64-bit builds.
 _MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
 _KEYS, _LEN = b"__keys__", b"__len__"
-_MAX_LABEL = 2**31 - 1  # Datum.label is an int32
-_BATCH_BYTES = 8 << 20
 
 
 class LmdbSourceError(ValueError):
@@ -88,7 +87,7 @@ class LmdbSource:
     """
 
     classes: tuple[str, ...] | None = None
-    ignored: tuple[Any, ...] = ()
+    ignored: tuple[Rejected, ...] = ()
 
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
@@ -164,33 +163,27 @@ class LmdbSource:
 
     def batches(
         self, batch_size: int
-    ) -> Iterator[tuple[list[tuple[Record, bytes]], list[tuple[str, str]]]]:
-        """Usable records with their encoded image, and rejects ``(key, reason)``, in id order.
+    ) -> Iterator[tuple[list[tuple[Record, bytes]], list[Rejected]]]:
+        """Usable records with their encoded image, and those rejected, in id order.
 
         Batches hold at most ``batch_size`` records and about 8 MB of images.
         Raises ``LmdbSourceError`` for a pickle that would run code.
         """
-        batch: list[tuple[Record, bytes]] = []
-        rejects: list[tuple[str, str]] = []
-        size = 0
+        return bounded_batches(self._entries(), batch_size)
+
+    def _entries(self) -> Iterator[tuple[Record, bytes] | Rejected]:
         for key, value in self._values():
             name = _text(key)
             if value is None:
-                rejects.append((name, "listed in __keys__ but not in the LMDB"))
+                yield Rejected(name, "listed in __keys__ but not in the LMDB")
                 continue
             try:
                 item = self._parse(value) if self.kind == "caffe" else self._unpickle(key, value)
             except _Reject as reject:
-                rejects.append((name, str(reject)))
+                yield Rejected(name, str(reject))
                 continue
             label, data = item
-            batch.append((Record(name, label), data))
-            size += len(data)
-            if len(batch) >= batch_size or size >= _BATCH_BYTES:
-                yield batch, rejects
-                batch, rejects, size = [], [], 0
-        if batch or rejects:
-            yield batch, rejects
+            yield Record(name, label), data
 
     def _values(self) -> Iterator[tuple[bytes, bytes | None]]:
         with self._env.begin() as txn:
@@ -262,8 +255,8 @@ def _describe(value: object) -> str:
 
 
 def _label(label: int) -> int:
-    if not 0 <= label <= _MAX_LABEL:
-        raise _Reject(f"label {label} is outside 0..{_MAX_LABEL}")
+    if not 0 <= label <= MAX_LABEL:
+        raise _Reject(f"label {label} is outside 0..{MAX_LABEL}")
     return label
 
 

@@ -1,0 +1,161 @@
+"""A new dataset's content: the images that decode, as ``Datum`` records in shards, and
+its ``manifest.json``.
+
+``write_dataset`` reads a source in batches, checks every image with DALI's CPU
+decoder, appends those that decode to the shards as Caffe ``Datum`` records
+holding the original bytes, and writes the manifest last. An image that does
+not decode is ``Rejected`` with the decoder's reason; a source with no
+decodable image is an ``IngestError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
+
+from batchwire.server.data._batches import Rejected
+from batchwire.server.data._dataset import MANIFEST, Manifest, Shard
+from batchwire.server.data._file_sources import SourceFile, Sources
+from batchwire.server.data._ingest_error import IngestError
+from batchwire.server.data._lmdb_sources import LmdbSource, LmdbSourceError, Record
+from batchwire.server.data._shard_writer import ShardWriter
+from batchwire.server.data._validate import Decoded, ImageValidator
+from batchwire.v1 import datum_pb2
+
+__all__ = ["WriteOptions", "write_dataset"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WriteOptions:
+    """How a dataset is written: its name, samples per shard, how images are validated
+    (``batch_size`` images at once on ``num_threads`` threads), and a progress bar or not."""
+
+    name: str
+    shard_size: int
+    batch_size: int
+    num_threads: int | None
+    progress: bool
+
+
+class _Tally:
+    """What the shards hold so far: samples per class and image bytes, and what was rejected."""
+
+    def __init__(self, sources: Sources | LmdbSource) -> None:
+        self.rejected: list[Rejected] = list(sources.ignored)
+        # An LMDB's classes are its label numbers: counted as they come.
+        self.counts = [0] * len(sources.classes or ())
+        self.total_bytes = 0
+
+    def accept(self, label: int, size: int) -> None:
+        if label >= len(self.counts):
+            self.counts.extend([0] * (label + 1 - len(self.counts)))
+        self.counts[label] += 1
+        self.total_bytes += size
+
+    def reject(self, item: SourceFile | Record, reason: str) -> None:
+        self.rejected.append(Rejected(item.relpath, reason))
+        logger.debug("rejected %s: %s", item.relpath, reason)
+
+
+def write_dataset(
+    sources: Sources | LmdbSource, directory: pathlib.Path, *, source: str, options: WriteOptions
+) -> Manifest:
+    """Write the shards and manifest of a dataset into the empty ``directory``.
+
+    ``source`` names where the images came from, in the manifest and in errors.
+    """
+    tally = _Tally(sources)
+    shards = _write_shards(sources, directory, options, tally)
+    if not shards:
+        rejected = tally.rejected
+        first = "; ".join(f"{r.path}: {r.reason}" for r in rejected[:3])
+        raise IngestError(
+            f"no decodable image in {source}: all {len(rejected)} files were rejected"
+            + (f" ({first}{', ...' if len(rejected) > 3 else ''})" if first else "")
+        )
+    classes = sources.classes
+    if classes is None:
+        classes = tuple(str(label) for label in range(len(tally.counts)))
+    manifest = Manifest(
+        name=options.name,
+        num_samples=sum(s.count for s in shards),
+        classes=classes,
+        class_counts=tuple(tally.counts),
+        shards=tuple(shards),
+        total_bytes=tally.total_bytes,
+        source=source,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        rejected=tuple({"path": r.path, "reason": r.reason} for r in tally.rejected),
+    )
+    _write_manifest(directory, manifest)
+    return manifest
+
+
+def _write_shards(
+    sources: Sources | LmdbSource, directory: pathlib.Path, options: WriteOptions, tally: _Tally
+) -> list[Shard]:
+    from tqdm import tqdm
+
+    writer = ShardWriter(directory, options.shard_size)
+    bar = tqdm(
+        total=sources.total,
+        desc=f"ingest {options.name}",
+        unit="file",
+        file=sys.stderr,
+        disable=not options.progress,
+        dynamic_ncols=True,
+    )
+    try:
+        with ImageValidator(
+            batch_size=options.batch_size, num_threads=options.num_threads
+        ) as validator:
+            for batch, unreadable in _batches(sources, options.batch_size):
+                tally.rejected.extend(unreadable)
+                verdicts = validator.check([data for _, data in batch])
+                for (item, data), verdict in zip(batch, verdicts, strict=True):
+                    if not isinstance(verdict, Decoded):
+                        tally.reject(item, verdict.reason)
+                        continue
+                    writer.add(_datum(data, item.label, verdict))
+                    tally.accept(item.label, len(data))
+                bar.update(len(batch) + len(unreadable))
+        return writer.close()
+    finally:
+        writer.abort()
+        bar.close()
+
+
+def _batches(
+    sources: Sources | LmdbSource, batch_size: int
+) -> Iterator[tuple[list[tuple[SourceFile, bytes]] | list[tuple[Record, bytes]], list[Rejected]]]:
+    try:
+        yield from sources.batches(batch_size)
+    except LmdbSourceError as exc:
+        raise IngestError(str(exc)) from None
+
+
+def _datum(data: bytes, label: int, image: Decoded) -> bytes:
+    """A serialized Caffe ``Datum`` holding the original encoded bytes of an image."""
+    datum = datum_pb2.Datum(
+        channels=image.channels,
+        height=image.height,
+        width=image.width,
+        data=data,
+        label=label,
+        encoded=True,
+    )
+    return datum.SerializeToString()
+
+
+def _write_manifest(directory: pathlib.Path, manifest: Manifest) -> None:
+    with open(directory / MANIFEST, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
