@@ -448,14 +448,16 @@ def test_headless_service_and_disruption_budget_select_the_pods(
     # The name trainers dial: the Service's name in its namespace.
     namespace = k8s_object("Namespace")["metadata"]["name"]
     name = f"dns:///{service['metadata']['name']}.{namespace}.svc.cluster.local:{config.port}"
-    assert name in (ROOT / "README.md").read_text()
+    assert name in (ROOT / "docs" / "deployment.md").read_text()
 
 
 # -- README ----------------------------------------------------------------------------
 
 
-def test_readme_documents_every_serve_flag_and_logging_option() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_document_every_serve_flag_and_logging_option() -> None:
+    readme = "\n".join(
+        path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    )
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {
@@ -465,7 +467,7 @@ def test_readme_documents_every_serve_flag_and_logging_option() -> None:
         if option.startswith("--") and option != "--help"
     }
     missing = sorted(f for f in flags if f not in readme)
-    assert not missing, f"README does not mention {missing}"
+    assert not missing, f"the docs do not mention {missing}"
     # The settings tables name variables without their BATCHWIRE_ prefix.
     variables = [setting.variable for setting in settings()]
     variables += [
@@ -476,6 +478,6 @@ def test_readme_documents_every_serve_flag_and_logging_option() -> None:
     missing = [
         v for v in variables if v not in readme and f"`{v.removeprefix('BATCHWIRE_')}" not in readme
     ]
-    assert not missing, f"README does not mention {missing}"
+    assert not missing, f"the docs do not mention {missing}"
     for path in ("deploy/compose.cpu.yaml", "deploy/compose.secure.yaml", "deploy/k8s"):
         assert path in readme and (ROOT / path).exists()
