@@ -34,8 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_options(parser, default=None)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:
+        # A command is a module with HELP, DESCRIPTION, add_arguments(parser) and run(args)
+        # (and DEFAULT_LOG_LEVEL where it logs less than INFO by default).
         module = importlib.import_module(f"batchwire.cli._{name}")
-        module.add_parser(subparsers)
+        raw = getattr(module, "RAW_DESCRIPTION", False)
+        command = subparsers.add_parser(
+            name,
+            help=module.HELP,
+            description=module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(
+            func=module.run, default_log_level=getattr(module, "DEFAULT_LOG_LEVEL", "INFO")
+        )
     # Also after the command (`batchwire serve --log-format json`), as a container's
     # arguments follow its `batchwire serve` entrypoint.
     for subparser in subparsers.choices.values():

@@ -28,7 +28,7 @@ from batchwire.cli import _credentials as credentials
 if TYPE_CHECKING:
     from batchwire.cli._bench_runs import RunResult
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 NO_MODE = (
     "error: give --address HOST:PORT --dataset NAME (a running server, as a trainer sees "
@@ -39,13 +39,13 @@ NO_MODE = (
 )
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "bench",
-        help="measure a running server as a trainer sees it, or compare (a)..(e) on this host",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "measure a running server as a trainer sees it, or compare (a)..(e) on this host"
+DESCRIPTION = __doc__
+RAW_DESCRIPTION = True
+DEFAULT_LOG_LEVEL = "WARNING"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="a running server (HOST:PORT) to measure as a trainer")
     parser.add_argument("--dataset", help="dataset name (default: the generated one)")
     parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
@@ -84,8 +84,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--plot", type=pathlib.Path, help="with --compare: draw a chart (PNG)")
     credentials.add_arguments(parser)
-    parser.set_defaults(func=run, default_log_level="WARNING")
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

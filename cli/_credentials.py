@@ -6,7 +6,7 @@ import argparse
 import pathlib
 from typing import Any
 
-__all__ = ["add_arguments", "loader_options"]
+__all__ = ["add_arguments", "loader_options", "security"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, tls_name: bool = False) -> None:
@@ -46,3 +46,13 @@ def loader_options(args: argparse.Namespace) -> dict[str, Any]:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
     }
+
+
+def security(args: argparse.Namespace) -> Any:
+    """The flags as the client's ``ChannelSecurity`` (files read now; BatchwireError if one
+    cannot be)."""
+    from batchwire.client import ChannelSecurity
+
+    return ChannelSecurity.from_options(
+        token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+    )

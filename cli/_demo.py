@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 DATASET = "shapes"
 
@@ -26,18 +26,14 @@ def _default_cache() -> pathlib.Path:
     return pathlib.Path(os.environ.get("BATCHWIRE_CACHE", pathlib.Path(base) / "batchwire"))
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "demo",
-        help="build a sample dataset, serve it on localhost and stream it",
-        description="Build a small generated dataset, serve it in-process and stream one epoch.",
-    )
-    parser.add_argument(
-        "--cache",
-        type=pathlib.Path,
-        default=None,
-        help="where the dataset is kept (default ~/.cache/batchwire) [BATCHWIRE_CACHE]",
-    )
+HELP = "build a sample dataset, serve it on localhost and stream it"
+DESCRIPTION = "Build a small generated dataset, serve it in-process and stream one epoch."
+DEFAULT_LOG_LEVEL = "WARNING"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cache_help = "where the dataset is kept (default ~/.cache/batchwire) [BATCHWIRE_CACHE]"
+    parser.add_argument("--cache", type=pathlib.Path, help=cache_help)
     parser.add_argument(
         "--images", type=int, default=2000, help="images to generate (default 2000)"
     )
@@ -57,8 +53,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--rebuild", action="store_true", help="generate and ingest the dataset again"
     )
-    parser.set_defaults(func=run, default_log_level="WARNING")
-    return parser
 
 
 def _ensure_dataset(data_dir: pathlib.Path, images: int, rebuild: bool) -> None:

@@ -12,15 +12,14 @@ import sys
 
 from batchwire.cli import _credentials as credentials
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "health",
-        help="ask a server's gRPC health service; exit 0 only when SERVING",
-        description="Query the standard grpc.health.v1.Health service (for probes and healthchecks).",
-    )
+HELP = "ask a server's gRPC health service; exit 0 only when SERVING"
+DESCRIPTION = "Query the standard grpc.health.v1.Health service (for probes and healthchecks)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", default="localhost:50051", help="HOST:PORT (default localhost:50051)"
     )
@@ -29,32 +28,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)"
     )
     credentials.add_arguments(parser, tls_name=True)
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchwire.client import BatchwireError, ChannelSecurity, check_health
+    from batchwire.client import BatchwireError, check_health
 
-    try:
-        security = ChannelSecurity.from_options(
-            token_file=args.token_file,
-            tls_ca=args.tls_ca,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-        )
-    except BatchwireError as exc:
-        print(f"error: {exc.details}", file=sys.stderr)
-        return 2
     try:
         status = check_health(
             args.address,
             service=args.service,
             timeout=args.timeout,
-            security=security,
+            security=credentials.security(args),
             tls_name=args.tls_name,
         )
     except BatchwireError as exc:
+        # Bad flags (an unreadable credentials file, an address without a port) exit 2, as
+        # argparse's errors do; a server that does not answer SERVING exits 1.
+        if exc.code.name == "INVALID_ARGUMENT":
+            print(f"error: {exc.details}", file=sys.stderr)
+            return 2
         print(f"{args.address}: {exc.code.name}: {exc.details}", file=sys.stderr)
         return 1
     print(f"{args.address}: {status}")

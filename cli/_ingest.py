@@ -8,23 +8,22 @@ import argparse
 import pathlib
 import sys
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "ingest",
-        help="turn a folder of images into a batchwire dataset (LMDB shards + manifest)",
-        description=(
-            "Write OUT/NAME/: LMDB shards of Caffe Datum records (the original image bytes) "
-            "and manifest.json. Classes are SRC's subdirectories in sorted order (labels "
-            "0..C-1), or come from --file-list. SRC may also be an existing LMDB: Caffe's "
-            "convert_imageset output (Datum values) or pickled (image bytes, label) records "
-            "with __keys__; its images are copied as they are, pickles are read without running "
-            "any code. Every image is decoded with DALI; those that fail are skipped and listed "
-            "with a reason."
-        ),
-    )
+HELP = "turn a folder of images into a batchwire dataset (LMDB shards + manifest)"
+DESCRIPTION = (
+    "Write OUT/NAME/: LMDB shards of Caffe Datum records (the original image bytes) "
+    "and manifest.json. Classes are SRC's subdirectories in sorted order (labels "
+    "0..C-1), or come from --file-list. SRC may also be an existing LMDB: Caffe's "
+    "convert_imageset output (Datum values) or pickled (image bytes, label) records "
+    "with __keys__; its images are copied as they are, pickles are read without running "
+    "any code. Every image is decoded with DALI; those that fail are skipped and listed "
+    "with a reason."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "src", type=pathlib.Path, metavar="SRC", help="folder of images, or an existing LMDB"
     )
@@ -46,8 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--threads", type=int, default=None, metavar="N", help="DALI decoding threads"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

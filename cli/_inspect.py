@@ -6,7 +6,7 @@ import argparse
 import pathlib
 import sys
 
-__all__ = ["add_parser", "human_size", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "human_size", "run"]
 
 # Longer lists are cut to their head, with the rest summarized in one line.
 _MAX_CLASSES = 20
@@ -14,21 +14,18 @@ _MAX_SHARDS = 20
 _MAX_REJECTED = 5
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="summarize a dataset directory and check its shards against the manifest",
-        description=(
-            "Print a dataset's samples, classes, shards and rejected files, and check that "
-            "every shard holds as many records as the manifest says (exit 1 if not)."
-        ),
-    )
+HELP = "summarize a dataset directory and check its shards against the manifest"
+DESCRIPTION = (
+    "Print a dataset's samples, classes, shards and rejected files, and check that "
+    "every shard holds as many records as the manifest says (exit 1 if not)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", type=pathlib.Path, metavar="DIR", help="dataset directory")
     parser.add_argument(
         "--all", action="store_true", help="list every class, shard and rejected file"
     )
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

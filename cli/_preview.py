@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CAPTION_HEIGHT",
     "CAPTION_OFFSET",
+    "DESCRIPTION",
     "GAP",
+    "HELP",
     "MIN_TILE_WIDTH",
-    "add_parser",
+    "add_arguments",
     "caption",
     "render_grid",
     "run",
@@ -48,16 +50,15 @@ _WHITE = (255, 255, 255)
 _BLACK = (0, 0, 0)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "preview",
-        help="write one served batch as a PNG grid captioned with labels",
-        description=(
-            "Stream one batch of DATASET through PIPELINE from a server and write it as a PNG "
-            "grid, each image captioned with its label and class name: see what a pipeline "
-            "and its parameters do before training."
-        ),
-    )
+HELP = "write one served batch as a PNG grid captioned with labels"
+DESCRIPTION = (
+    "Stream one batch of DATASET through PIPELINE from a server and write it as a PNG "
+    "grid, each image captioned with its label and class name: see what a pipeline "
+    "and its parameters do before training."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", required=True, help="server HOST:PORT")
     parser.add_argument("--dataset", required=True, help="dataset name on the server")
     parser.add_argument("--pipeline", default="val", help="pipeline name (default val)")
@@ -94,8 +95,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--timeout", type=float, default=60.0, help="seconds to wait for the batch (default 60)"
     )
     credentials.add_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
 
 
 def _params(items: Sequence[str]) -> dict[str, float]:

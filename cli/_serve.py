@@ -22,21 +22,22 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 log = logging.getLogger("batchwire.serve")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+HELP = "serve every dataset under a directory over gRPC"
+DESCRIPTION = (
+    "Serve every dataset directory under --data-dir by its name. Every "
+    "setting is also an environment variable (in brackets) and a key of the config "
+    "file's [server] table (its name with underscores)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     from batchwire.server import settings
 
-    parser = subparsers.add_parser(
-        "serve",
-        help="serve every dataset under a directory over gRPC",
-        description="Serve every dataset directory under --data-dir by its name. Every "
-        "setting is also an environment variable (in brackets) and a key of the config "
-        "file's [server] table (its name with underscores).",
-    )
     parser.add_argument(
         "--config", type=pathlib.Path, help="TOML or YAML config file [BATCHWIRE_CONFIG]"
     )
@@ -52,8 +53,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             choices=setting.choices,
             help=help,
         )
-    parser.set_defaults(func=run)
-    return parser
 
 
 def boolean_flag_parse() -> Callable[[str], bool]:

@@ -179,19 +179,12 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
 
     # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
 
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        return self._addresses
-
-    @property
-    def spec(self) -> StreamSpec:
-        """The stream this loader asks for (rank, world size, epoch and cursor aside)."""
-        return self._spec
-
-    @property
-    def options(self) -> LoaderOptions:
-        return self._options
-
+    addresses = property(lambda self: self._addresses, doc="The servers' targets, as given.")
+    spec = property(
+        lambda self: self._spec,
+        doc="The stream this loader asks for (rank, world size, epoch and cursor aside).",
+    )
+    options = property(lambda self: self._options, doc="How batches are delivered.")
     dataset_name = property(lambda self: self._spec.dataset, doc="The dataset's name.")
     pipeline = property(lambda self: self._spec.pipeline, doc="The pipeline's name.")
     batch_size = property(lambda self: self._spec.batch_size, doc="Samples per batch.")

@@ -98,7 +98,7 @@ def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -
 def test_an_address_without_a_port_is_refused_before_dialing_443(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["health", "--address", "localhost"]) == 1
+    assert main(["health", "--address", "localhost"]) == 2
     assert "has no port" in capsys.readouterr().err
     with pytest.raises(ValueError, match="has no port: write HOST:PORT"):
         RemoteLoader("gpu-host", dataset="shapes")

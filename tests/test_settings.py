@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from batchwire.cli import _serve
+from batchwire.cli import _serve, build_parser
 from batchwire.server import ConfigError, ServerConfig, settings
 
 # A valid value other than the default for every setting, as text and as parsed.
@@ -44,9 +44,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    _serve.add_parser(parser.add_subparsers())
-    return parser
+    return build_parser()
 
 
 def test_every_field_of_the_config_is_a_setting_with_an_example() -> None:
