@@ -22,6 +22,9 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from batchwire.common.stream import LAYOUTS as WIRE_LAYOUTS
+from batchwire.common.stream import OUTPUT_DTYPES
+
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -38,8 +41,9 @@ __all__ = [
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
-DTYPES = ("uint8", "float16", "float32")
-LAYOUTS = ("NCHW", "NHWC")
+# The output formats a stream or a Preprocess request may ask for (common/stream.py).
+DTYPES = tuple(OUTPUT_DTYPES)
+LAYOUTS = tuple(WIRE_LAYOUTS)
 
 
 class ParamError(ValueError):
