@@ -291,6 +291,9 @@ def _check_port_free(host: str, port: int) -> None:
         return  # gRPC reports an unknown host itself
     for family, kind, proto, _, sockaddr in infos[:1]:
         with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: a port whose last server left connections in TIME_WAIT (a
+            # restart) is free; one another process listens on is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(sockaddr)
             except OSError as exc:
