@@ -5,8 +5,8 @@ Compose files are Compose's to read: ``compose()`` runs ``docker compose -f ... 
 would run, with files merged, ``!reset`` applied, variables interpolated and short
 syntax normalized. The Kubernetes manifests are kustomize's to read: ``kustomize()`` runs
 ``kubectl kustomize deploy/k8s`` and returns the objects ``kubectl apply -k`` would send.
-What no such command says is parsed here: the Dockerfile's final stage (instructions, ARG
-defaults, ENV).
+The Dockerfile is read with dockerfile-parse; what no tool says is worked out here: its
+final stage (instructions, ARG defaults, ENV).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
+from dockerfile_parse import DockerfileParser
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -44,20 +45,12 @@ class Dockerfile:
 
     @classmethod
     def read(cls, path: pathlib.Path = DEPLOY / "Dockerfile") -> Dockerfile:
-        logical: list[str] = []
-        pending = ""
-        for line in path.read_text().splitlines():
-            if not pending and (not line.strip() or line.lstrip().startswith("#")):
-                continue
-            if line.lstrip().startswith("#"):
-                continue  # a comment inside a continued instruction
-            if line.rstrip().endswith("\\"):
-                pending += line.rstrip()[:-1] + " "
-                continue
-            logical.append(pending + line)
-            pending = ""
+        # dockerfile-parse joins continued lines and drops comments, as Docker does.
+        parsed = DockerfileParser(path=str(path), env_replace=False)
         pairs = [
-            (word.upper(), rest.strip()) for word, _, rest in (s.partition(" ") for s in logical)
+            (entry["instruction"].upper(), entry["value"].strip())
+            for entry in parsed.structure
+            if entry["instruction"] != "COMMENT"
         ]
         args: dict[str, str] = {}
         for word, rest in pairs:
