@@ -143,12 +143,14 @@ def test_abandon_a_loader_mid_epoch(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     epoch = next(_epochs)
+    # 32 batches of 16: more than the loader asks for ahead (10), so the server cannot have
+    # sent the whole epoch before the loader leaves (which would end the stream OK).
     with RemoteLoader(
-        quiet_server.target, dataset="shapes", pipeline="train", batch_size=64
+        quiet_server.target, dataset="shapes", pipeline="train", batch_size=16
     ) as loader:
         loader.set_epoch(epoch)
         images, _ = next(iter(loader))  # the iterator is dropped mid-epoch, then the loader closed
-    assert images.shape[0] == 64
+    assert images.shape[0] == 16
     assert_cancelled_once(caplog, epoch)
     assert_quiet(quiet_server, caplog, capfd)
 
