@@ -12,6 +12,7 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
+from batchwire.cli._bench_runs import add_run_arguments
 from benchmarks import chaos, fleet, longrun, messages, reading, scaling, stages, streams
 
 __all__ = ["MODES", "build_parser", "main"]
@@ -71,33 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser)
     parser.add_argument(
         "--duration",
         type=float,
         help="alone: stream from a local server this many seconds, memory at start and end; "
         "with --streams or --chaos: how long they run",
     )
-    parser.add_argument("--dataset", help="dataset name (default: the generated one)")
-    parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
-    parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
-    parser.add_argument(
-        "--images", type=int, default=4096, help="images per run (default 4096: one epoch)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
     parser.add_argument(
         "--size", type=int, help="with --streams or --chaos: the pipeline's output size"
     )
     parser.add_argument(
         "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"
-    )
-    parser.add_argument(
-        "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
-    )
-    parser.add_argument(
-        "--photos",
-        type=int,
-        default=4096,
-        help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
     )
     parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
 

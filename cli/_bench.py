@@ -46,32 +46,19 @@ DEFAULT_LOG_LEVEL = "WARNING"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from batchwire.cli._bench_runs import add_run_arguments
+
     parser.add_argument("--address", help="a running server (HOST:PORT) to measure as a trainer")
-    parser.add_argument("--dataset", help="dataset name (default: the generated one)")
-    parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
-    parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
-    parser.add_argument(
-        "--images", type=int, default=4096, help="images per run (default 4096: one epoch)"
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--duration", type=float, help="with --address: stream for this many seconds instead"
     )
     parser.add_argument("--compare", action="store_true", help="runs (a)..(e) side by side")
-    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
     parser.add_argument(
         "--runs",
         default="inprocess,remote,pil,transport,raw",
         help="with --compare: which of inprocess, remote, pil, transport, raw (default all; "
         "e.g. transport,raw to profile the transport)",
-    )
-    parser.add_argument(
-        "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
-    )
-    parser.add_argument(
-        "--photos",
-        type=int,
-        default=4096,
-        help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
     )
     parser.add_argument(
         "--workers",

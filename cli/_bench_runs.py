@@ -18,6 +18,7 @@ from a checkout, too): the dataset of generated photos cached in
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -36,6 +37,7 @@ from batchwire.cli._bench_probe import CpuClock, RssSampler
 __all__ = [
     "LocalServer",
     "RunResult",
+    "add_run_arguments",
     "bench_dataset",
     "cache_dir",
     "machine",
@@ -53,6 +55,27 @@ def cache_dir() -> pathlib.Path:
     base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
     return (
         pathlib.Path(os.environ.get("BATCHWIRE_CACHE", pathlib.Path(base) / "batchwire")) / "bench"
+    )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every measurement takes: what it runs on (:func:`bench_dataset`), the
+    pipeline and batch size, and how many images and repetitions."""
+    parser.add_argument("--dataset", help="dataset name (default: the generated one)")
+    parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
+    parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
+    parser.add_argument(
+        "--images", type=int, default=4096, help="images per run (default 4096: one epoch)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
+    parser.add_argument(
+        "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
+    )
+    parser.add_argument(
+        "--photos",
+        type=int,
+        default=4096,
+        help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
     )
 
 
