@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import torch
 
-from batchwire.client._channel import ChannelCache, stub
+from batchwire.client._channel import ChannelCache, check_target, stub
 from batchwire.client._exceptions import (
     BadImagesError,
     InvalidArgumentError,
@@ -26,7 +26,7 @@ from batchwire.client._exceptions import (
 )
 from batchwire.client._normalize import channel_stats
 from batchwire.client._security import ChannelSecurity, PemSource
-from batchwire.common.stream import LAYOUTS, OUTPUT_DTYPES
+from batchwire.common.stream import LAYOUTS, OUTPUT_DTYPES, check_name
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -126,7 +126,6 @@ class Preprocessor:
     ) -> None:
         checks = (
             (isinstance(address, str) and bool(address), "address must be 'host:port'"),
-            (isinstance(pipeline, str) and bool(pipeline), "pipeline must be named"),
             (
                 dtype in OUTPUT_DTYPES,
                 f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {dtype!r}",
@@ -138,6 +137,11 @@ class Preprocessor:
         for ok, message in checks:
             if not ok:
                 raise _invalid(message)
+        check_target(address)
+        try:
+            check_name("pipeline", pipeline)
+        except ValueError as exc:
+            raise _invalid(str(exc)) from exc
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise _invalid(f"device={device!r} but torch sees no CUDA device; use device='cpu'")

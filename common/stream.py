@@ -54,7 +54,7 @@ LIMITS: Mapping[str, int] = types.MappingProxyType(
 
 def check_name(kind: str, name: str) -> None:
     """``ValueError`` unless ``name`` is a valid dataset or pipeline name."""
-    if not name:
+    if not isinstance(name, str) or not name:
         raise ValueError(f"{kind} must be named")
     if not NAME_PATTERN.match(name):
         raise ValueError(

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from batchwire.common.stream import NAME_PATTERN
 from batchwire.v1 import datum_pb2
 
 __all__ = [
@@ -49,8 +49,6 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT = "batchwire-dataset"
 FORMAT_VERSION = 1
-# Dataset names: what the server discovered, safe as a path component.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_LABEL = 2**31 - 1  # the largest class index: Datum.label is an int32
 
 
