@@ -36,14 +36,14 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from batchwire.server import settings
+    from batchwire.server import boolean, settings
 
     parser.add_argument(
         "--config", type=pathlib.Path, help="TOML or YAML config file [BATCHWIRE_CONFIG]"
     )
     for setting in settings():
         help = f"{setting.help} [{setting.variable}]"
-        if setting.parse is boolean_flag_parse():
+        if setting.parse is boolean:
             parser.add_argument(setting.flag, action="store_true", default=None, help=help)
             continue
         parser.add_argument(
@@ -53,12 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             choices=setting.choices,
             help=help,
         )
-
-
-def boolean_flag_parse() -> Callable[[str], bool]:
-    from batchwire.server import boolean
-
-    return boolean
 
 
 def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

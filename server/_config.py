@@ -203,7 +203,7 @@ class ServerConfig:
     health_open: bool = _setting(
         False, "with token_file: the health service needs no token (for probes)", boolean
     )
-    pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=lambda: _presets())
+    pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=_presets)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", pathlib.Path(self.data_dir))
