@@ -14,6 +14,9 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# The `batchwire` command of the Python running the tests.
+PYTHON_BATCHWIRE = [sys.executable, "-m", "batchwire.cli"]
+
 
 @dataclasses.dataclass
 class ServeProcess:
@@ -39,9 +42,7 @@ def serve_process(data_dir: pathlib.Path, log: pathlib.Path, *args: str) -> Iter
     """Start `batchwire serve` on localhost:0, wait for SERVING, kill it on exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
     command = [
-        sys.executable,
-        "-m",
-        "batchwire.cli",
+        *PYTHON_BATCHWIRE,
         "serve",
         "--data-dir",
         str(data_dir),

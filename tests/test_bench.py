@@ -182,27 +182,18 @@ def test_stages_times_each_stage_of_dali_and_pil(
         assert any(name.startswith(f"PIL {stage}") for name in rows)
 
 
+def _small(data_dir: pathlib.Path, result: pathlib.Path, *mode: str) -> list[str]:
+    """``python -m benchmarks`` arguments for ``mode`` on the test dataset, small and fast,
+    writing JSON to ``result``."""
+    small = ["--dataset", "shapes", "--batch-size", "8", "--size", "32"]
+    return [*mode, "--data-dir", str(data_dir), *small, "--json", str(result)]
+
+
 def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result = tmp_path / "streams.json"
-    args = [
-        "--streams",
-        "1,3",
-        "--duration",
-        "6",
-        "--data-dir",
-        str(data_dir),
-        "--dataset",
-        "shapes",
-        "--batch-size",
-        "8",
-        "--size",
-        "32",
-        "--json",
-        str(result),
-    ]
-    assert benchmarks.main(args) == 0
+    assert benchmarks.main(_small(data_dir, result, "--streams", "1,3", "--duration", "6")) == 0
     out = capsys.readouterr().out
     assert "K=3 vs K=1: images/s" in out
     rows = json.loads(result.read_text())["streams"]
@@ -219,24 +210,8 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result = tmp_path / "chaos.json"
-    args = [
-        "--chaos",
-        "--duration",
-        "8",
-        "--every",
-        "2",
-        "--data-dir",
-        str(data_dir),
-        "--dataset",
-        "shapes",
-        "--batch-size",
-        "8",
-        "--size",
-        "32",
-        "--json",
-        str(result),
-    ]
-    assert benchmarks.main(args) == 0
+    mode = ["--chaos", "--duration", "8", "--every", "2"]
+    assert benchmarks.main(_small(data_dir, result, *mode)) == 0
     assert "exactly once: yes" in capsys.readouterr().out
     chaos = json.loads(result.read_text())["chaos"]
     assert sum(chaos["kills"].values()) >= 2  # servers were stopped while ranks streamed

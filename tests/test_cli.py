@@ -7,10 +7,9 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 
 import pytest
-from processes import serve_process
+from processes import PYTHON_BATCHWIRE, serve_process
 
 from batchwire.cli import main
 from batchwire.client import RemoteLoader
@@ -122,9 +121,7 @@ def test_a_port_in_use_is_one_line_without_tracebacks(
         port = taken.getsockname()[1]
         done = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "batchwire.cli",
+                *PYTHON_BATCHWIRE,
                 "serve",
                 "--data-dir",
                 str(data_dir),

@@ -26,7 +26,7 @@ import pytest
 from certs import make_authority
 from conftest import Compose
 from deployfiles import ROOT, Dockerfile, duration_seconds
-from processes import serve_process, wait_until_serving
+from processes import PYTHON_BATCHWIRE, serve_process, wait_until_serving
 
 from batchwire.cli import build_parser, main
 from batchwire.cli._logs import JsonFormatter, choose
@@ -37,7 +37,6 @@ from batchwire.server import BatchwireServer, ConfigError
 from batchwire.server.core import DeviceError, DevicePlan
 
 NODE = ROOT / "tests" / "node"
-PYTHON_BATCHWIRE = [sys.executable, "-m", "batchwire.cli"]
 
 
 # -- the container's command line, run as a process ------------------------------------

@@ -7,9 +7,9 @@ import argparse
 import dataclasses
 import pathlib
 import subprocess
-import sys
 
 import pytest
+from processes import PYTHON_BATCHWIRE
 
 from batchwire.cli import _serve, build_parser
 from batchwire.server import ConfigError, ServerConfig, settings
@@ -52,37 +52,32 @@ def test_every_field_of_the_config_is_a_setting_with_an_example() -> None:
     assert {s.name for s in settings()} == fields == set(EXAMPLES)
 
 
+def _companions(name: str) -> dict[str, str]:
+    """The other settings a config with ``name`` set needs to be valid, as text."""
+    needed = {"data_dir": "/data"}
+    if name in ("tls_client_ca", "health_open", "tls_cert", "tls_key"):
+        needed |= {"tls_cert": "/c", "tls_key": "/k"}  # TLS, which these need or complete
+    needed.pop(name, None)
+    return needed
+
+
 @pytest.mark.parametrize("setting", settings(), ids=lambda s: s.name)
 def test_a_setting_means_the_same_as_a_flag_a_variable_and_a_file_key(
     setting, tmp_path: pathlib.Path
 ) -> None:
     text, value = EXAMPLES[setting.name]
-    base = {"data_dir": "/data", "tls_cert": "/c", "tls_key": "/k"}  # what others need
+    # Each route carries the setting and the others it needs.
+    given = {**_companions(setting.name), setting.name: text}
     parser = _parser()
-    flag = [setting.flag] if setting.name == "health_open" else [setting.flag, text]
-    extra = [] if setting.name == "data_dir" else ["--data-dir", "/data"]
-    if setting.name in ("tls_client_ca", "health_open"):
-        extra += ["--tls-cert", "/c", "--tls-key", "/k"]
-    if setting.name in ("tls_cert", "tls_key"):
-        other = "tls_key" if setting.name == "tls_cert" else "tls_cert"
-        extra += [f"--{other.replace('_', '-')}", "/x"]
-    by_flag = _serve.resolve_config(parser.parse_args(["serve", *flag, *extra]), {})
-    environ = {f"BATCHWIRE_{k.upper()}": v for k, v in base.items() if k != setting.name}
-    if setting.name not in ("tls_client_ca", "health_open", "tls_cert", "tls_key"):
-        environ = {"BATCHWIRE_DATA_DIR": "/data"} if setting.name != "data_dir" else {}
-    if setting.name in ("tls_cert", "tls_key"):
-        environ = {
-            "BATCHWIRE_DATA_DIR": "/data",
-            "BATCHWIRE_TLS_CERT": "/x",
-            "BATCHWIRE_TLS_KEY": "/x",
-        }
-    by_variable = _serve.resolve_config(
-        parser.parse_args(["serve"]), {**environ, setting.variable: text}
-    )
+    flags = []
+    for name, raw in given.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if isinstance(EXAMPLES[name][1], bool) else [flag, raw]
+    by_flag = _serve.resolve_config(parser.parse_args(["serve", *flags]), {})
+    environ = {f"BATCHWIRE_{name.upper()}": raw for name, raw in given.items()}
+    by_variable = _serve.resolve_config(parser.parse_args(["serve"]), environ)
     config_file = tmp_path / "server.toml"
-    file_values = {k.removeprefix("BATCHWIRE_").lower(): v for k, v in environ.items()}
-    file_values[setting.name] = text
-    lines = [f"{key} = {_toml(key, raw)}" for key, raw in file_values.items()]
+    lines = [f"{name} = {_toml(name, raw)}" for name, raw in given.items()]
     config_file.write_text("[server]\n" + "\n".join(lines) + "\n")
     by_file = _serve.resolve_config(parser.parse_args(["serve", "--config", str(config_file)]), {})
     for config in (by_flag, by_variable, by_file):
@@ -108,7 +103,7 @@ def test_a_bad_variable_is_an_error_that_names_it_and_help_still_works() -> None
     env = {"BATCHWIRE_GRACE": "abc", "PATH": "/usr/bin:/bin"}
     for argv in (["--help"], ["serve", "--help"]):
         done = subprocess.run(
-            [sys.executable, "-m", "batchwire.cli", *argv],
+            [*PYTHON_BATCHWIRE, *argv],
             capture_output=True,
             text=True,
             timeout=120,
