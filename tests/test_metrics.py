@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchwire.cli import main
 from batchwire.client import NotFoundError, RemoteLoader
 from batchwire.server import BatchwireServer, ServerError
+from batchwire.server.core import STAGES, StageTimes
 from batchwire.server.data import Manifest, sample_key
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -114,8 +115,33 @@ def test_metrics_move_while_a_client_streams(metered: BatchwireServer) -> None:
     assert grew("batchwire_client_wait_seconds_count") == 65
     assert grew("batchwire_streams_started_total") == 1
     assert ended(after, "OK") - ended(before, "OK") == 1, "a whole epoch is an OK stream"
+    # Where the server's time went: each stage of making the 65 batches took some.
+    for stage in STAGES:
+        name = "batchwire_stage_seconds_total"
+        assert value(after, name, stage=stage) > value(before, name, stage=stage), stage
     info = scrape(metered)
     assert value(info, "batchwire_server_info", **server_info(info)) == 1
+
+
+def test_stage_times_sum_each_call_and_refuse_an_unknown_stage() -> None:
+    def read(seq: int) -> int:
+        time.sleep(0.01)
+        return seq * 2
+
+    def encode() -> None:
+        time.sleep(0.01)
+        raise ValueError("bad batch")
+
+    stages = StageTimes()
+    timed_read = stages.timed("read", read)
+    assert [timed_read(i) for i in range(3)] == [0, 2, 4]
+    with pytest.raises(ValueError, match="bad batch"):  # a failing call counts, and raises
+        stages.timed("encode", encode)()
+    totals = stages.snapshot()
+    assert set(totals) == set(STAGES) and totals["pipeline"] == 0.0
+    assert totals["read"] >= 0.03 and totals["encode"] >= 0.01
+    with pytest.raises(ValueError, match="unknown stage 'decode'"):
+        stages.add("decode", 1.0)
 
 
 def server_info(samples: dict) -> dict[str, str]:  # type: ignore[type-arg]

@@ -29,10 +29,12 @@ from batchwire.server.core._pipelines import (
     PipelineSpec,
 )
 from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.core._stages import STAGES, StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
 
 __all__ = [
     "PRESETS",
+    "STAGES",
     "Batch",
     "BatchStream",
     "BuildContext",
@@ -51,6 +53,7 @@ __all__ = [
     "RunnerKey",
     "Scheduler",
     "ServiceError",
+    "StageTimes",
     "Ticket",
     "read_job",
     "visible_gpu_count",

@@ -34,6 +34,7 @@ from batchwire.server.core._preprocess import PreprocessBatcher
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.core._stages import StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.data._dataset import Dataset, DatasetError
 
@@ -59,6 +60,7 @@ class Engine:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices = DevicePlan.resolve(config.device, config.devices)
+        self.stages = StageTimes()  # where the pipelines' time goes, by stage
         self.datasets: dict[str, Dataset] = {}
         self._pool = RunnerPool(self._build_runner, max_idle=config.max_idle_pipelines)
         self._scheduler = Scheduler(
@@ -177,7 +179,7 @@ class Engine:
                 output.layout,
                 parallel,
                 pull,
-                encode,
+                None if encode is None else self.stages.timed("encode", encode),
             )
             self._open_streams.add(stream)
             return stream
@@ -204,6 +206,7 @@ class Engine:
             ctx,
             num_threads=self.config.num_threads or (os.cpu_count() or 1),
             prefetch=self.config.prefetch,
+            stages=self.stages,
         )
 
     def _build_parallel(
@@ -223,6 +226,7 @@ class Engine:
     def _ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job]) -> Ticket:
         # A stream asks for a few batches beyond the pipelines' own prefetch, so that one
         # stream alone keeps more than one pipeline busy.
+        read = self.stages.timed("read", read)
         return self._scheduler.ticket(key, count, read, window=self.config.prefetch + 2)
 
     def _reserve_stream(self) -> None:

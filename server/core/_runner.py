@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Generator, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from batchwire.server.core._dali import build_pipeline, error_line, to_numpy, vi
 from batchwire.server.core._jobs import Job, Result, empty_result
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import BuildContext, PipelineSpec
+from batchwire.server.core._stages import StageTimes
 
 __all__ = ["Runner"]
 
@@ -40,8 +42,16 @@ class _Source:
         self.retries: collections.deque[Job] = collections.deque()
         self.in_flight: collections.deque[Job] = collections.deque()
         self.empty: list[Job] = []
+        self.seconds = 0.0  # spent in this callback: waiting for and reading jobs
 
     def __call__(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        started = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _next(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         while True:
             job = self.retries.popleft() if self.retries else next(self.jobs, None)
             if job is None:
@@ -65,8 +75,10 @@ class Runner:
         *,
         num_threads: int,
         prefetch: int = 2,
+        stages: StageTimes | None = None,
     ) -> None:
         self.key = key
+        self._stages = stages or StageTimes()
         self._spec = spec
         self._params = dict(key.params)
         self._ctx = ctx
@@ -117,7 +129,7 @@ class Runner:
                     next_seq += 1
                     continue
                 try:
-                    outputs = self._pipe.run()
+                    outputs = self._run()
                 except StopIteration:
                     self._pipe.reset()
                     if source.retries or source.empty:
@@ -148,6 +160,18 @@ class Runner:
                 self._drain()
             source.jobs = iter(())
             self._lock.release()
+
+    def _run(self) -> Any:
+        """One run of the pipeline; its time less its input callback's is the
+        ``pipeline`` stage (the callback's own share is the record path, or idle)."""
+        source = self._source
+        fed = source.seconds
+        started = time.perf_counter()
+        try:
+            return self._pipe.run()
+        finally:
+            ran = time.perf_counter() - started - (source.seconds - fed)
+            self._stages.add("pipeline", max(ran, 0.0))
 
     def _result(self, job: Job, outputs: Any) -> Result:
         images = to_numpy(outputs[0]) if job.finish is None else view(outputs[0])

@@ -20,6 +20,10 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
                                                   DALI run, message build)
 ``batchwire_client_wait_seconds``      histogram  time one batch waited for the client
                                                   to take it (gRPC flow control)
+``batchwire_stage_seconds_total``      counter    seconds the pipelines' threads spent, by
+                                                  ``stage``: ``read`` (LMDB, parse, screen),
+                                                  ``pipeline`` (DALI's run), ``encode``
+                                                  (message build)
 ``batchwire_errors_total``             counter    calls ended with a status other than
                                                   OK or CANCELLED (a client's choice), by
                                                   ``method`` and ``code``
@@ -43,6 +47,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from batchwire.server.core import StageTimes
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
 
@@ -152,6 +160,10 @@ class ServerMetrics:
         )
         self.info = Info("batchwire_server", "Version and devices of this server.", registry=r)
 
+    def watch_stages(self, stages: StageTimes) -> None:
+        """Export ``stages`` as ``batchwire_stage_seconds_total``, read at each scrape."""
+        self.registry.register(_StageCollector(stages))
+
     def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
         return StreamMetrics(self, dataset, pipeline)
 
@@ -159,6 +171,24 @@ class ServerMetrics:
         """Counts ended calls by status code; ``methods`` are the full method names
         to label by name (anything else is counted as ``"other"``)."""
         return MetricsInterceptor(self.errors, methods)
+
+
+class _StageCollector(Collector):
+    """The engine's :class:`StageTimes` as a counter family, read when scraped."""
+
+    def __init__(self, stages: StageTimes) -> None:
+        self._stages = stages
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "batchwire_stage_seconds",
+            "Seconds the pipelines' threads spent, by stage: read (LMDB, parse, screen), "
+            "pipeline (DALI's run), encode (message build).",
+            labels=("stage",),
+        )
+        for stage, seconds in self._stages.snapshot().items():
+            family.add_metric((stage,), seconds)
+        yield family
 
 
 # -- RPC errors by status code ---------------------------------------------------------

@@ -85,6 +85,7 @@ class BatchwireServer:
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
+        self.metrics.watch_stages(self.engine.stages)
         self._metrics_http: MetricsHTTPServer | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"
