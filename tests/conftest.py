@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from deployfiles import COMPOSE_MISSING, compose, compose_command
 
 from batchwire.server import BatchwireServer, ServerConfig
+from batchwire.server.core import DevicePlan, visible_gpu_count
 from batchwire.server.data import Manifest, ingest, write_image_folders
 
 SHAPES_PER_CLASS = 130  # 4 classes: 520 samples, enough for a batch of 512
+
+# The device of the tests' servers: the CPU, unless BATCHWIRE_TEST_DEVICE says otherwise.
+# On a GPU host, BATCHWIRE_TEST_DEVICE=auto runs the same tests with ``mixed`` decoding
+# and the GPU operators.
+TEST_DEVICE = os.environ.get("BATCHWIRE_TEST_DEVICE", "cpu")
+
+
+def server_device_kind() -> str:
+    """Where the servers of ``start_server`` run their pipelines: "cpu" or "gpu"."""
+    return DevicePlan.resolve(TEST_DEVICE).kind
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, with the reason, where CUDA sees no GPU."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked or visible_gpu_count():
+        return
+    skip = pytest.mark.skip(reason="needs a visible CUDA GPU (none is visible here)")
+    for item in marked:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +62,7 @@ def start_server(data_dir: pathlib.Path, **overrides: object) -> BatchwireServer
     settings: dict[str, object] = {
         "host": "localhost",
         "port": 0,
-        "device": "cpu",
+        "device": TEST_DEVICE,
         "num_threads": 2,
     }
     config = ServerConfig(data_dir=data_dir, **{**settings, **overrides})  # type: ignore[arg-type]
@@ -65,6 +86,8 @@ Compose = Callable[..., dict[str, Any]]
 @pytest.fixture(scope="session")
 def docker_compose() -> Compose:
     """``deployfiles.compose``, Compose's model of ``-f deploy/NAME ...``; skips without it."""
+    from deployfiles import COMPOSE_MISSING, compose, compose_command
+
     if compose_command() is None:
         pytest.skip(COMPOSE_MISSING)
     return compose

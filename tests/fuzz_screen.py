@@ -1,12 +1,13 @@
 """Run as a child process: mutated images through the screen, survivors through DALI.
 
-``python fuzz_screen.py SEED COUNT [FORMAT,...]`` mutates image files (default JPEG,
-PNG, BMP, TIFF, WebP and PPM; header bytes, truncation, garbage behind a signature,
-overwritten or flipped bytes), drops what
-``unsupported_reason`` rejects, and decodes the rest mixed into batches of good
-images with the CPU decoders of both presets (``decoders.image`` and
-``decoders.image_random_crop``). DALI 2.4 crashes the process on some inputs, so
-surviving is the result; it prints ``admitted N rejected M errors E``.
+``python fuzz_screen.py SEED COUNT [FORMAT,...] [DEVICE]`` mutates image files (default
+JPEG, PNG, BMP, TIFF, WebP and PPM; header bytes, truncation, garbage behind a
+signature, overwritten or flipped bytes), drops what ``unsupported_reason`` rejects,
+and decodes the rest mixed into batches of good images with the decoders of both
+presets (``decoders.image`` and ``decoders.image_random_crop``), on DEVICE: ``cpu``
+(the default) or ``mixed`` (nvJPEG and nvImageCodec on GPU 0). DALI 2.4 crashes the
+process on some inputs, so surviving is the result; it prints
+``admitted N rejected M errors E``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def mutate(data: bytes, rng: np.random.Generator) -> bytes:
     return bytes(out)
 
 
-def decode_all(admitted: list[np.ndarray], good: list[np.ndarray], train: bool) -> int:
+def decode_all(admitted: list[np.ndarray], good: list[np.ndarray], train: bool, device: str) -> int:
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
     from nvidia.dali import Pipeline
@@ -71,13 +72,13 @@ def decode_all(admitted: list[np.ndarray], good: list[np.ndarray], train: bool) 
         return pending.pop(0)
 
     def build() -> Pipeline:
-        pipe = Pipeline(batch_size=32, num_threads=2, device_id=None)
+        pipe = Pipeline(batch_size=32, num_threads=2, device_id=None if device == "cpu" else 0)
         with pipe:
             encoded = fn.external_source(source=source, batch=True, dtype=types.UINT8)
             if train:
-                images = fn.decoders.image_random_crop(encoded, device="cpu")
+                images = fn.decoders.image_random_crop(encoded, device=device)
             else:
-                images = fn.decoders.image(encoded, device="cpu")
+                images = fn.decoders.image(encoded, device=device)
             pipe.set_outputs(fn.resize(images, resize_x=64, resize_y=64))
         pipe.build()
         return pipe
@@ -99,16 +100,16 @@ def decode_all(admitted: list[np.ndarray], good: list[np.ndarray], train: bool) 
     return errors
 
 
-def main(seed: int, count: int, formats: tuple[str, ...]) -> None:
+def main(seed: int, count: int, formats: tuple[str, ...], device: str) -> None:
     rng = np.random.default_rng(seed)
     files = originals(formats)
     mutated = [mutate(files[int(rng.integers(0, len(files)))], rng) for _ in range(count)]
     admitted = [np.frombuffer(m, np.uint8) for m in mutated if unsupported_reason(m) is None]
     good = [np.frombuffer(f, np.uint8) for f in files]
-    errors = decode_all(admitted, good, train=False) + decode_all(admitted, good, train=True)
+    errors = decode_all(admitted, good, False, device) + decode_all(admitted, good, True, device)
     print(f"admitted {len(admitted)} rejected {count - len(admitted)} errors {errors}")
 
 
 if __name__ == "__main__":
     chosen = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else FORMATS
-    main(int(sys.argv[1]), int(sys.argv[2]), chosen)
+    main(int(sys.argv[1]), int(sys.argv[2]), chosen, sys.argv[4] if len(sys.argv) > 4 else "cpu")

@@ -12,7 +12,7 @@ import grpc
 import lmdb
 import numpy as np
 import pytest
-from conftest import start_server
+from conftest import TEST_DEVICE, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client import RemoteLoader
@@ -49,15 +49,25 @@ def test_a_truncated_png_never_reaches_the_decoder() -> None:
     assert reason is not None and "truncated" in reason
 
 
+ON_THE_GPU = pytest.mark.gpu  # conftest skips these where no GPU is visible
+
+
 @pytest.mark.parametrize(
-    ("formats", "count"),
-    [("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600), ("JPEG2000", 1500)],
+    ("formats", "count", "device"),
+    [
+        ("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "cpu"),
+        ("JPEG2000", 1500, "cpu"),
+        pytest.param("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "mixed", marks=ON_THE_GPU),
+        pytest.param("JPEG2000", 1500, "mixed", marks=ON_THE_GPU),
+    ],
 )
-def test_no_fuzzed_image_the_screen_admits_crashes_the_decoder(formats: str, count: int) -> None:
+def test_no_fuzzed_image_the_screen_admits_crashes_the_decoder(
+    formats: str, count: int, device: str
+) -> None:
     # A child process: DALI's crash (SIGSEGV) is the failure being looked for.
     script = pathlib.Path(__file__).parent / "fuzz_screen.py"
     done = subprocess.run(
-        [sys.executable, str(script), "2", str(count), formats],
+        [sys.executable, str(script), "2", str(count), formats, device],
         capture_output=True,
         text=True,
         timeout=600,
@@ -79,10 +89,18 @@ def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("pipeline", "read_workers"), [("train", 0), ("val", 0), ("train", 2), ("val", 2)]
+    ("pipeline", "read_workers", "device"),
+    [
+        ("train", 0, TEST_DEVICE),
+        ("val", 0, TEST_DEVICE),
+        ("train", 2, TEST_DEVICE),
+        ("val", 2, TEST_DEVICE),
+        pytest.param("train", 0, "gpu", marks=ON_THE_GPU),
+        pytest.param("val", 2, "gpu", marks=ON_THE_GPU),
+    ],
 )
 def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
-    data_dir: pathlib.Path, tmp_path: pathlib.Path, pipeline: str, read_workers: int
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, pipeline: str, read_workers: int, device: str
 ) -> None:
     copy = tmp_path / "datasets"
     shutil.copytree(data_dir, copy)
@@ -99,7 +117,7 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         400: datum_pb2.Datum(encoded=True, label=1, data=truncated_png()).SerializeToString(),
     }
     corrupt(dataset, damage)
-    server = start_server(copy, read_workers=read_workers)
+    server = start_server(copy, read_workers=read_workers, device=device)
     try:
         loader = RemoteLoader(
             server.target,

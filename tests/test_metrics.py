@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import lmdb
 import pytest
-from conftest import start_server
+from conftest import server_device_kind, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchwire.cli import main
@@ -147,7 +147,7 @@ def test_stage_times_sum_each_call_and_refuse_an_unknown_stage() -> None:
 def server_info(samples: dict) -> dict[str, str]:  # type: ignore[type-arg]
     ((_, labels),) = [key for key in samples if key[0] == "batchwire_server_info"]
     found = dict(labels)
-    assert found["device"] == "cpu" and found["version"]
+    assert found["device"] == server_device_kind() and found["version"]
     return found
 
 
