@@ -376,5 +376,8 @@ def run_streams(args: argparse.Namespace) -> int:
             )
     print(table(results))
     if args.json:
-        write_json(args.json, {"machine": machine(), "streams": [vars(r) for r in results]})
+        run = {"dataset": dataset, "pipeline": args.pipeline, "batch_size": args.batch_size}
+        run |= {"size": args.size, "device": args.device, "seconds": seconds}
+        rows = [vars(r) for r in results]
+        write_json(args.json, {"machine": machine(), "run": run, "streams": rows})
     return 0

@@ -201,6 +201,7 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
     out = capsys.readouterr().out
     assert "K=3 vs K=1: images/s" in out and "GPU MiB/stream" in out
     measured = json.loads(result.read_text())
+    assert measured["run"]["pipeline"] == "val" and measured["run"]["device"] == "cpu"
     rows = measured["streams"]
     assert [row["streams"] for row in rows] == [1, 3]
     for row in rows:
