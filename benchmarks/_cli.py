@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument(
         "--streams",
         help="K[,K...]: one server under K concurrent streams each (--duration seconds a K, "
-        "default 20): images/s, server threads and RSS, first batch, rate spread",
+        "default 20): images/s, server threads and RSS, first batch, rate spread; the server's CPU, "
+        "stage times and GPU memory",
     )
     modes.add_argument(
         "--fleet",
@@ -81,6 +82,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--size", type=int, help="with --streams or --chaos: the pipeline's output size"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="with --streams: where the server runs its pipelines (default auto)",
     )
     parser.add_argument(
         "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"

@@ -12,7 +12,15 @@ each batch received. Reported per K:
   stream that got none in the whole run counts as "starved" and as infinitely late);
 - the spread of the streams' rates over the second half, as min/median and max/median
   (starved streams included, at rate 0);
-- streams that ended with an error ("refused").
+- streams that ended with an error ("refused");
+- the device the server runs its pipelines on, as it reports (``--device``: auto, cpu, gpu);
+- over the second half, per image the server sent: its CPU ms, and where its time went in
+  ms, summed over its threads and streams (so they overlap, and need not add up to the
+  wall time): ``read`` (the record path: LMDB, parse, screen), ``pipeline`` (DALI's own
+  run), ``encode`` (the message build), ``send`` (batches waiting in gRPC writes: sending
+  and flow control). See :mod:`benchmarks._server_probe`;
+- where a GPU is visible, the server's GPU memory at its peak, and the growth over what it
+  held before the streams opened, per stream; "-" (null in JSON) without one.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from benchmarks._server_probe import Counters, ServerProbe, gpu_memory_mib
 
 __all__ = ["CREDIT", "StreamsResult", "measure_streams", "run_streams", "table"]
 
@@ -48,6 +58,14 @@ class StreamsResult:
     spread_max: float  # fastest stream's rate / median rate
     starved: int  # streams that got no batch in the whole run
     refused: int  # streams that ended with an error (RESOURCE_EXHAUSTED, ...)
+    device: str  # where the server ran its pipelines: cpu or gpu
+    cpu_ms_per_image: float  # the server process's CPU time, per image sent
+    read_ms_per_image: float  # the server's time in each stage per image sent, summed
+    pipeline_ms_per_image: float  # over its threads and streams
+    encode_ms_per_image: float
+    send_ms_per_image: float
+    gpu_mib: float | None  # the server's GPU memory at its peak; None without a GPU
+    gpu_mib_per_stream: float | None  # (peak - before the streams opened) / streams
 
 
 def _proc_status(pid: int) -> tuple[int, float]:
@@ -65,19 +83,23 @@ def _proc_status(pid: int) -> tuple[int, float]:
 
 
 class _PeakSampler:
-    """Peak threads and RSS of a process while the ``with`` block runs."""
+    """Peak threads, RSS and (with ``gpu_mib``, what it held at the start) GPU memory of
+    a process while the ``with`` block runs."""
 
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
+    def __init__(self, pid: int, gpu_mib: float | None, interval: float = 0.25) -> None:
         self._pid = pid
         self._interval = interval
         self._stop = threading.Event()
         self.threads, self.rss_mib = _proc_status(pid)
+        self.gpu_mib = gpu_mib
         self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             threads, rss = _proc_status(self._pid)
             self.threads, self.rss_mib = max(self.threads, threads), max(self.rss_mib, rss)
+            if self.gpu_mib is not None:
+                self.gpu_mib = max(self.gpu_mib, gpu_memory_mib(self._pid) or 0.0)
 
     def __enter__(self) -> _PeakSampler:
         self._thread.start()
@@ -118,6 +140,13 @@ class _Streams:
         self.firsts: list[float | None] = [None] * streams
         self.counted = [0] * streams
         self.refused = 0
+        self.window: list[Counters] = []  # the server's, at the second half's start and end
+
+    async def watch(self, probe: ServerProbe) -> None:
+        """Read the server's counters as the second half starts and as it ends."""
+        for moment in (self.half, self.end):
+            await asyncio.sleep(max(0.0, moment - time.perf_counter()))
+            self.window.append(await asyncio.to_thread(probe.counters))
 
     async def stream(self, index: int) -> None:
         """Epochs of stream ``index``, each a PullBatches call, until the run ends."""
@@ -164,9 +193,9 @@ class _Streams:
 
 
 async def _run_streams(
-    address: str, request: dict[str, Any], streams: int, seconds: float
-) -> tuple[list[float | None], list[int], int]:
-    """(first-batch seconds per stream, images per stream in the second half, refused)."""
+    address: str, probe: ServerProbe, request: dict[str, Any], streams: int, seconds: float
+) -> _Streams:
+    """The run, its tallies and the server's counters over the second half."""
     import grpc
 
     from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
@@ -180,18 +209,20 @@ async def _run_streams(
             batchwire_pb2.DescribeDatasetRequest(dataset=request["dataset"]), timeout=60
         )
         run.num_batches = info.num_samples // request["batch_size"]  # drop_last, the default
+        watch = asyncio.create_task(run.watch(probe))
         tasks = [asyncio.create_task(run.stream(i)) for i in range(streams)]
         # A stream still waiting for a batch at the end is cancelled then, not waited for.
         _, late = await asyncio.wait(tasks, timeout=max(0.0, run.end - time.perf_counter()) + 1)
         for task in late:
             task.cancel()
         await asyncio.gather(*late, return_exceptions=True)
-    return run.firsts, run.counted, run.refused
+        await watch
+    return run
 
 
 def measure_streams(
     address: str,
-    server_pid: int,
+    probe: ServerProbe,
     dataset: str,
     pipeline: str,
     batch_size: int,
@@ -199,22 +230,26 @@ def measure_streams(
     seconds: float,
     params: dict[str, float] | None = None,
 ) -> StreamsResult:
+    """``streams`` concurrent streams for ``seconds`` against the server at ``address``,
+    whose process and ``/metrics`` ``probe`` reads."""
     request: dict[str, Any] = {
         "dataset": dataset,
         "pipeline": pipeline,
         "batch_size": batch_size,
         "params": params or {},
     }
-    with _PeakSampler(server_pid) as peak:
-        firsts, counted, refused = asyncio.run(_run_streams(address, request, streams, seconds))
+    gpu_before = gpu_memory_mib(probe.pid)
+    with _PeakSampler(probe.pid, gpu_before) as peak:
+        run = asyncio.run(_run_streams(address, probe, request, streams, seconds))
     window = seconds / 2
-    rates = [images / window for images in counted]
-    late = [first if first is not None else float("inf") for first in firsts]
+    rates = [images / window for images in run.counted]
+    late = [first if first is not None else float("inf") for first in run.firsts]
     median = statistics.median(rates)
+    cpu, stages = run.window[0].per_image_ms(run.window[1])
     return StreamsResult(
         streams=streams,
         seconds=seconds,
-        images_per_s=sum(counted) / window,
+        images_per_s=sum(run.counted) / window,
         threads=peak.threads,
         rss_mib=peak.rss_mib,
         first_p50=_percentile(late, 0.5),
@@ -222,8 +257,20 @@ def measure_streams(
         first_max=max(late),
         spread_min=min(rates) / median if median else 0.0,
         spread_max=max(rates) / median if median else 0.0,
-        starved=sum(first is None for first in firsts),
-        refused=refused,
+        starved=sum(first is None for first in run.firsts),
+        refused=run.refused,
+        device=probe.device(),
+        cpu_ms_per_image=cpu,
+        read_ms_per_image=stages["read"],
+        pipeline_ms_per_image=stages["pipeline"],
+        encode_ms_per_image=stages["encode"],
+        send_ms_per_image=stages["send"],
+        gpu_mib=peak.gpu_mib,
+        gpu_mib_per_stream=(
+            None
+            if gpu_before is None or peak.gpu_mib is None
+            else (peak.gpu_mib - gpu_before) / streams
+        ),
     )
 
 
@@ -232,7 +279,13 @@ def _seconds(value: float, width: int) -> str:
     return f"{text:>{width}}"
 
 
+def _mib(value: float | None, width: int) -> str:
+    text = "-" if value is None else f"{value:.0f}"
+    return f"{text:>{width}}"
+
+
 def table(results: Sequence[StreamsResult]) -> str:
+    """The clients' view, the ratios against the first K, then the server's per image."""
     lines = [
         f"{'streams':>7} {'images/s':>9} {'threads':>7} {'RSS MiB':>8} "
         f"{'first p50':>9} {'p99':>6} {'max':>6} {'rate min/med':>12} {'max/med':>7} "
@@ -253,11 +306,29 @@ def table(results: Sequence[StreamsResult]) -> str:
                 f"threads {r.threads / base.threads if base.threads else 0:.2f}x, "
                 f"RSS {r.rss_mib / base.rss_mib if base.rss_mib else 0:.2f}x"
             )
+    return "\n".join([*lines, "", _server_table(results)])
+
+
+def _server_table(results: Sequence[StreamsResult]) -> str:
+    lines = [
+        "the server, per image sent in the second half (ms; stages summed over its threads "
+        "and streams):",
+        f"{'streams':>7} {'device':>6} {'CPU ms':>7} {'read':>6} {'pipeline':>8} "
+        f"{'encode':>6} {'send':>6} {'GPU MiB':>8} {'GPU MiB/stream':>14}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.streams:>7} {r.device:>6} {r.cpu_ms_per_image:>7.2f} "
+            f"{r.read_ms_per_image:>6.2f} {r.pipeline_ms_per_image:>8.2f} "
+            f"{r.encode_ms_per_image:>6.2f} {r.send_ms_per_image:>6.2f} "
+            f"{_mib(r.gpu_mib, 8)} {_mib(r.gpu_mib_per_stream, 14)}"
+        )
     return "\n".join(lines)
 
 
 def run_streams(args: argparse.Namespace) -> int:
-    """A server of its own for each K of ``--streams``, ``--duration`` seconds (20) each."""
+    """A server of its own for each K of ``--streams``, ``--duration`` seconds (20) each,
+    on ``--device``."""
     from batchwire.cli._bench_report import write_json
     from batchwire.cli._bench_runs import LocalServer, bench_dataset, machine
 
@@ -274,18 +345,27 @@ def run_streams(args: argparse.Namespace) -> int:
     results = []
     print(
         f"{dataset}, pipeline {args.pipeline}, batch {args.batch_size}"
-        f"{f', size {args.size}' if args.size else ''}: {seconds:.0f} s a run, a new server each"
+        f"{f', size {args.size}' if args.size else ''}, device {args.device}: "
+        f"{seconds:.0f} s a run, a new server each"
     )
     for count in counts:
         with (
             tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
-            LocalServer(data_dir, pathlib.Path(work), max_streams=max(64, count + 8)) as server,
+            LocalServer(
+                data_dir,
+                pathlib.Path(work),
+                max_streams=max(64, count + 8),
+                device=args.device,
+                metrics=True,
+            ) as server,
         ):
             print(f"  {count} streams ...", flush=True)
+            assert server.metrics_port is not None  # metrics=True
+            probe = ServerProbe(server.pid, server.metrics_port)
             results.append(
                 measure_streams(
                     server.address,
-                    server.pid,
+                    probe,
                     dataset,
                     args.pipeline,
                     args.batch_size,
@@ -296,5 +376,8 @@ def run_streams(args: argparse.Namespace) -> int:
             )
     print(table(results))
     if args.json:
-        write_json(args.json, {"machine": machine(), "streams": [vars(r) for r in results]})
+        run = {"dataset": dataset, "pipeline": args.pipeline, "batch_size": args.batch_size}
+        run |= {"size": args.size, "device": args.device, "seconds": seconds}
+        rows = [vars(r) for r in results]
+        write_json(args.json, {"machine": machine(), "run": run, "streams": rows})
     return 0

@@ -14,13 +14,14 @@ import resource
 import threading
 from collections.abc import Iterable
 
-__all__ = ["CpuClock", "RssSampler", "process_tree", "rss_mib"]
+__all__ = ["CpuClock", "RssSampler", "process_cpu_seconds", "process_tree", "rss_mib"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _proc_cpu(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, its children excluded."""
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # utime, stime are fields 14 and 15 of stat (11, 12 after the command name).
     return (int(fields[11]) + int(fields[12])) / _TICKS
@@ -44,7 +45,7 @@ class CpuClock:
         self._start = self._now()
 
     def _now(self) -> float:
-        return _own_cpu(self._children) if self._pid is None else _proc_cpu(self._pid)
+        return _own_cpu(self._children) if self._pid is None else process_cpu_seconds(self._pid)
 
     def seconds(self) -> float:
         return self._now() - self._start

@@ -187,7 +187,11 @@ def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images:
 
 
 class LocalServer:
-    """``batchwire serve`` in a child process on a free localhost port."""
+    """``batchwire serve`` in a child process on a free localhost port.
+
+    It serves the server's preset pipelines (train and val) on ``device`` (auto, cpu or
+    gpu); with ``metrics``, ``/metrics`` too, on the free port :attr:`metrics_port`.
+    """
 
     def __init__(
         self,
@@ -200,14 +204,20 @@ class LocalServer:
         max_streams: int | None = None,
         read_workers: int = 0,
         port: int = 0,
+        device: str = "auto",
+        metrics: bool = False,
     ) -> None:
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
         server = f"[server]\nnum_threads = {threads}\nread_workers = {read_workers}\n"
+        server += f'device = "{device}"\n'
         if max_message_bytes is not None:
             server += f"max_message_bytes = {max_message_bytes}\n"
         if max_streams is not None:
             server += f"max_streams = {max_streams}\n"
-        config.write_text(server + '\n[pipelines.train]\npreset = "train"\n')
+        if metrics:
+            server += "metrics_port = 0\n"  # any free port, printed at start
+        # No [pipelines] table: the server's presets, train and val.
+        config.write_text(server)
         command = [
             sys.executable,
             "-m",
@@ -227,12 +237,14 @@ class LocalServer:
         if cpus is not None:
             command = ["taskset", "-c", cpus, *command]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        # "batchwire serving DIR on localhost:PORT[; metrics on port PORT]"
         line = self.process.stdout.readline()  # type: ignore[union-attr]
-        match = re.search(r":(\d+)$", line.strip())
+        match = re.search(r" on localhost:(\d+)(?:; metrics on port (\d+))?$", line.strip())
         if match is None:
             self.close()
             raise RuntimeError(f"batchwire serve did not start (it printed {line!r})")
         self.address = f"localhost:{match.group(1)}"
+        self.metrics_port = int(match.group(2)) if match.group(2) else None
         _wait_serving(self.address, 180.0)
 
     @property

@@ -4,6 +4,7 @@ themselves are not tested)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from conftest import start_server
 import benchmarks
 from batchwire.cli import build_parser, main
 from batchwire.server.data import ingest, write_image_folders
+from benchmarks._server_probe import gpu_memory_mib
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")
 _CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
@@ -193,15 +195,26 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result = tmp_path / "streams.json"
-    assert benchmarks.main(_small(data_dir, result, "--streams", "1,3", "--duration", "6")) == 0
+    # val: the server LocalServer starts serves every preset, not only train.
+    mode = ["--streams", "1,3", "--duration", "6", "--pipeline", "val", "--device", "cpu"]
+    assert benchmarks.main(_small(data_dir, result, *mode)) == 0
     out = capsys.readouterr().out
-    assert "K=3 vs K=1: images/s" in out
-    rows = json.loads(result.read_text())["streams"]
+    assert "K=3 vs K=1: images/s" in out and "GPU MiB/stream" in out
+    measured = json.loads(result.read_text())
+    assert measured["run"]["pipeline"] == "val" and measured["run"]["device"] == "cpu"
+    rows = measured["streams"]
     assert [row["streams"] for row in rows] == [1, 3]
     for row in rows:
         assert row["refused"] == 0 and row["starved"] == 0, row
         assert row["images_per_s"] > 0 and row["threads"] > 1 and row["rss_mib"] > 0, row
         assert 0 <= row["first_p50"] <= row["first_max"] < 6, row
+        # The server's own figures over the second half, per image it sent.
+        assert row["device"] == "cpu" and row["cpu_ms_per_image"] > 0, row
+        for stage in ("read", "pipeline", "encode"):
+            assert row[f"{stage}_ms_per_image"] > 0, (stage, row)
+        assert row["send_ms_per_image"] >= 0, row
+        if measured["machine"]["gpus"] == 0:
+            assert row["gpu_mib"] is None and row["gpu_mib_per_stream"] is None, row
     assert benchmarks.main(["--streams", "0"]) == 2
     assert "--streams takes stream counts" in capsys.readouterr().err
 
@@ -280,3 +293,28 @@ def test_installed_bench_offers_only_address_and_compare(
         assert "--address" in err and "--compare" in err, err
         assert "research modes" in err and "`python -m benchmarks`" in err, err
         assert "from a checkout" in err, err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("pynvml") is not None, reason="NVML answers before nvidia-smi"
+)
+def test_streams_reads_gpu_memory_from_nvidia_smi_where_there_is_no_nvml(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An nvidia-smi of this test's own: a GPU with two processes, 79,000 MiB used in all.
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --query-compute-apps=*) printf "41, 1500\\n42, 2048\\n" ;;\n'
+        '  --query-gpu=*) printf "79000\\n" ;;\n'
+        "  *) exit 6 ;;\n"
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_memory_mib(42) == 2048
+    # A pid the driver does not list (another PID namespace): the GPU's memory in use.
+    assert gpu_memory_mib(7) == 79000
+    smi.unlink()
+    assert gpu_memory_mib(42) is None  # no GPU here
