@@ -12,7 +12,7 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
-from batchwire.cli._bench_runs import add_run_arguments
+from batchwire.cli._bench_runs import ServerStartError, add_run_arguments
 from benchmarks import chaos, fleet, longrun, messages, reading, scaling, stages, streams
 
 __all__ = ["MODES", "build_parser", "main"]
@@ -113,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:
         return chosen[0](args)
+    except ServerStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

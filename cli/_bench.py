@@ -81,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.compare:
-        return _compare(args)
+        from batchwire.cli._bench_runs import ServerStartError
+
+        try:
+            return _compare(args)
+        except ServerStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.address:
         return _against(args)
     print(NO_MODE, file=sys.stderr)

@@ -37,6 +37,7 @@ from batchwire.cli._bench_probe import CpuClock, RssSampler
 __all__ = [
     "LocalServer",
     "RunResult",
+    "ServerStartError",
     "add_run_arguments",
     "bench_dataset",
     "cache_dir",
@@ -186,6 +187,10 @@ def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images:
 # -- (b), (d) remote through RemoteLoader ----------------------------------------------
 
 
+class ServerStartError(RuntimeError):
+    """``batchwire serve`` exited before it listened (its own message is on stderr)."""
+
+
 class LocalServer:
     """``batchwire serve`` in a child process on a free localhost port.
 
@@ -242,7 +247,11 @@ class LocalServer:
         match = re.search(r" on localhost:(\d+)(?:; metrics on port (\d+))?$", line.strip())
         if match is None:
             self.close()
-            raise RuntimeError(f"batchwire serve did not start (it printed {line!r})")
+            printed = f" (it printed {line.strip()!r})" if line.strip() else ""
+            raise ServerStartError(
+                f"batchwire serve exited with status {self.process.returncode} before it "
+                f"listened: its error is above{printed}"
+            )
         self.address = f"localhost:{match.group(1)}"
         self.metrics_port = int(match.group(2)) if match.group(2) else None
         _wait_serving(self.address, 180.0)

@@ -17,6 +17,7 @@ from conftest import start_server
 
 import benchmarks
 from batchwire.cli import build_parser, main
+from batchwire.server.core import visible_gpu_count
 from batchwire.server.data import ingest, write_image_folders
 from benchmarks._server_probe import gpu_memory_mib
 
@@ -217,6 +218,17 @@ def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
             assert row["gpu_mib"] is None and row["gpu_mib_per_stream"] is None, row
     assert benchmarks.main(["--streams", "0"]) == 2
     assert "--streams takes stream counts" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(visible_gpu_count() > 0, reason="a GPU is visible: --device gpu starts")
+def test_a_server_that_cannot_start_ends_the_benchmark_with_its_reason(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mode = ["--streams", "1", "--duration", "2", "--device", "gpu"]
+    assert benchmarks.main(_small(data_dir, tmp_path / "streams.json", *mode)) == 2
+    err = capsys.readouterr().err
+    assert "error: batchwire serve exited with status 2 before it listened" in err
+    assert "Traceback" not in err
 
 
 def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated(
