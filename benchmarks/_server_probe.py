@@ -23,10 +23,11 @@ import urllib.request
 from typing import Any
 
 from batchwire.cli._bench_probe import process_cpu_seconds
+from batchwire.server.core import STAGES as SERVER_STAGES
 
 __all__ = ["STAGES", "Counters", "ServerProbe", "gpu_memory_mib"]
 
-STAGES = ("read", "pipeline", "encode", "send")
+STAGES = (*SERVER_STAGES, "send")  # the server's stages, and its gRPC writes
 _MIB = 2**20
 
 
