@@ -49,16 +49,13 @@ def test_a_truncated_png_never_reaches_the_decoder() -> None:
     assert reason is not None and "truncated" in reason
 
 
-ON_THE_GPU = pytest.mark.gpu  # conftest skips these where no GPU is visible
-
-
 @pytest.mark.parametrize(
     ("formats", "count", "device"),
     [
         ("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "cpu"),
         ("JPEG2000", 1500, "cpu"),
-        pytest.param("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "mixed", marks=ON_THE_GPU),
-        pytest.param("JPEG2000", 1500, "mixed", marks=ON_THE_GPU),
+        pytest.param("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "mixed", marks=pytest.mark.gpu),
+        pytest.param("JPEG2000", 1500, "mixed", marks=pytest.mark.gpu),
     ],
 )
 def test_no_fuzzed_image_the_screen_admits_crashes_the_decoder(
@@ -95,8 +92,8 @@ def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
         ("val", 0, TEST_DEVICE),
         ("train", 2, TEST_DEVICE),
         ("val", 2, TEST_DEVICE),
-        pytest.param("train", 0, "gpu", marks=ON_THE_GPU),
-        pytest.param("val", 2, "gpu", marks=ON_THE_GPU),
+        pytest.param("train", 0, "gpu", marks=pytest.mark.gpu),
+        pytest.param("val", 2, "gpu", marks=pytest.mark.gpu),
     ],
 )
 def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
