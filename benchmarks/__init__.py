@@ -6,6 +6,7 @@
     python -m benchmarks --reading                        # the server's record path: inline or parallel
     python -m benchmarks --stages                         # CPU per image of each stage, DALI vs PIL
     python -m benchmarks --streams 1,64,256 [--size 64]   # one server under K concurrent streams
+    python -m benchmarks --mix                            # one server shared by several pipelines
     python -m benchmarks --fleet                          # two servers, one slowed: one loader over both
     python -m benchmarks --chaos --duration 300           # servers killed and restarted: exactly once?
 

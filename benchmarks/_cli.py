@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from batchwire.cli._bench_runs import ServerStartError, add_run_arguments
-from benchmarks import chaos, fleet, longrun, messages, reading, scaling, stages, streams
+from benchmarks import chaos, fleet, longrun, messages, mix, reading, scaling, stages, streams
 
 __all__ = ["MODES", "build_parser", "main"]
 
@@ -27,6 +27,7 @@ MODES: dict[str, Mode] = {
     "reading": reading.run_reading,
     "stages": stages.run_stages,
     "streams": streams.run_streams,
+    "mix": mix.run_mix,
     "fleet": fleet.run_fleet,
     "chaos": chaos.run_chaos,
 }
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
         "stage times and GPU memory",
     )
     modes.add_argument(
+        "--mix",
+        nargs="?",
+        const=mix.DEFAULT_MIX,
+        metavar="SPEC",
+        help="one server shared by streams of several pipelines for --duration seconds (40): "
+        "first batches, batches per stream, each pipeline's share of time, builds and switches. "
+        f"SPEC: COUNT:PIPELINE[:PARAM=VALUE...],... (default {mix.DEFAULT_MIX})",
+    )
+    modes.add_argument(
         "--fleet",
         action="store_true",
         help="two servers on a core each, one sharing its core with busy processes: their "
@@ -78,7 +88,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=float,
         help="alone: stream from a local server this many seconds, memory at start and end; "
-        "with --streams or --chaos: how long they run",
+        "with --streams, --mix or --chaos: how long they run",
     )
     parser.add_argument(
         "--size", type=int, help="with --streams or --chaos: the pipeline's output size"
@@ -87,7 +97,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("auto", "cpu", "gpu"),
         default="auto",
-        help="with --streams: where the server runs its pipelines (default auto)",
+        help="with --streams or --mix: where the server runs its pipelines (default auto)",
     )
     parser.add_argument(
         "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"

@@ -57,7 +57,7 @@ class ServerProbe:
         self.pid = pid
         self._url = f"http://localhost:{metrics_port}/metrics"
 
-    def _scrape(self) -> list[Any]:
+    def scrape(self) -> list[Any]:
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(self._url, timeout=10) as reply:
@@ -68,7 +68,7 @@ class ServerProbe:
         cpu = process_cpu_seconds(self.pid)
         seconds = dict.fromkeys(STAGES, 0.0)
         samples = 0.0
-        for sample in self._scrape():
+        for sample in self.scrape():
             if sample.name == "batchwire_stage_seconds_total":
                 seconds[sample.labels["stage"]] += sample.value
             elif sample.name == "batchwire_client_wait_seconds_sum":
@@ -79,7 +79,7 @@ class ServerProbe:
 
     def device(self) -> str:
         """Where the server runs its pipelines (``cpu`` or ``gpu``), as it reports."""
-        for sample in self._scrape():
+        for sample in self.scrape():
             if sample.name == "batchwire_server_info":
                 return str(sample.labels.get("device", "unknown"))
         return "unknown"

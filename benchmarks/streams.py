@@ -39,7 +39,16 @@ from typing import Any
 
 from benchmarks._server_probe import Counters, ServerProbe, gpu_memory_mib
 
-__all__ = ["CREDIT", "StreamsResult", "measure_streams", "run_streams", "table"]
+__all__ = [
+    "CREDIT",
+    "PeakSampler",
+    "StreamsResult",
+    "StreamsRun",
+    "measure_streams",
+    "run_streams",
+    "run_streams_async",
+    "table",
+]
 
 CREDIT = 4  # batches a stream asks for ahead, as RemoteLoader's default (prefetch + 2)
 
@@ -82,7 +91,7 @@ def _proc_status(pid: int) -> tuple[int, float]:
     return threads, rss
 
 
-class _PeakSampler:
+class PeakSampler:
     """Peak threads, RSS and (with ``gpu_mib``, what it held at the start) GPU memory of
     a process while the ``with`` block runs."""
 
@@ -101,7 +110,7 @@ class _PeakSampler:
             if self.gpu_mib is not None:
                 self.gpu_mib = max(self.gpu_mib, gpu_memory_mib(self._pid) or 0.0)
 
-    def __enter__(self) -> _PeakSampler:
+    def __enter__(self) -> PeakSampler:
         self._thread.start()
         return self
 
@@ -125,20 +134,22 @@ async def _requests(share: Any, wanted: asyncio.Queue[list[int] | None]) -> Any:
         yield batchwire_pb2.PullRequest(batches=batches)
 
 
-class _Streams:
+class StreamsRun:
     """K streams of one run: its clock, what each stream asks for, and the tallies."""
 
     def __init__(
-        self, stub: Any, request: dict[str, Any], streams: int, started: float, seconds: float
+        self, stub: Any, requests: Sequence[dict[str, Any]], started: float, seconds: float
     ) -> None:
+        streams = len(requests)
         self.stub = stub
-        self.request = request
-        self.num_batches = 0  # per epoch, set once the dataset is described
+        self.requests = requests
+        self.num_samples = 0  # set once the dataset is described
         self.started = started
         self.half = started + seconds / 2
         self.end = started + seconds
         self.firsts: list[float | None] = [None] * streams
-        self.counted = [0] * streams
+        self.counted = [0] * streams  # images in the second half
+        self.batches = [0] * streams  # batches in the whole run
         self.refused = 0
         self.window: list[Counters] = []  # the server's, at the second half's start and end
 
@@ -161,8 +172,10 @@ class _Streams:
         from batchwire.v1 import batchwire_pb2
 
         wanted: asyncio.Queue[list[int] | None] = asyncio.Queue()
-        share = batchwire_pb2.StreamBatchesRequest(**self.request, seed=index, epoch=epoch)
-        asked = min(CREDIT, self.num_batches)
+        request = self.requests[index]
+        share = batchwire_pb2.StreamBatchesRequest(**request, seed=index, epoch=epoch)
+        num_batches = self.num_samples // request["batch_size"]  # drop_last, the default
+        asked = min(CREDIT, num_batches)
         wanted.put_nowait(list(range(asked)))
         received = 0
         timeout = max(1.0, self.end - time.perf_counter() + 30)
@@ -180,10 +193,11 @@ class _Streams:
                 if batch.part + 1 < (batch.parts or 1):
                     continue  # more parts of this batch to come
                 received += 1
-                if asked < self.num_batches:
+                self.batches[index] += 1
+                if asked < num_batches:
                     wanted.put_nowait([asked])
                     asked += 1
-                elif received == self.num_batches:
+                elif received == num_batches:
                     wanted.put_nowait(None)  # half-close: the epoch is done
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.CANCELLED:
@@ -192,10 +206,11 @@ class _Streams:
         return True
 
 
-async def _run_streams(
-    address: str, probe: ServerProbe, request: dict[str, Any], streams: int, seconds: float
-) -> _Streams:
-    """The run, its tallies and the server's counters over the second half."""
+async def run_streams_async(
+    address: str, probe: ServerProbe, requests: Sequence[dict[str, Any]], seconds: float
+) -> StreamsRun:
+    """A run of one stream per request, its tallies and the server's counters over the
+    second half."""
     import grpc
 
     from batchwire.v1 import batchwire_pb2, batchwire_pb2_grpc
@@ -204,13 +219,13 @@ async def _run_streams(
     options = [("grpc.max_receive_message_length", -1)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = batchwire_pb2_grpc.BatchwireStub(channel)
-        run = _Streams(stub, request, streams, started, seconds)
+        run = StreamsRun(stub, requests, started, seconds)
         info = await stub.DescribeDataset(
-            batchwire_pb2.DescribeDatasetRequest(dataset=request["dataset"]), timeout=60
+            batchwire_pb2.DescribeDatasetRequest(dataset=requests[0]["dataset"]), timeout=60
         )
-        run.num_batches = info.num_samples // request["batch_size"]  # drop_last, the default
+        run.num_samples = info.num_samples
         watch = asyncio.create_task(run.watch(probe))
-        tasks = [asyncio.create_task(run.stream(i)) for i in range(streams)]
+        tasks = [asyncio.create_task(run.stream(i)) for i in range(len(requests))]
         # A stream still waiting for a batch at the end is cancelled then, not waited for.
         _, late = await asyncio.wait(tasks, timeout=max(0.0, run.end - time.perf_counter()) + 1)
         for task in late:
@@ -239,8 +254,8 @@ def measure_streams(
         "params": params or {},
     }
     gpu_before = gpu_memory_mib(probe.pid)
-    with _PeakSampler(probe.pid, gpu_before) as peak:
-        run = asyncio.run(_run_streams(address, probe, request, streams, seconds))
+    with PeakSampler(probe.pid, gpu_before) as peak:
+        run = asyncio.run(run_streams_async(address, probe, [request] * streams, seconds))
     window = seconds / 2
     rates = [images / window for images in run.counted]
     late = [first if first is not None else float("inf") for first in run.firsts]

@@ -134,9 +134,11 @@ class ServerConfig:
         64, "concurrent streams before RESOURCE_EXHAUSTED (default 64)", bounds=(1, 4096)
     )
     max_idle_pipelines: int = _setting(
-        8,
-        "built pipelines kept idle for Preprocess and read_workers streams (default 8)",
-        bounds=(0, 256),
+        4,
+        "built pipelines each pipeline slot keeps for the keys it runs (a key: pipeline, "
+        "parameters, output format, batch size); more keys at once are rebuilt as they take "
+        "turns (default 4)",
+        bounds=(1, 256),
     )
     pipelines_per_device: int = _setting(
         2,

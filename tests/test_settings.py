@@ -26,7 +26,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "read_workers": ("2", 2),
     "max_batch_size": ("512", 512),
     "max_streams": ("300", 300),
-    "max_idle_pipelines": ("4", 4),
+    "max_idle_pipelines": ("6", 6),
     "pipelines_per_device": ("3", 3),
     "metrics_port": ("9405", 9405),
     "preprocess_batch_size": ("32", 32),

@@ -28,9 +28,10 @@ from batchwire.server.core._pipelines import (
     ParamError,
     PipelineSpec,
 )
-from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.core._scheduler import Scheduler, SchedulerStats
 from batchwire.server.core._stages import STAGES, StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
+from batchwire.server.core._ticket import Ticket
 
 __all__ = [
     "PRESETS",
@@ -52,6 +53,7 @@ __all__ = [
     "Result",
     "RunnerKey",
     "Scheduler",
+    "SchedulerStats",
     "ServiceError",
     "StageTimes",
     "Ticket",

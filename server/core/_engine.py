@@ -29,13 +29,13 @@ from batchwire.server.core._jobs import Job, read_job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, PipelineSpec
-from batchwire.server.core._pool import RunnerPool
-from batchwire.server.core._preprocess import PreprocessBatcher
+from batchwire.server.core._preprocess import LANE_WINDOW, PreprocessBatcher
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
-from batchwire.server.core._scheduler import Scheduler, Ticket
+from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stages import StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
+from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._dataset import Dataset, DatasetError
 
 if TYPE_CHECKING:
@@ -62,9 +62,12 @@ class Engine:
         self.devices = DevicePlan.resolve(config.device, config.devices)
         self.stages = StageTimes()  # where the pipelines' time goes, by stage
         self.datasets: dict[str, Dataset] = {}
-        self._pool = RunnerPool(self._build_runner, max_idle=config.max_idle_pipelines)
-        self._scheduler = Scheduler(
-            self._build_runner, self.devices.device_ids, slots=config.pipelines_per_device
+        # Every stream's batches and every Preprocess batch run on these pipelines.
+        self.scheduler = Scheduler(
+            self._build_runner,
+            self.devices.device_ids,
+            slots=config.pipelines_per_device,
+            max_built=config.max_idle_pipelines,
         )
         self._streams = 0
         self._streams_lock = threading.Lock()
@@ -73,8 +76,7 @@ class Engine:
         self.draining = False
         self.preprocessing = PreprocessBatcher(
             pipelines=config.pipelines,
-            acquire=self._pool.acquire,
-            release=self._pool.release,
+            schedule=functools.partial(self._ticket, count=0, window=LANE_WINDOW),
             device=self.devices.kind,
             next_device=lambda: next(self._device_cycle),
             draining=lambda: self.draining,
@@ -174,7 +176,7 @@ class Engine:
                 lambda: self.draining,
                 dataset,
                 plan,
-                functools.partial(self._ticket, key),
+                functools.partial(self._stream_ticket, key),
                 output.normalized,
                 output.layout,
                 parallel,
@@ -223,11 +225,15 @@ class Engine:
             workers=self.config.read_workers,
         )
 
-    def _ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job]) -> Ticket:
+    def _ticket(
+        self, key: RunnerKey, read: Callable[[int], Job], *, count: int, window: int
+    ) -> Ticket:
+        return self.scheduler.ticket(key, count, self.stages.timed("read", read), window)
+
+    def _stream_ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job]) -> Ticket:
         # A stream asks for a few batches beyond the pipelines' own prefetch, so that one
         # stream alone keeps more than one pipeline busy.
-        read = self.stages.timed("read", read)
-        return self._scheduler.ticket(key, count, read, window=self.config.prefetch + 2)
+        return self._ticket(key, read, count=count, window=self.config.prefetch + 2)
 
     def _reserve_stream(self) -> None:
         """Count a new stream, or refuse it at the limit (``_release`` uncounts it)."""
@@ -284,8 +290,7 @@ class Engine:
         # otherwise outlive its pipeline and datasets.
         for stream in self.streams():
             stream.close()
-        self._scheduler.close()
-        self._pool.clear()
+        self.scheduler.close()
         for dataset in self.datasets.values():
             dataset.close()
         self.datasets.clear()

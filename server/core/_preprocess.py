@@ -3,22 +3,24 @@
 ``PreprocessBatcher.submit`` validates a request (limits first, then every
 image's header through the same screen the streams use) and queues its
 images; it returns a ``concurrent.futures.Future`` of a
-:class:`PreprocessResult`. One worker thread per pipeline configuration (a
-*lane*: pipeline, parameters, dtype, layout) collects queued images until it
-has ``batch_size`` of them or the oldest has waited ``max_delay`` seconds,
-runs them as one DALI batch on a pooled :class:`Runner`, and splits the
-output back to the requests. A request larger than ``batch_size`` is cut into
-parts that may travel in several DALI batches.
+:class:`PreprocessResult`. One thread per pipeline configuration (a *lane*:
+pipeline, parameters, dtype, layout) collects queued images until it has
+``batch_size`` of them or the oldest has waited ``max_delay`` seconds, and
+hands them as one DALI batch to the server's scheduler through the lane's
+:class:`Ticket`: preprocessing shares the pipelines with the streams, a lane
+counting as one stream in the fair share. The output is split back to the
+requests as it comes. A request larger than ``batch_size`` is cut into parts
+that may travel in several DALI batches.
 
 Bad images never reach DALI unscreened (DALI 2.4's CPU decoder can crash the
 process on garbage behind a valid signature). An image that passes the screen
-but still fails in DALI is found by the runner's one-by-one retry. Either way
-the request gets a per-image reason and its other images come back.
+but still fails in DALI is found by the runner's recovery. Either way the
+request gets a per-image reason and its other images come back.
 
 Bounded: at most ``max_queued`` images wait across all lanes (more is
-``OverCapacity``), at most ``MAX_LANES`` lanes exist at once, and a lane idle
-for ``IDLE_SECONDS`` ends its thread and returns its pipeline to the pool.
-Never imports grpc.
+``OverCapacity``), at most ``MAX_LANES`` lanes exist at once, each has at most
+``LANE_WINDOW`` batches with the scheduler, and a lane idle for
+``IDLE_SECONDS`` ends its thread and its ticket. Never imports grpc.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
-from batchwire.server.core._jobs import Job
+from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._pipelines import PipelineSpec
 from batchwire.server.core._preprocess_request import (
@@ -43,16 +45,18 @@ from batchwire.server.core._preprocess_request import (
     PreprocessResult,
     settle,
 )
-from batchwire.server.core._runner import Runner
+from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._formats import unsupported_reason
 
-__all__ = ["IDLE_SECONDS", "MAX_LANES", "PreprocessBatcher"]
+__all__ = ["IDLE_SECONDS", "LANE_WINDOW", "MAX_LANES", "PreprocessBatcher"]
 
 log = logging.getLogger(__name__)
 
 MAX_LANES = 16
 IDLE_SECONDS = 30.0
+LANE_WINDOW = 2  # a lane's DALI batches with the scheduler at once
 _JOIN_SECONDS = 10.0
+_POLL_S = 0.1  # how often a lane waiting for room with the scheduler checks for a stop
 _DALI_FAILED = (
     "DALI could not decode or process it (corrupt or truncated image data, or a size the "
     "pipeline cannot handle)"
@@ -70,19 +74,26 @@ class _Part:
 
 
 class _Lane:
-    def __init__(self, key: RunnerKey, lock: threading.Lock) -> None:
+    """One pipeline configuration's queue, its thread and its ticket (guarded by the
+    batcher's lock, but for ``jobs``, which the ticket's ``read`` takes from)."""
+
+    def __init__(self, key: RunnerKey, lock: threading.Lock, ticket: Ticket) -> None:
         self.key = key
         self.parts: collections.deque[_Part] = collections.deque()
         self.queued = 0
         self.wake = threading.Condition(lock)
         self.thread: threading.Thread | None = None
+        self.ticket = ticket
+        self.jobs: dict[int, Job] = {}  # batches handed to the ticket, by its number
+        self.sent = 0  # batches handed to the ticket so far
+        self.running = 0  # ... and not yet come back
 
 
 class PreprocessBatcher:
     """Batches concurrent preprocessing requests into DALI runs; see the module docstring.
 
-    ``acquire``/``release`` lend pipelines (a :class:`RunnerPool`);
-    ``device``/``next_device`` say where they run; ``draining`` is polled at
+    ``schedule(key, read)`` opens a ticket with the server's scheduler;
+    ``device``/``next_device`` say where its pipelines run; ``draining`` is polled at
     submit. ``batch_size`` is the largest DALI batch; ``max_images`` and
     ``max_bytes`` bound one request; ``max_queued`` bounds the images waiting.
     """
@@ -91,8 +102,7 @@ class PreprocessBatcher:
         self,
         *,
         pipelines: Mapping[str, PipelineSpec],
-        acquire: Callable[[RunnerKey], Runner],
-        release: Callable[[Runner], None],
+        schedule: Callable[[RunnerKey, Callable[[int], Job]], Ticket],
         device: str,
         next_device: Callable[[], int | None],
         draining: Callable[[], bool],
@@ -103,8 +113,7 @@ class PreprocessBatcher:
         max_queued: int,
     ) -> None:
         self._pipelines = pipelines
-        self._acquire = acquire
-        self._release = release
+        self._schedule = schedule
         self._device = device
         self._next_device = next_device
         self._draining = draining
@@ -210,7 +219,10 @@ class PreprocessBatcher:
 
     def _start_lane(self, lane_id: tuple[object, ...], key: RunnerKey) -> _Lane:
         key = dataclasses.replace(key, device_id=self._next_device())
-        lane = _Lane(key, self._lock)
+        jobs: dict[int, Job] = {}
+        lane = _Lane(key, self._lock, self._schedule(key, jobs.pop))
+        lane.jobs = jobs
+        lane.ticket.start(0)
         self._serial += 1
         lane.thread = threading.Thread(
             target=self._work,
@@ -230,10 +242,13 @@ class PreprocessBatcher:
             idle_until = time.monotonic() + IDLE_SECONDS
             while not lane.parts and not self._stop.is_set():
                 remaining = idle_until - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 and not lane.running:
                     del self._lanes[lane_id]
                     return None
-                lane.wake.wait(remaining)
+                lane.wake.wait(max(remaining, _POLL_S))
+            # A batch goes to the scheduler only when the lane has room there.
+            while lane.running >= LANE_WINDOW and not self._stop.is_set():
+                lane.wake.wait(_POLL_S)
             if self._stop.is_set():
                 return None
             # Wait for company until the batch is full or the oldest waited enough.
@@ -253,46 +268,68 @@ class PreprocessBatcher:
                 size += len(part.images)
             lane.queued -= size
             self._queued -= size
+            lane.running += 1  # until _done
             return taken
 
     def _work(self, lane_id: tuple[object, ...], lane: _Lane) -> None:
-        runner: Runner | None = None
         try:
             while True:
                 parts = self._take(lane_id, lane)
                 if parts is None:
                     return
-                parts = [p for p in parts if not p.pending.future.cancelled()]
-                if not parts:
-                    continue
-                try:
-                    if runner is None:
-                        runner = self._acquire(lane.key)
-                    self._run(runner, parts)
-                except Exception as exc:
-                    log.exception("preprocessing with pipeline %r failed", lane.key.pipeline)
-                    if runner is not None:
-                        runner.healthy = False  # rebuilt for the next batch
-                        runner = None
-                    for part in parts:
-                        settle(part.pending.future, exception=exc)
+                self._send(lane, parts)
         finally:
-            if runner is not None:
-                self._release(runner)
+            lane.ticket.close()  # batches still running come back as None: see _finish
             self._fail_waiting(lane)
 
-    def _run(self, runner: Runner, parts: list[_Part]) -> None:
+    def _send(self, lane: _Lane, parts: list[_Part]) -> None:
+        """Hand one DALI batch of ``parts`` to the lane's ticket."""
+        parts = [p for p in parts if not p.pending.future.cancelled()]
+        if not parts:
+            self._done(lane)
+            return
         images = [image for part in parts for image in part.images]
-        job = Job(
-            seq=0,
+        seq = lane.sent
+        lane.sent += 1
+        lane.jobs[seq] = Job(
+            seq=seq,
             ids=np.arange(len(images), dtype=np.int64),
             images=images,
             labels=np.zeros(len(images), dtype=np.int64),
         )
-        (result,) = list(runner.run(iter([job])))
+        lane.ticket.extend(1)
+        future = lane.ticket.future(seq)
+        future.add_done_callback(lambda done: self._finish(lane, parts, done))
+
+    def _finish(
+        self, lane: _Lane, parts: list[_Part], done: concurrent.futures.Future[Result | None]
+    ) -> None:
+        """A batch came back (on the pipeline's thread): its rows go to their requests."""
+        try:
+            result = done.result()
+        except Exception as exc:
+            log.error("preprocessing with pipeline %r failed: %s", lane.key.pipeline, exc)
+            for part in parts:
+                settle(part.pending.future, exception=exc)
+        else:
+            if result is None:  # the lane closed: the server is shutting down
+                for part in parts:
+                    settle(part.pending.future, exception=_draining())
+            else:
+                self._split(parts, result)
+        finally:
+            self._done(lane)
+            lane.ticket.more()
+
+    def _done(self, lane: _Lane) -> None:
+        with self._lock:
+            lane.running -= 1
+            lane.wake.notify_all()
+
+    def _split(self, parts: list[_Part], result: Result) -> None:
         with self._lock:
             self.batches_run += 1
-            self.images_run += len(images)
+            self.images_run += sum(len(part.images) for part in parts)
         rows = dict(zip(result.ids.tolist(), result.images, strict=True))
         skipped = set(result.skipped)
         start = 0
@@ -316,12 +353,7 @@ class PreprocessBatcher:
             self._queued -= lane.queued
             lane.queued = 0
         for part in parts:
-            settle(
-                part.pending.future,
-                exception=Draining(
-                    "the server is shutting down; send the request to another server"
-                ),
-            )
+            settle(part.pending.future, exception=_draining())
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -335,3 +367,7 @@ class PreprocessBatcher:
         for lane in lanes:
             if lane.thread is not None:
                 lane.thread.join(_JOIN_SECONDS)
+
+
+def _draining() -> Draining:
+    return Draining("the server is shutting down; send the request to another server")

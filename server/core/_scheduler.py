@@ -1,18 +1,19 @@
-"""Pipelines owned by the server: a fixed set per device, fed by every open stream.
+"""The server's pipelines: a fixed set per device, shared fairly by every stream.
 
-A stream does not get a pipeline of its own. It asks for its next batches, at most
-``window`` ahead of what its client has taken (so a slow client never makes the server hold
-more), and the device's slots take those requests in turn across streams, one batch at a
-time: a stream's share of the pipelines does not depend on how far ahead it asks, and
-each stream's batches still come back to it in order.
+A stream does not get a pipeline of its own. It asks for its next batches through a
+:class:`~batchwire.server.core._ticket.Ticket`, at most ``window`` ahead of what its client
+has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` RPC's
+batches all go through the same tickets. Each device has ``slots`` pipeline slots; a slot
+is a thread that takes requests in the order of the fairness policy
+(:mod:`batchwire.server.core._fair`: every stream an equal share of pipeline time, by
+measured cost), runs them, and hands each result back to its ticket.
 
-A slot is a thread that keeps built pipelines (:class:`Runner`) for the keys it has run,
-least recently used first out beyond ``max_idle``. Requests with different parameters
+A slot keeps the pipelines (:class:`Runner`) it built for the keys it ran, at most
+``max_built``, the least recently used dropped first. Requests with different parameters
 (``size``, crop ranges, output dtype and layout, batch size) need pipelines of their own:
 DALI builds a graph for fixed arguments, and per-sample argument inputs would not cover a
-different output size or dtype. So a slot runs one key at a time and moves to another key
-after ``switch_after`` batches when other keys are waiting. A job of many streams with one
-key (the usual training job) keeps every slot on that key.
+different output size or dtype. So a slot runs one key at a time, for at least the policy's
+quantum once it switched (longer when it dropped another key's pipeline to build this one).
 
 The records of a batch are read (LMDB, parse, screen) in the slot's thread, when its
 pipeline asks for the next batch.
@@ -21,17 +22,19 @@ pipeline asks for the next batch.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 
-from batchwire.server.core._jobs import Job, Result
+from batchwire.server.core._fair import FairQueue
+from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._runner import Runner
+from batchwire.server.core._ticket import Ticket
 
-__all__ = ["Scheduler", "Ticket"]
+__all__ = ["Scheduler", "SchedulerStats"]
 
 log = logging.getLogger(__name__)
 
@@ -40,124 +43,32 @@ log = logging.getLogger(__name__)
 _LINGER_S = 0.005
 
 
-class Ticket:
-    """One stream's requests and results.
+class SchedulerStats:
+    """What the slots did, by pipeline name: for metrics. Thread-safe."""
 
-    ``read(seq)`` gives the job of the stream's batch ``seq`` (its records read); results
-    come back through :meth:`take`, in order.
-    """
+    FIELDS = ("builds", "build_seconds", "evictions", "switches", "busy_seconds")
 
-    def __init__(
-        self,
-        key: RunnerKey,
-        count: int,
-        read: Callable[[int], Job],
-        window: int,
-        scheduler: Scheduler,
-    ) -> None:
-        self.key = key
-        self.count = count
-        self.read = read
-        self._window = window
-        self._scheduler = scheduler
-        self.pending: collections.deque[int] = collections.deque()
-        self._results: dict[int, Result | BaseException] = {}
-        # Results someone awaits (``future``): set on delivery instead of kept.
-        self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
-        self._requested = 0  # batches before this one have been asked of the pipelines
-        self._allowed = 0  # ... and those before this one may be
-        self._ready = threading.Condition()
-        self.closed = False
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: dict[tuple[str, str], float] = collections.defaultdict(float)
+        self._waits: dict[str, list[float]] = {}  # pipeline -> [count, seconds]
 
-    def start(self, first: int) -> None:
-        """Ask for batches ``first``, ``first + 1``, … (``window`` of them to begin with)."""
-        self._requested = self._allowed = first
-        self._scheduler.request(self, self._window)
+    def add(self, field: str, pipeline: str, value: float = 1.0) -> None:
+        with self._lock:
+            self._sums[field, pipeline] += value
 
-    def extend(self, count: int) -> None:
-        """The stream has ``count`` more batches (a pulling client asked for them); they are
-        asked of the pipelines as the window allows."""
-        self._scheduler.request(self, 0, more=count)
+    def waited(self, pipeline: str, seconds: float) -> None:
+        """A batch of ``pipeline`` waited ``seconds`` from being asked for to being taken."""
+        with self._lock:
+            wait = self._waits.setdefault(pipeline, [0, 0.0])
+            wait[0] += 1
+            wait[1] += seconds
 
-    def next_requests(self, room: int, more: int = 0) -> list[int]:
-        """Further batch numbers to ask for, ``room`` more allowed and ``more`` batches more
-        in the stream (called under the scheduler's lock)."""
-        self.count += more
-        self._allowed += room
-        seqs = list(range(self._requested, min(self._allowed, self.count)))
-        self._requested += len(seqs)
-        return seqs
-
-    def deliver(self, seq: int, result: Result | BaseException) -> None:
-        with self._ready:
-            if self.closed:
-                return
-            future = self._futures.pop(seq, None)
-            if future is None:
-                self._results[seq] = result
-                self._ready.notify_all()
-        if future is not None:
-            _settle(future, result)
-
-    def future(self, seq: int) -> concurrent.futures.Future[Result | None]:
-        """Batch ``seq``'s result as a future (None once the ticket is closed); for a
-        caller that awaits it instead of holding a thread. Ask for the next batch with
-        :meth:`more` once it is taken."""
-        future: concurrent.futures.Future[Result | None] = concurrent.futures.Future()
-        with self._ready:
-            if self.closed:
-                _settle(future, None)
-                return future
-            if seq not in self._results:
-                self._futures[seq] = future
-                return future
-            result = self._results.pop(seq)
-        _settle(future, result)
-        return future
-
-    def more(self) -> None:
-        """One batch taken: ask for one more."""
-        self._scheduler.request(self, 1)
-
-    def take(self, seq: int, stop: threading.Event, poll: float = 0.1) -> Result | None:
-        """Batch ``seq``'s result, once a slot has run it, and asks for one more batch;
-        None once ``stop`` is set or the ticket closed."""
-        with self._ready:
-            while seq not in self._results:
-                if stop.is_set() or self.closed:
-                    return None
-                self._ready.wait(poll)
-            result = self._results.pop(seq)
-        if isinstance(result, BaseException):
-            raise result
-        self.more()
-        return result
-
-    def close(self) -> None:
-        """Drop what is asked for and not yet run; results still running are discarded."""
-        with self._ready:
-            self.closed = True
-            self._results.clear()
-            waiting = list(self._futures.values())
-            self._futures.clear()
-            self._ready.notify_all()
-        for future in waiting:
-            _settle(future, None)
-        self._scheduler.forget(self)
-
-
-def _settle(
-    future: concurrent.futures.Future[Result | None], result: Result | BaseException | None
-) -> None:
-    """Set ``future``, unless its awaiter gave up on it (the stream's handler was cancelled,
-    which cancels the future)."""
-    try:
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
+    def snapshot(self) -> tuple[dict[tuple[str, str], float], dict[str, tuple[int, float]]]:
+        """(field, pipeline) -> sum, and pipeline -> (batches taken, seconds they waited)."""
+        with self._lock:
+            waits = {p: (int(w[0]), w[1]) for p, w in self._waits.items()}
+            return dict(self._sums), waits
 
 
 @dataclasses.dataclass
@@ -167,11 +78,12 @@ class _Slot:
         default_factory=collections.OrderedDict
     )
     next_seq: int = 0
+    key: RunnerKey | None = None  # the key it ran last
     thread: threading.Thread | None = None
 
 
 class Scheduler:
-    """``slots`` pipelines for each device id, fed round-robin from every ticket."""
+    """``slots`` pipelines for each device id, fed from every ticket by the fair policy."""
 
     def __init__(
         self,
@@ -179,15 +91,13 @@ class Scheduler:
         device_ids: tuple[int | None, ...],
         *,
         slots: int,
-        max_idle: int = 2,
-        switch_after: int = 8,
+        max_built: int = 4,
     ) -> None:
         self._build = build
-        self._max_idle = max(1, max_idle)
-        self._switch_after = switch_after
+        self._max_built = max(1, max_built)
         self._lock = threading.Condition()
-        # Tickets with requests not yet taken, per key, in turn order.
-        self._waiting: dict[RunnerKey, collections.deque[Ticket]] = {}
+        self._fair = FairQueue()
+        self.stats = SchedulerStats()
         self._stopped = False
         self._slots = [_Slot(device_id) for device_id in device_ids for _ in range(slots)]
         for index, slot in enumerate(self._slots):
@@ -197,7 +107,21 @@ class Scheduler:
             slot.thread.start()
 
     def ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job], window: int) -> Ticket:
-        return Ticket(key, count, read, window, self)
+        """A stream's ticket: ``count`` batches, ``read(seq)`` the job of batch ``seq``, at
+        most ``window`` asked ahead of those taken. Close it when done."""
+        ticket = Ticket(key, count, read, window, self)
+        with self._lock:
+            self._fair.open(ticket)
+        return ticket
+
+    def queued(self) -> dict[str, int]:
+        """Batches asked for and not yet taken by a pipeline, by pipeline name."""
+        with self._lock:
+            queued = self._fair.queued()
+        counts: collections.Counter[str] = collections.Counter()
+        for key, count in queued.items():
+            counts[key.pipeline] += count
+        return dict(counts)
 
     # -- the streams' side ---------------------------------------------------------
 
@@ -205,72 +129,50 @@ class Scheduler:
         with self._lock:
             if ticket.closed:
                 return
-            seqs = ticket.next_requests(room, more)
-            if not seqs:
-                return
-            ticket.pending.extend(seqs)
-            turn = self._waiting.setdefault(ticket.key, collections.deque())
-            if ticket not in turn:
-                turn.append(ticket)
-            self._lock.notify_all()
+            if ticket.next_requests(room, more):
+                self._fair.add(ticket)
+                self._lock.notify_all()
 
     def forget(self, ticket: Ticket) -> None:
         with self._lock:
-            ticket.pending.clear()
-            turn = self._waiting.get(ticket.key)
-            if turn is not None and ticket in turn:
-                turn.remove(ticket)
-                if not turn:
-                    del self._waiting[ticket.key]
+            self._fair.close(ticket)
 
     # -- the slots' side -------------------------------------------------------------
 
-    def _take(self, key: RunnerKey) -> tuple[Ticket, int] | None:
-        """The next request of ``key``: the first ticket in turn, which then goes last."""
-        turn = self._waiting.get(key)
-        if not turn:
-            return None
-        ticket = turn.popleft()
-        seq = ticket.pending.popleft()
-        if ticket.pending:
-            turn.append(ticket)
-        if not turn:
-            del self._waiting[key]
-        return ticket, seq
-
     def _next_key(self, slot: _Slot) -> RunnerKey | None:
-        """A key with requests for this slot's device: one it has built if any, else the
-        one waiting longest. Blocks until there is one; None once stopped."""
+        """The key this slot runs next (see ``FairQueue.choose``). Blocks until there is
+        one; None once stopped."""
         with self._lock:
             while not self._stopped:
-                keys = [k for k in self._waiting if k.device_id == slot.device_id]
-                if keys:
-                    built = [k for k in keys if k in slot.runners]
-                    return (built or keys)[0]
+                key = self._fair.choose(slot.device_id, slot.runners, slot.key)
+                if key is not None:
+                    return key
                 self._lock.wait()
             return None
 
     def _jobs(
-        self, slot: _Slot, key: RunnerKey, in_flight: dict[int, tuple[Ticket, int]]
+        self, slot: _Slot, key: RunnerKey, stay: float, in_flight: dict[int, tuple[Ticket, int]]
     ) -> Iterator[Job]:
-        """Jobs of ``key`` in turn across tickets, numbered by the slot; ends when none
-        is waiting (after a short linger), or to let another key's requests run."""
-        taken = 0
+        """Jobs of ``key`` in the policy's order, numbered by the slot; ends when none is
+        waiting (after a short linger), or, ``stay`` seconds on, when another key's turn
+        has come."""
+        started = time.monotonic()
         while True:
             with self._lock:
                 if self._stopped:
                     return
-                if taken >= self._switch_after and any(
-                    k != key and k.device_id == slot.device_id for k in self._waiting
+                if time.monotonic() - started >= stay and (
+                    self._fair.choose(slot.device_id, slot.runners, key) != key
                 ):
                     return
-                next_request = self._take(key)
-                if next_request is None:
+                taken = self._fair.take(key)
+                if taken is None:
                     self._lock.wait(_LINGER_S)
-                    next_request = self._take(key)
-                if next_request is None:
+                    taken = self._fair.take(key)
+                if taken is None:
                     return
-            ticket, seq = next_request
+            ticket, seq, waited = taken
+            self.stats.waited(key.pipeline, waited)
             try:
                 job = ticket.read(seq)
             except Exception as exc:  # the stream fails, not the slot
@@ -279,11 +181,14 @@ class Scheduler:
             job.seq = slot.next_seq
             in_flight[job.seq] = (ticket, seq)
             slot.next_seq += 1
-            taken += 1
             yield job
 
-    def _runner(self, slot: _Slot, key: RunnerKey) -> Runner:
+    def _runner(self, slot: _Slot, key: RunnerKey) -> tuple[Runner, float]:
+        """The slot's pipeline for ``key``, and the seconds it took to build where that
+        dropped another key's pipeline (0: none was)."""
         runner = slot.runners.pop(key, None)
+        seconds = 0.0
+        evicted = False
         if runner is None:
             log.info(
                 "building pipeline %s for batch size %d on %s",
@@ -291,31 +196,48 @@ class Scheduler:
                 key.batch_size,
                 key.device,
             )
+            started = time.monotonic()
             runner = self._build(key)
+            seconds = time.monotonic() - started
+            self.stats.add("builds", key.pipeline)
+            self.stats.add("build_seconds", key.pipeline, seconds)
         slot.runners[key] = runner
-        while len(slot.runners) > self._max_idle:
-            slot.runners.popitem(last=False)
-        return runner
+        while len(slot.runners) > self._max_built:
+            dropped, _ = slot.runners.popitem(last=False)
+            self.stats.add("evictions", dropped.pipeline)
+            evicted = True
+        return runner, seconds if evicted else 0.0
 
     def _run_slot(self, slot: _Slot) -> None:
         while (key := self._next_key(slot)) is not None:
+            if slot.key is not None and key != slot.key:
+                self.stats.add("switches", key.pipeline)
+            slot.key = key
             try:
                 self._run_key(slot, key)
             except Exception:  # a slot outlives any one failure
                 log.exception("pipeline slot failed on %s", key.pipeline)
 
     def _run_key(self, slot: _Slot, key: RunnerKey) -> None:
-        """Run ``key``'s requests on the slot's pipeline while there are any."""
+        """Run ``key``'s requests on the slot's pipeline while it is the key's turn."""
         try:
-            runner = self._runner(slot, key)
+            runner, rebuilt = self._runner(slot, key)
         except Exception as exc:
             # The key's pipeline cannot be built: its streams fail, not the server.
             log.exception("building pipeline %s failed", key.pipeline)
             self._fail_waiting(key, exc)
             return
         in_flight: dict[int, tuple[Ticket, int]] = {}
+        with self._lock:
+            stay = self._fair.stay(key, rebuilt)
+        jobs = self._jobs(slot, key, stay, in_flight)
+        last: float | None = None  # the first result's time includes the pipeline's start
         try:
-            for result in runner.run(self._jobs(slot, key, in_flight), slot.next_seq):
+            for result in runner.run(jobs, slot.next_seq):
+                now = time.monotonic()
+                if last is not None:
+                    self._measured(key, now - last)
+                last = now
                 ticket, seq = in_flight.pop(result.seq)
                 ticket.deliver(seq, dataclasses.replace(result, seq=seq))
         except Exception as exc:
@@ -329,12 +251,18 @@ class Scheduler:
             if not runner.healthy:
                 slot.runners.pop(key, None)
 
+    def _measured(self, key: RunnerKey, seconds: float) -> None:
+        """One batch of ``key`` came out ``seconds`` after the slot's previous one."""
+        self.stats.add("busy_seconds", key.pipeline, seconds)
+        with self._lock:
+            self._fair.measured(key, seconds)
+
     def _fail_waiting(self, key: RunnerKey, exc: Exception) -> None:
         """Every request of ``key`` not yet taken fails with ``exc``."""
         with self._lock:
-            turn = self._waiting.pop(key, collections.deque())
-            failed = [(ticket, list(ticket.pending)) for ticket in turn]
-            for ticket in turn:
+            failed = []
+            for ticket in self._fair.waiting(key):
+                failed.append((ticket, [seq for seq, _ in ticket.pending]))
                 ticket.pending.clear()
         for ticket, seqs in failed:
             for seq in seqs:

@@ -22,7 +22,7 @@ from batchwire.common.sampler import Plan
 from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._parallel import ParallelRunner
-from batchwire.server.core._scheduler import Ticket
+from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._dataset import Dataset
 
 __all__ = ["MAX_PULL_AHEAD", "Batch", "BatchStream"]

@@ -24,6 +24,9 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
                                                   ``stage``: ``read`` (LMDB, parse, screen),
                                                   ``pipeline`` (DALI's run), ``encode``
                                                   (message build)
+``batchwire_pipeline_*``,              (see       what the pipeline slots do and how long
+``batchwire_queue*``                   below)     batches wait for them, by ``pipeline``:
+                                                  :mod:`._collectors`
 ``batchwire_errors_total``             counter    calls ended with a status other than
                                                   OK or CANCELLED (a client's choice), by
                                                   ``method`` and ``code``
@@ -47,10 +50,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 
-from batchwire.server.core import StageTimes
+from batchwire.server.core import Scheduler, StageTimes
+from batchwire.server.serving._collectors import SchedulerCollector, StageCollector
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
 
@@ -162,7 +164,12 @@ class ServerMetrics:
 
     def watch_stages(self, stages: StageTimes) -> None:
         """Export ``stages`` as ``batchwire_stage_seconds_total``, read at each scrape."""
-        self.registry.register(_StageCollector(stages))
+        self.registry.register(StageCollector(stages))
+
+    def watch_scheduler(self, scheduler: Scheduler) -> None:
+        """Export what the pipeline slots do (``batchwire_pipeline_*``,
+        ``batchwire_queue*``), read at each scrape."""
+        self.registry.register(SchedulerCollector(scheduler))
 
     def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
         return StreamMetrics(self, dataset, pipeline)
@@ -171,24 +178,6 @@ class ServerMetrics:
         """Counts ended calls by status code; ``methods`` are the full method names
         to label by name (anything else is counted as ``"other"``)."""
         return MetricsInterceptor(self.errors, methods)
-
-
-class _StageCollector(Collector):
-    """The engine's :class:`StageTimes` as a counter family, read when scraped."""
-
-    def __init__(self, stages: StageTimes) -> None:
-        self._stages = stages
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "batchwire_stage_seconds",
-            "Seconds the pipelines' threads spent, by stage: read (LMDB, parse, screen), "
-            "pipeline (DALI's run), encode (message build).",
-            labels=("stage",),
-        )
-        for stage, seconds in self._stages.snapshot().items():
-            family.add_metric((stage,), seconds)
-        yield family
 
 
 # -- RPC errors by status code ---------------------------------------------------------

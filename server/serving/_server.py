@@ -86,6 +86,7 @@ class BatchwireServer:
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
         self.metrics.watch_stages(self.engine.stages)
+        self.metrics.watch_scheduler(self.engine.scheduler)
         self._metrics_http: MetricsHTTPServer | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"

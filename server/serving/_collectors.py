@@ -1,0 +1,105 @@
+"""Metrics read from the engine at each scrape: where the pipelines' time goes, and what
+the scheduler's pipeline slots do.
+
+=========================================  =========  ====================================
+``batchwire_stage_seconds_total``          counter    seconds the pipelines' threads
+                                                      spent, by ``stage``
+``batchwire_pipeline_busy_seconds_total``  counter    slot seconds spent on each
+                                                      ``pipeline``'s batches (the fair
+                                                      share's measure)
+``batchwire_pipeline_builds_total``        counter    pipelines built, by ``pipeline``
+``batchwire_pipeline_build_seconds_total`` counter    seconds spent building them
+``batchwire_pipeline_evictions_total``     counter    built pipelines a slot dropped to
+                                                      make room (more keys than it keeps:
+                                                      each is rebuilt when its turn comes)
+``batchwire_pipeline_switches_total``      counter    times a slot switched to a
+                                                      ``pipeline``'s key from another key
+``batchwire_queue_wait_seconds``           summary    seconds a batch waited from being
+                                                      asked for to a pipeline taking it
+``batchwire_queued_batches``               gauge      batches asked for and waiting now
+=========================================  =========  ====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from batchwire.server.core import Scheduler, StageTimes
+
+__all__ = ["SchedulerCollector", "StageCollector"]
+
+# SchedulerStats field -> (metric name without _total, help)
+_COUNTERS = {
+    "busy_seconds": (
+        "batchwire_pipeline_busy_seconds",
+        "Seconds the pipeline slots spent on each pipeline's batches.",
+    ),
+    "builds": ("batchwire_pipeline_builds", "Pipelines built, by pipeline."),
+    "build_seconds": ("batchwire_pipeline_build_seconds", "Seconds spent building pipelines."),
+    "evictions": (
+        "batchwire_pipeline_evictions",
+        "Built pipelines dropped to make room for another key's (rebuilt at their next turn).",
+    ),
+    "switches": (
+        "batchwire_pipeline_switches",
+        "Times a pipeline slot switched to this pipeline's key from another.",
+    ),
+}
+
+
+class StageCollector(Collector):
+    """The engine's :class:`StageTimes` as a counter family."""
+
+    def __init__(self, stages: StageTimes) -> None:
+        self._stages = stages
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "batchwire_stage_seconds",
+            "Seconds the pipelines' threads spent, by stage: read (LMDB, parse, screen), "
+            "pipeline (DALI's run), encode (message build).",
+            labels=("stage",),
+        )
+        for stage, seconds in self._stages.snapshot().items():
+            family.add_metric((stage,), seconds)
+        yield family
+
+
+class SchedulerCollector(Collector):
+    """The scheduler's :class:`SchedulerStats` and queue, by pipeline name."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterable[Metric]:
+        sums, waits = self._scheduler.stats.snapshot()
+        for field, (name, help) in _COUNTERS.items():
+            family = CounterMetricFamily(name, help, labels=("pipeline",))
+            for (kind, pipeline), value in sorted(sums.items()):
+                if kind == field:
+                    family.add_metric((pipeline,), value)
+            yield family
+        summary = SummaryMetricFamily(
+            "batchwire_queue_wait_seconds",
+            "Seconds a batch waited from being asked for to a pipeline taking it.",
+            labels=("pipeline",),
+        )
+        for pipeline, (count, seconds) in sorted(waits.items()):
+            summary.add_metric((pipeline,), count, seconds)
+        yield summary
+        queued = GaugeMetricFamily(
+            "batchwire_queued_batches",
+            "Batches asked for and waiting for a pipeline now.",
+            labels=("pipeline",),
+        )
+        for pipeline, count in sorted(self._scheduler.queued().items()):
+            queued.add_metric((pipeline,), count)
+        yield queued
