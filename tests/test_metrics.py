@@ -119,8 +119,17 @@ def test_metrics_move_while_a_client_streams(metered: BatchwireServer) -> None:
     for stage in STAGES:
         name = "batchwire_stage_seconds_total"
         assert value(after, name, stage=stage) > value(before, name, stage=stage), stage
+    # The pipeline slots: every batch taken counted with its wait, their time measured.
+    pipe = {"pipeline": "val"}
+    assert grew_by(before, after, "batchwire_queue_wait_seconds_count", **pipe) == 65
+    assert grew_by(before, after, "batchwire_pipeline_busy_seconds_total", **pipe) > 0
+    assert value(after, "batchwire_pipeline_builds_total", **pipe) >= 1
     info = scrape(metered)
     assert value(info, "batchwire_server_info", **server_info(info)) == 1
+
+
+def grew_by(before: dict, after: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    return value(after, name, **labels) - value(before, name, **labels)
 
 
 def test_stage_times_sum_each_call_and_refuse_an_unknown_stage() -> None:
