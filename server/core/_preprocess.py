@@ -12,7 +12,7 @@ parts that may travel in several DALI batches.
 
 Bad images never reach DALI unscreened (DALI 2.4's CPU decoder can crash the
 process on garbage behind a valid signature). An image that passes the screen
-but still fails in DALI is found by the runner's one-by-one retry. Either way
+but still fails in DALI is found by the runner's bisection of the batch. Either way
 the request gets a per-image reason and its other images come back.
 
 Bounded: at most ``max_queued`` images wait across all lanes (more is
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
+from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._pipelines import PipelineSpec
@@ -270,7 +270,8 @@ class PreprocessBatcher:
                         runner = self._acquire(lane.key)
                     self._run(runner, parts)
                 except Exception as exc:
-                    log.exception("preprocessing with pipeline %r failed", lane.key.pipeline)
+                    if not isinstance(exc, PipelineFault):  # logged where it was found
+                        log.exception("preprocessing with pipeline %r failed", lane.key.pipeline)
                     if runner is not None:
                         runner.healthy = False  # rebuilt for the next batch
                         runner = None

@@ -27,6 +27,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
+from batchwire.server.core._errors import PipelineFault
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._runner import Runner
@@ -310,7 +311,8 @@ class Scheduler:
             runner = self._runner(slot, key)
         except Exception as exc:
             # The key's pipeline cannot be built: its streams fail, not the server.
-            log.exception("building pipeline %s failed", key.pipeline)
+            if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
+                log.exception("building pipeline %s failed", key.pipeline)
             self._fail_waiting(key, exc)
             return
         in_flight: dict[int, tuple[Ticket, int]] = {}
@@ -321,7 +323,8 @@ class Scheduler:
         except Exception as exc:
             # A pipeline that fails outside a bad sample (which the runner skips) fails
             # the batches it held, not the server: it is dropped and built again.
-            log.exception("pipeline %s failed; rebuilding it", key.pipeline)
+            if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
+                log.exception("pipeline %s failed; rebuilding it", key.pipeline)
             slot.runners.pop(key, None)
             for ticket, seq in in_flight.values():
                 ticket.deliver(seq, exc)

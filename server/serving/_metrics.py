@@ -16,6 +16,8 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
 ``batchwire_samples_sent_total``       counter    samples in those batches
 ``batchwire_bytes_sent_total``         counter    serialized bytes of those batches
 ``batchwire_skipped_samples_total``    counter    undecodable samples left out
+``batchwire_batches_with_skipped_``    counter    batches sent with at least one sample
+``samples_total``                                 left out (an empty batch when all were)
 ``batchwire_pipeline_seconds``         histogram  time to produce one batch (read,
                                                   DALI run, message build)
 ``batchwire_client_wait_seconds``      histogram  time one batch waited for the client
@@ -27,6 +29,12 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
 ``batchwire_errors_total``             counter    calls ended with a status other than
                                                   OK or CANCELLED (a client's choice), by
                                                   ``method`` and ``code``
+``batchwire_pipeline_faults_total``    counter    pipeline faults (not a sample's fault:
+                                                  the stream resumes on another server), by
+                                                  ``pipeline`` and ``kind``
+``batchwire_batches_failed_total``     counter    batches a pipeline held when a fault
+                                                  ended its run, by ``pipeline``
+``batchwire_device_healthy``           gauge      0 while a device is broken, by ``device``
 ``batchwire_serving``                  gauge      1 while health reports SERVING
 ``batchwire_server_info``              info       version and devices
 =====================================  =========  ===================================
@@ -47,10 +55,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batchwire.server.core import StageTimes
+from batchwire.server.core import PipelineHealth, StageTimes
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
 
@@ -80,6 +88,7 @@ class StreamMetrics:
         self._samples = metrics.samples_sent.labels(**labels)
         self._bytes = metrics.bytes_sent.labels(**labels)
         self._skipped = metrics.skipped_samples.labels(**labels)
+        self._skipped_batches = metrics.batches_with_skipped.labels(**labels)
         self._pipeline = metrics.pipeline_seconds.labels(**labels)
         self._wait = metrics.client_wait_seconds.labels(**labels)
 
@@ -97,6 +106,7 @@ class StreamMetrics:
         self._pipeline.observe(seconds)
         if skipped:
             self._skipped.inc(skipped)
+            self._skipped_batches.inc()
 
     def sent(self, samples: int, nbytes: int) -> None:
         """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC."""
@@ -137,6 +147,10 @@ class ServerMetrics:
             "batchwire_skipped_samples",
             "Samples left out of their batch because they could not be decoded.",
         )
+        self.batches_with_skipped = counter(
+            "batchwire_batches_with_skipped_samples",
+            "Batches sent with at least one sample left out (empty when all were).",
+        )
         self.pipeline_seconds = histogram(
             "batchwire_pipeline_seconds",
             "Seconds to produce one batch: LMDB read, DALI run, message build.",
@@ -164,6 +178,10 @@ class ServerMetrics:
         """Export ``stages`` as ``batchwire_stage_seconds_total``, read at each scrape."""
         self.registry.register(_StageCollector(stages))
 
+    def watch_health(self, health: PipelineHealth) -> None:
+        """Export ``health``'s faults, failed batches and devices, read at each scrape."""
+        self.registry.register(_HealthCollector(health))
+
     def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
         return StreamMetrics(self, dataset, pipeline)
 
@@ -189,6 +207,38 @@ class _StageCollector(Collector):
         for stage, seconds in self._stages.snapshot().items():
             family.add_metric((stage,), seconds)
         yield family
+
+
+class _HealthCollector(Collector):
+    """The engine's :class:`PipelineHealth` as metric families, read when scraped."""
+
+    def __init__(self, health: PipelineHealth) -> None:
+        self._health = health
+
+    def collect(self) -> Iterable[Metric]:
+        faults = CounterMetricFamily(
+            "batchwire_pipeline_faults",
+            "Pipeline faults (a failure that is not a sample's: the stream resumes on "
+            "another server), by pipeline and kind.",
+            labels=("pipeline", "kind"),
+        )
+        for (pipeline, kind), count in sorted(self._health.faults().items()):
+            faults.add_metric((pipeline, kind), count)
+        failed = CounterMetricFamily(
+            "batchwire_batches_failed",
+            "Batches a pipeline held when a fault ended its run, by pipeline.",
+            labels=("pipeline",),
+        )
+        for pipeline, count in sorted(self._health.batches_failed().items()):
+            failed.add_metric((pipeline,), count)
+        healthy = GaugeMetricFamily(
+            "batchwire_device_healthy",
+            "1 while a device runs its pipelines, 0 while it is broken (health NOT_SERVING).",
+            labels=("device",),
+        )
+        for device, ok in sorted(self._health.devices().items()):
+            healthy.add_metric((device,), 1 if ok else 0)
+        yield from (faults, failed, healthy)
 
 
 # -- RPC errors by status code ---------------------------------------------------------
