@@ -17,6 +17,7 @@ from conftest import TEST_DEVICE, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
 from batchwire.server.data import Manifest, sample_key, unsupported_reason
 from batchwire.v1 import datum_pb2
 
@@ -141,6 +142,15 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         server.stop(grace=1.0)
 
 
+def batches_with_skipped_samples(server: BatchwireServer) -> float:
+    return sum(
+        sample.value
+        for family in server.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "batchwire_batches_with_skipped_samples_total"
+    )
+
+
 def test_a_batch_of_only_corrupt_records_is_an_empty_batch_on_every_rank(
     data_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
@@ -184,5 +194,6 @@ def test_a_batch_of_only_corrupt_records_is_an_empty_batch_on_every_rank(
             assert sorted(loader.skipped_ids) == sorted(mine)
             delivered = [int(i) for _, _, batch_ids in batches for i in batch_ids]
             assert sorted(delivered) == sorted(set(range(rank, 520, 2)) - mine)
+        assert batches_with_skipped_samples(server) == 2  # one emptied on each rank
     finally:
         server.stop(grace=1.0)

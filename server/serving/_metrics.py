@@ -6,38 +6,39 @@ one process (tests, ``batchwire demo``) never share or clash over metric names.
 What is measured (``dataset`` and ``pipeline`` labels only ever hold names the server
 itself discovered or configured, so a hostile client cannot grow the label sets):
 
-=====================================  =========  ===================================
-``batchwire_streams_started_total``    counter    streams opened
-``batchwire_streams_ended_total``      counter    streams ended, by ``status``: OK (the
-                                                  lane's share delivered), CANCELLED (the
-                                                  client left early), UNAVAILABLE, ...
-``batchwire_active_streams``           gauge      streams open now
-``batchwire_batches_sent_total``       counter    batches handed to gRPC for clients
-``batchwire_samples_sent_total``       counter    samples in those batches
-``batchwire_bytes_sent_total``         counter    serialized bytes of those batches
-``batchwire_skipped_samples_total``    counter    undecodable samples left out
-``batchwire_batches_with_skipped_``    counter    batches sent with at least one sample
-``samples_total``                                 left out (an empty batch when all were)
-``batchwire_pipeline_seconds``         histogram  time to produce one batch (read,
-                                                  DALI run, message build)
-``batchwire_client_wait_seconds``      histogram  time one batch waited for the client
-                                                  to take it (gRPC flow control)
-``batchwire_stage_seconds_total``      counter    seconds the pipelines' threads spent, by
-                                                  ``stage``: ``read`` (LMDB, parse, screen),
-                                                  ``pipeline`` (DALI's run), ``encode``
-                                                  (message build)
-``batchwire_errors_total``             counter    calls ended with a status other than
-                                                  OK or CANCELLED (a client's choice), by
-                                                  ``method`` and ``code``
-``batchwire_pipeline_faults_total``    counter    pipeline faults (not a sample's fault:
-                                                  the stream resumes on another server), by
-                                                  ``pipeline`` and ``kind``
-``batchwire_batches_failed_total``     counter    batches a pipeline held when a fault
-                                                  ended its run, by ``pipeline``
-``batchwire_device_healthy``           gauge      0 while a device is broken, by ``device``
-``batchwire_serving``                  gauge      1 while health reports SERVING
-``batchwire_server_info``              info       version and devices
-=====================================  =========  ===================================
+================================================  =========  =====================================
+``batchwire_streams_started_total``               counter    streams opened
+``batchwire_streams_ended_total``                 counter    streams ended, by ``status``: OK (the
+                                                             lane's share delivered), CANCELLED (the
+                                                             client left early), UNAVAILABLE, ...
+``batchwire_active_streams``                      gauge      streams open now
+``batchwire_batches_sent_total``                  counter    batches handed to gRPC for clients
+``batchwire_samples_sent_total``                  counter    samples in those batches
+``batchwire_bytes_sent_total``                    counter    serialized bytes of those batches
+``batchwire_skipped_samples_total``               counter    undecodable samples left out
+``batchwire_batches_with_skipped_samples_total``  counter    batches sent with a sample left out
+                                                             (empty when all were)
+``batchwire_pipeline_seconds``                    histogram  time to produce one batch (read,
+                                                             DALI run, message build)
+``batchwire_client_wait_seconds``                 histogram  time one batch waited for the client
+                                                             to take it (gRPC flow control)
+``batchwire_stage_seconds_total``                 counter    seconds the pipelines' threads spent,
+                                                             by ``stage``: ``read`` (LMDB, parse,
+                                                             screen), ``pipeline`` (DALI's run),
+                                                             ``encode`` (message build)
+``batchwire_errors_total``                        counter    calls ended with a status other than
+                                                             OK or CANCELLED (a client's choice),
+                                                             by ``method`` and ``code``
+``batchwire_pipeline_faults_total``               counter    pipeline faults (not a sample's: the
+                                                             stream resumes on another server), by
+                                                             ``pipeline`` and ``kind``
+``batchwire_batches_failed_total``                counter    batches a pipeline held when a fault
+                                                             ended its run, by ``pipeline``
+``batchwire_device_healthy``                      gauge      0 while a device is broken, by
+                                                             ``device``
+``batchwire_serving``                             gauge      1 while health reports SERVING
+``batchwire_server_info``                         info       version and devices
+================================================  =========  =====================================
 """
 
 from __future__ import annotations
