@@ -82,9 +82,8 @@ def find_culprits(
     def fails(positions: list[int]) -> Exception | None:
         images = [job.images[i] for i in positions]
         found = probe.error(images, job.labels[positions])
-        kind = None if found is None else fault_kind(found)
-        if kind is not None:
-            raise PipelineFault(pipeline, kind, error_line(found)) from found  # type: ignore[arg-type]
+        if found is not None and (kind := fault_kind(found)) is not None:
+            raise PipelineFault(pipeline, kind, error_line(found)) from found
         return found
 
     if control is not None:
