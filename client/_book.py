@@ -11,7 +11,11 @@ A server that stalls without failing (a hung disk, a paused process) would hold 
 batches until ``timeout``. So when the user has waited for the next batch much longer
 than batches have been arriving (``HEDGE_FACTOR`` times the median gap between recent
 arrivals, and at least ``HEDGE_MIN_S``), every batch the call holding it holds is offered
-to the other servers too. Whichever copy arrives first is used; a later one is dropped.
+to the other servers too, once one of them has capacity: a call open on it (it is not
+failed or cooling down) that holds fewer batches than its credit. Whichever copy arrives
+first is used; a later one is dropped. With one server, or while the others are busy or
+down, nothing is offered and nothing is logged: the batch is waited for, up to
+``timeout``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import logging
 import statistics
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -61,7 +64,8 @@ class Book:
         self._progress_at = time.monotonic()
         # The latest failure: (when, status code, message), for retry_timeout.
         self._failure: tuple[float, grpc.StatusCode, str] | None = None
-        self._holders: weakref.WeakSet[Held] = weakref.WeakSet()
+        # The calls open now (they claimed, and have not given back), with their credit.
+        self._calls: dict[Held, int] = {}
         self._hedged: set[int] = set()  # batches offered to a second server
         self._gaps: collections.deque[float] = collections.deque(maxlen=32)
         self.duplicates = 0  # copies of hedged batches that arrived second
@@ -80,6 +84,7 @@ class Book:
             while True:
                 if over() or self.finished:
                     return None
+                self._calls[held] = credit
                 room = credit - len(held)
                 got: list[int] = []
                 mine: list[int] = []  # hedged batches this call holds already
@@ -96,7 +101,6 @@ class Book:
                     got.append(self._fresh)
                     self._fresh += 1
                 if got:
-                    self._holders.add(held)
                     held.extend(got)
                     return got
                 self._cond.wait(_POLL)
@@ -130,6 +134,7 @@ class Book:
             for index in returned:
                 heapq.heappush(self._returned, index)
             held.clear()
+            self._calls.pop(held, None)
             if failure is not None:
                 self._failure = (time.monotonic(), *failure)
             self._cond.notify_all()
@@ -189,21 +194,23 @@ class Book:
         return max(HEDGE_MIN_S, HEDGE_FACTOR * typical)
 
     def _hedge(self, index: int, waited: float) -> None:
-        """Offer every batch of the call holding ``index`` to the other servers (under
-        the lock)."""
-        for held in list(self._holders):
-            if index in held:
-                offered = [i for i in held if i not in self._hedged and i not in self._arrived]
-                for i in offered:
-                    heapq.heappush(self._returned, i)
-                    self._hedged.add(i)
-                log.warning(
-                    "batch %d: waited %.1fs on a server that delivered nothing meanwhile; "
-                    "asking the other servers for the %d batches it holds",
-                    index,
-                    waited,
-                    len(offered),
-                )
-                self._cond.notify_all()
-                return
-        self._hedged.add(index)  # held by no call now: a failed call gave it back
+        """Offer every batch of the call holding ``index`` to the other calls, if one has
+        room (under the lock); else leave it to be tried again at the next poll."""
+        holder = next((held for held in self._calls if index in held), None)
+        if holder is None:
+            self._hedged.add(index)  # held by no call now: a failed call gave it back
+            return
+        if not any(h is not holder and len(h) < c for h, c in self._calls.items()):
+            return  # no other server, or none with room: nothing to hedge with yet
+        offered = [i for i in holder if i not in self._hedged and i not in self._arrived]
+        for i in offered:
+            heapq.heappush(self._returned, i)
+            self._hedged.add(i)
+        log.warning(
+            "batch %d: waited %.1fs on a server that delivered nothing meanwhile; offering "
+            "the %d batches it holds to the other servers with room",
+            index,
+            waited,
+            len(offered),
+        )
+        self._cond.notify_all()

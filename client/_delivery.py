@@ -74,10 +74,17 @@ class Tensors:
         labels = torch.from_numpy(d.labels)  # type: ignore[arg-type]
         if cuda:
             labels = labels.pin_memory()
-        elif normalize and not d.normalized and images.numel():
-            images = images.float().sub_(self.mean).div_(self.std)
+        elif normalize and not d.normalized:
+            images = self._normalize(images)
         normalized = d.normalized or (normalize and not cuda)
         return dataclasses.replace(d, images=images, labels=labels, normalized=normalized)
+
+    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """float32, less the mean, over the std; an empty batch (every sample skipped) only
+        becomes float32, whatever its shape."""
+        if not images.numel():
+            return images.float()
+        return images.float().sub_(self.mean).div_(self.std)
 
     def output(self, d: Delivery) -> tuple[torch.Tensor, ...]:
         """What the loop yields for a delivery: on the loader's device, normalized."""
@@ -87,7 +94,7 @@ class Tensors:
             images = images.to(self.options.device, non_blocking=True)
             labels = labels.to(self.options.device, non_blocking=True)
             if self.options.normalize and not d.normalized:
-                images = images.float().sub_(self.mean).div_(self.std)
+                images = self._normalize(images)
         labels = labels.reshape(-1)
         if self.options.return_ids:
             return images, labels, torch.from_numpy(np.asarray(d.ids, dtype=np.int64))

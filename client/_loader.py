@@ -328,8 +328,8 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
                 delivery = stream_pass.take(index)
                 stream_pass.cursor = delivery.cursor
                 self.skipped_ids.extend(delivery.skipped_ids)
-                if len(delivery.ids) == 0:
-                    continue  # every sample of this batch was unreadable
+                # Also a batch whose every sample was unreadable (empty): every rank takes
+                # len(loader) steps, or DDP's collectives would wait for this one.
                 yield tensors.output(delivery)
             self._end(stream_pass)
         finally:

@@ -103,7 +103,9 @@ def encode_batch(header: pb.Batch, images: np.ndarray, layout: str) -> bytes:
     tensor = to_proto("images", images[:0], layout)  # name, dtype, layout: no data
     del tensor.shape[:]
     tensor.shape.extend(images.shape)
-    data = memoryview(np.ascontiguousarray(images)).cast("B")  # type: ignore[arg-type]
+    # The bytes as a flat uint8 view (no copy); memoryview.cast refuses an empty batch's
+    # zero-length dimension.
+    data = memoryview(np.ascontiguousarray(images).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     tensor_head = tensor.SerializeToString()
     data_key = _varint(_TENSOR_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(data))
     tensor_length = len(tensor_head) + len(data_key) + len(data)

@@ -12,10 +12,12 @@ import grpc
 import lmdb
 import numpy as np
 import pytest
+import torch
 from conftest import TEST_DEVICE, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
 from batchwire.server.data import Manifest, sample_key, unsupported_reason
 from batchwire.v1 import datum_pb2
 
@@ -136,5 +138,62 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         # The next epoch is delivered the same way: the pipeline recovered.
         again = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(again) == sorted(delivered)
+    finally:
+        server.stop(grace=1.0)
+
+
+def batches_with_skipped_samples(server: BatchwireServer) -> float:
+    return sum(
+        sample.value
+        for family in server.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "batchwire_batches_with_skipped_samples_total"
+    )
+
+
+def test_a_batch_of_only_corrupt_records_is_an_empty_batch_on_every_rank(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """All ranks take len(loader) steps (DDP would hang otherwise): a batch whose every
+    record is unreadable comes as an empty batch, and its ids are in skipped_ids."""
+    copy = tmp_path / "datasets"
+    shutil.copytree(data_dir, copy)
+    dataset = copy / "shapes"
+    rng = np.random.default_rng(1)
+    # shuffle=False over 2 ranks: rank r's batch k of 8 holds ids 16k + r, 16k + r + 2, ...
+    rank0_batch5 = list(range(80, 96, 2))  # half screened out, half failing in DALI
+    rank1_batch7 = list(range(113, 128, 2))  # every one failing in DALI
+    damage = {
+        i: datum_pb2.Datum(encoded=True, label=0, data=rng.bytes(900)).SerializeToString()
+        for i in rank0_batch5[:4]
+    }
+    damage |= {i: truncated(dataset, i) for i in rank0_batch5[4:] + rank1_batch7}
+    corrupt(dataset, damage)
+    server = start_server(copy)
+    try:
+        for rank, empty_batch in ((0, 5), (1, 7)):
+            loader = RemoteLoader(
+                server.target,
+                dataset="shapes",
+                pipeline="val",
+                batch_size=8,
+                shuffle=False,
+                drop_last=False,
+                return_ids=True,
+                rank=rank,
+                world_size=2,
+                params={"size": 32},
+            )
+            batches = list(loader)
+            assert len(batches) == len(loader) == 33
+            images, labels, ids = batches[empty_batch]
+            assert images.shape == (0, 3, 32, 32) and images.dtype == torch.float32
+            assert labels.shape == (0,) and ids.shape == (0,)
+            assert all(len(b[2]) > 0 for k, b in enumerate(batches) if k != empty_batch)
+            mine = {i for i in damage if i % 2 == rank}
+            assert sorted(loader.skipped_ids) == sorted(mine)
+            delivered = [int(i) for _, _, batch_ids in batches for i in batch_ids]
+            assert sorted(delivered) == sorted(set(range(rank, 520, 2)) - mine)
+        assert batches_with_skipped_samples(server) == 2  # one emptied on each rank
     finally:
         server.stop(grace=1.0)

@@ -3,6 +3,7 @@ that join a ``dns:///`` name during an epoch."""
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import signal
 import socket
@@ -18,7 +19,7 @@ from conftest import start_server
 from processes import serve_process
 
 from batchwire.client import BatchwireError, RemoteLoader, UnavailableError
-from batchwire.client._book import Book, Held
+from batchwire.client._book import HEDGE_MIN_S, Book, Held
 from batchwire.client._channel import CHANNEL_OPTIONS
 from batchwire.client._reader import Delivery
 from batchwire.common.sampler import Plan
@@ -117,16 +118,95 @@ def test_a_batch_held_by_a_stalled_server_is_asked_of_another(
     finally:
         done.set()
         thread.join(5)
-    assert "asking the other servers for the 2 batches it holds" in caplog.text
+    assert "offering the 2 batches it holds to the other servers with room" in caplog.text
     book.deliver(stalled, delivery(0))  # the stalled server wakes up: its copy is dropped
     assert book.duplicates == 1
 
 
+def test_with_no_other_server_a_slow_batch_is_waited_for_and_nothing_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One server, slow: there is nobody to hedge with, so its batches are not offered
+    again (to itself) and nothing is logged; the wait ends at ``timeout``."""
+    book = Book(first=0, num_batches=4, window=8)
+    only = Held()
+    assert book.claim(only, 2, never) == [0, 1]
+    with pytest.raises(UnavailableError, match="timeout="):
+        book.take(0, timeout=HEDGE_MIN_S + 1, retry_timeout=60, check=lambda: None)
+    assert "to the other servers with room" not in caplog.text
+    book.deliver(only, delivery(0))
+    assert take(book, 0) == 0
+    assert book.claim(only, 2, never) == [2]  # batch 1 is still its own, and only its own
+
+
+def test_a_slow_batch_goes_only_to_a_server_with_room(caplog: pytest.LogCaptureFixture) -> None:
+    """The other server holds all it may (its credit): it is offered the slow batches only
+    once it has room, and then takes them."""
+    book = Book(first=0, num_batches=6, window=8)
+    stalled, busy = Held(), Held()
+    assert book.claim(stalled, 2, never) == [0, 1]
+    assert book.claim(busy, 2, never) == [2, 3]
+    with pytest.raises(UnavailableError, match="timeout="):
+        book.take(0, timeout=HEDGE_MIN_S + 1, retry_timeout=60, check=lambda: None)
+    assert "to the other servers with room" not in caplog.text
+    for index in (2, 3):
+        book.deliver(busy, delivery(index))  # now it has room
+    done = threading.Event()
+
+    def serve_busy() -> None:
+        while (batches := book.claim(busy, 2, done.is_set)) is not None:
+            for index in batches:
+                book.deliver(busy, delivery(index))
+
+    thread = threading.Thread(target=serve_busy, daemon=True)
+    thread.start()
+    try:
+        assert [take(book, k) for k in range(6)] == list(range(6))
+    finally:
+        done.set()
+        thread.join(5)
+    assert caplog.text.count("to the other servers with room") == 1
+
+
+def test_one_stalled_server_is_waited_for_not_asked_twice(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The only server stops for longer than the hedge wait, then goes on: the epoch is
+    exact, no batch came twice, and the client logged nothing about hedging."""
+    caplog.set_level(logging.INFO, logger="batchwire.client")
+    options: dict[str, Any] = {
+        "dataset": "shapes",
+        "pipeline": "val",
+        "batch_size": 8,
+        "params": {"size": 32},
+        "drop_last": False,
+        "return_ids": True,
+    }
+    with serve_process(data_dir, tmp_path / "a.log") as a:
+        ids: list[int] = []
+        resume = threading.Timer(HEDGE_MIN_S + 1.5, a.process.send_signal, (signal.SIGCONT,))
+        try:
+            with RemoteLoader(a.address, **options) as loader:
+                for n, (_, _, batch_ids) in enumerate(loader):
+                    ids += batch_ids.tolist()
+                    if n == 10:
+                        a.process.send_signal(signal.SIGSTOP)
+                        resume.start()
+                assert loader._pass is not None and loader._pass.book.duplicates == 0
+        finally:
+            resume.cancel()
+            a.process.send_signal(signal.SIGCONT)
+        assert ids == Plan(num_samples=520, batch_size=8, drop_last=False).share().tolist()
+    assert "to the other servers with room" not in caplog.text
+
+
 def test_a_stalled_server_process_does_not_stall_the_epoch(
-    data_dir: pathlib.Path, tmp_path: pathlib.Path
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SIGSTOP one of two server processes mid-epoch: the epoch completes exactly, long
-    before the loader's timeout, from the other server."""
+    before the loader's timeout, from the other server, which is offered the batches the
+    stalled one holds."""
+    caplog.set_level(logging.WARNING, logger="batchwire.client")
     options: dict[str, Any] = {
         "dataset": "shapes",
         "pipeline": "val",
@@ -150,6 +230,7 @@ def test_a_stalled_server_process_does_not_stall_the_epoch(
         finally:
             a.process.send_signal(signal.SIGCONT)
         assert ids == Plan(num_samples=520, batch_size=8, drop_last=False).share().tolist()
+    assert "batches it holds to the other servers with room" in caplog.text
 
 
 def samples_sent(server: BatchwireServer) -> float:

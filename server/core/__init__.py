@@ -17,8 +17,10 @@ from batchwire.server.core._errors import (
     InvalidRequest,
     NotFound,
     OverCapacity,
+    PipelineFault,
     ServiceError,
 )
+from batchwire.server.core._health import FAULTS_IN_A_ROW, PipelineHealth
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import (
@@ -28,12 +30,14 @@ from batchwire.server.core._pipelines import (
     ParamError,
     PipelineSpec,
 )
+from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
 from batchwire.server.core._stages import STAGES, StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.core._ticket import Ticket
 
 __all__ = [
+    "FAULTS_IN_A_ROW",
     "PRESETS",
     "STAGES",
     "Batch",
@@ -49,8 +53,11 @@ __all__ = [
     "OutputSpec",
     "OverCapacity",
     "ParamError",
+    "PipelineFault",
+    "PipelineHealth",
     "PipelineSpec",
     "Result",
+    "Runner",
     "RunnerKey",
     "Scheduler",
     "SchedulerStats",

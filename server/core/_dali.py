@@ -3,17 +3,39 @@
 The pipeline reads its input through ``fn.external_source`` from a callback that
 returns a job's encoded images, labels and ``(seq, id)`` rows (:meth:`Job.inputs`);
 it emits images, labels and those rows, which name each output sample.
+
+DALI reports every failure as a ``RuntimeError`` whose text says what happened:
+:func:`fault_kind` reads the failures that are never about a sample (memory, CUDA) from
+it, and :func:`error_line` its gist for a log line or a client's message.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
+from batchwire.server.core._errors import PipelineFault
 from batchwire.server.core._pipelines import BuildContext, PipelineSpec
 
-__all__ = ["build_pipeline", "error_line", "to_numpy", "view"]
+__all__ = ["build_pipeline", "error_line", "fault_kind", "to_numpy", "view"]
+
+# DALI's words for failures that no sample causes, by PipelineFault kind (CUDA's error
+# names, its allocators' messages, host allocation).
+_OUT_OF_MEMORY = re.compile(
+    r"out of memory|bad_alloc|allocation failed|can't allocate|cannot allocate memory|"
+    r"failed to allocate memory|insufficient memory|cudaErrorMemoryAllocation|"
+    r"CUDA_ERROR_OUT_OF_MEMORY|NVJPEG_STATUS_ALLOCATOR_FAILURE",
+    re.IGNORECASE,
+)
+_CUDA = re.compile(
+    r"CUDA (runtime|driver) API error|a CUDA call has failed|cudaError|CUDA_ERROR|"
+    r"illegal (memory )?(address|access)|launch failure|\bnvml\b|ECC error",
+    re.IGNORECASE,
+)
+# Lines of DALI's messages that say nothing about the cause.
+_BOILERPLATE = ("Critical error in pipeline:", "Current pipeline object is no longer valid.")
 
 
 def build_pipeline(
@@ -29,26 +51,10 @@ def build_pipeline(
     synchronous: bool = False,
     read_workers: int = 0,
 ) -> Any:
-    import nvidia.dali.fn as fn
-    import nvidia.dali.types as types
+    """A built pipeline of ``spec``'s graph fed by ``source``; PipelineFault (kind "build",
+    or "out_of_memory"/"cuda" when DALI says so) when it cannot be built."""
     from nvidia.dali import Pipeline
 
-    pipe = Pipeline(
-        batch_size=batch_size,
-        num_threads=num_threads,
-        device_id=device_id,
-        prefetch_queue_depth=prefetch,
-        # A synchronous pipeline calls its source exactly once per run and has
-        # nothing in flight: what the one-sample probe needs.
-        exec_pipelined=not synchronous,
-        exec_async=not synchronous,
-        # Parallel sources run in worker processes. They are started with
-        # "spawn": pipelines are built while the server runs, when its process
-        # has threads and may hold a CUDA context, and DALI's "fork" is only
-        # safe before either.
-        py_num_workers=max(read_workers, 1),
-        py_start_method="spawn",
-    )
     parallel: dict[str, Any] = {}
     if read_workers:
         # Each worker reads whole batches; keep every worker busy and DALI fed.
@@ -57,6 +63,41 @@ def build_pipeline(
             "batch_info": True,
             "prefetch_queue_depth": max(prefetch, read_workers),
         }
+    try:
+        pipe = Pipeline(
+            batch_size=batch_size,
+            num_threads=num_threads,
+            device_id=device_id,
+            prefetch_queue_depth=prefetch,
+            # A synchronous pipeline calls its source exactly once per run and has
+            # nothing in flight: what the probe that looks for bad samples needs.
+            exec_pipelined=not synchronous,
+            exec_async=not synchronous,
+            # Parallel sources run in worker processes. They are started with
+            # "spawn": pipelines are built while the server runs, when its process
+            # has threads and may hold a CUDA context, and DALI's "fork" is only
+            # safe before either.
+            py_num_workers=max(read_workers, 1),
+            py_start_method="spawn",
+        )
+        _define(pipe, spec, params, ctx, parallel, source)
+    except Exception as exc:  # DALI's own, or whatever the pipeline's function raised
+        raise PipelineFault(spec.name, fault_kind(exc) or "build", error_line(exc)) from exc
+    return pipe
+
+
+def _define(
+    pipe: Any,
+    spec: PipelineSpec,
+    params: dict[str, float],
+    ctx: BuildContext,
+    parallel: dict[str, Any],
+    source: Any,
+) -> None:
+    """Define ``spec``'s graph on ``pipe``, fed by ``source``, and build it."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
     with pipe:
         encoded, labels, meta = fn.external_source(
             source=source,
@@ -69,7 +110,6 @@ def build_pipeline(
         images, labels = spec.function(encoded, labels, ctx, params)
         pipe.set_outputs(images, labels, meta)
     pipe.build()
-    return pipe
 
 
 def to_numpy(tensor_list: Any) -> np.ndarray:
@@ -90,6 +130,23 @@ def view(tensor_list: Any) -> np.ndarray:
 
 
 def error_line(exc: BaseException) -> str:
-    """The gist of a pipeline's error for a log line: its last line (DALI's are long)."""
-    message = str(exc).strip().splitlines()
-    return message[-1] if message else type(exc).__name__
+    """The gist of a pipeline's error for a log line (DALI's run to dozens of lines): the
+    first line after DALI's "encountered:", else the last line that says something."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line and line not in _BOILERPLATE]
+    if "encountered:" in lines[:-1]:
+        return lines[lines.index("encountered:") + 1]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def fault_kind(exc: BaseException) -> str | None:
+    """ "out_of_memory" or "cuda" when ``exc`` says so (no sample is to blame: the device
+    or the host is), else None: the failure may be a sample's."""
+    if isinstance(exc, MemoryError):
+        return "out_of_memory"
+    text = str(exc)
+    if _OUT_OF_MEMORY.search(text):
+        return "out_of_memory"
+    if _CUDA.search(text):
+        return "cuda"
+    return None

@@ -24,7 +24,14 @@ import numpy as np
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import NAME_PATTERN, StreamSpec
 from batchwire.server.core._devices import DevicePlan
-from batchwire.server.core._errors import Draining, InvalidRequest, NotFound, OverCapacity
+from batchwire.server.core._errors import (
+    Draining,
+    InvalidRequest,
+    NotFound,
+    OverCapacity,
+    PipelineFault,
+)
+from batchwire.server.core._health import PipelineHealth
 from batchwire.server.core._jobs import Job, read_job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
@@ -61,6 +68,8 @@ class Engine:
         self.config = config
         self.devices = DevicePlan.resolve(config.device, config.devices)
         self.stages = StageTimes()  # where the pipelines' time goes, by stage
+        # Faults, broken devices and a sample known to run, from every pipeline.
+        self.health = PipelineHealth(self.devices.device_ids)
         self.datasets: dict[str, Dataset] = {}
         # Every stream's batches and every Preprocess batch run on these pipelines.
         self.scheduler = Scheduler(
@@ -209,21 +218,26 @@ class Engine:
             num_threads=self.config.num_threads or (os.cpu_count() or 1),
             prefetch=self.config.prefetch,
             stages=self.stages,
+            health=self.health,
         )
 
     def _build_parallel(
         self, key: RunnerKey, dataset: Dataset, batches: list[np.ndarray]
     ) -> ParallelRunner:
         spec, ctx = self._context(key)
-        return ParallelRunner(
-            key,
-            spec,
-            ctx,
-            PlannedSource(str(dataset.directory), batches, read_job),
-            num_threads=self.config.num_threads or (os.cpu_count() or 1),
-            prefetch=self.config.prefetch,
-            workers=self.config.read_workers,
-        )
+        try:
+            return ParallelRunner(
+                key,
+                spec,
+                ctx,
+                PlannedSource(str(dataset.directory), batches, read_job),
+                num_threads=self.config.num_threads or (os.cpu_count() or 1),
+                prefetch=self.config.prefetch,
+                workers=self.config.read_workers,
+            )
+        except PipelineFault as fault:  # the stream that opens it ends UNAVAILABLE
+            self.health.failed(key, fault, batches=0)
+            raise
 
     def _ticket(
         self, key: RunnerKey, read: Callable[[int], Job], *, count: int, window: int

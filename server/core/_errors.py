@@ -7,12 +7,32 @@ imports grpc.
     ├── NotFound           unknown dataset or pipeline
     ├── InvalidRequest     a request field is out of range or inconsistent
     ├── OverCapacity       a server limit (streams, batch size) is reached
-    └── Draining           the server is shutting down; retry elsewhere
+    ├── Draining           the server is shutting down; retry elsewhere
+    └── PipelineFault      a pipeline failed for a reason that is not a sample (out of
+                           memory, CUDA, a build, a batch that fails whole); retry elsewhere
 """
 
 from __future__ import annotations
 
-__all__ = ["Draining", "InvalidRequest", "NotFound", "OverCapacity", "ServiceError"]
+__all__ = [
+    "FAULT_KINDS",
+    "Draining",
+    "InvalidRequest",
+    "NotFound",
+    "OverCapacity",
+    "PipelineFault",
+    "ServiceError",
+]
+
+# What failed, for PipelineFault.kind (and the metrics label), with its words for a user.
+FAULT_KINDS = {
+    "out_of_memory": "out of memory",
+    "cuda": "CUDA error",
+    "build": "the pipeline cannot be built",
+    "batch": "a batch failed whose samples run apart",
+    "retry": "a batch failed again without its bad samples",
+    "control": "a sample that ran before fails too",
+}
 
 
 class ServiceError(Exception):
@@ -33,3 +53,24 @@ class OverCapacity(ServiceError):
 
 class Draining(ServiceError):
     pass
+
+
+class PipelineFault(ServiceError):
+    """A pipeline failed for a reason that is not one of its samples: the batches it held
+    are lost on this server, and the stream resumes on another one.
+
+    ``kind`` is one of :data:`FAULT_KINDS`; the message names the pipeline, the kind and
+    the cause (the gist of DALI's error).
+    """
+
+    def __init__(self, pipeline: str, kind: str, cause: str) -> None:
+        super().__init__(
+            f"the server's pipeline {pipeline!r} failed ({FAULT_KINDS[kind]}: {cause}); "
+            "the stream resumes on another server (RemoteLoader does so from its cursor)"
+        )
+        self.pipeline = pipeline
+        self.kind = kind
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[type[PipelineFault], tuple[str, str, str]]:
+        return type(self), (self.pipeline, self.kind, self.cause)

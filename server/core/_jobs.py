@@ -57,12 +57,15 @@ class Result:
     payload: Any = None
 
 
-def empty_result(job: Job) -> Result:
-    """The result of a job none of whose samples is left to run."""
+def empty_result(
+    job: Job, sample_shape: tuple[int, ...] = (), dtype: np.dtype | type = np.uint8
+) -> Result:
+    """The result of a job none of whose samples is left to run: no images, of shape
+    ``(0, *sample_shape)``."""
     return Result(
         seq=job.seq,
         ids=job.ids[:0],
-        images=np.zeros((0,), dtype=np.uint8),
+        images=np.zeros((0, *sample_shape), dtype=dtype),
         labels=np.zeros((0,), dtype=np.int64),
         skipped=tuple(job.skipped),
     )

@@ -82,7 +82,7 @@ class ParallelRunner:
     It is built for its stream (the source holds the stream's batches) and shut
     down after it. A batch that fails ends the parallel part: the stream goes on
     from that batch through ``fallback``, an inline :class:`Runner` that finds
-    the culprits one by one and skips them.
+    the culprits (by bisection) and skips them.
     """
 
     def __init__(

@@ -14,8 +14,8 @@ that may travel in several DALI batches.
 
 Bad images never reach DALI unscreened (DALI 2.4's CPU decoder can crash the
 process on garbage behind a valid signature). An image that passes the screen
-but still fails in DALI is found by the runner's recovery. Either way the
-request gets a per-image reason and its other images come back.
+but still fails in DALI is found by the runner's bisection of the batch. Either way
+the request gets a per-image reason and its other images come back.
 
 Bounded: at most ``max_queued`` images wait across all lanes (more is
 ``OverCapacity``), at most ``MAX_LANES`` lanes exist at once, each has at most
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
+from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._pipelines import PipelineSpec
@@ -308,7 +308,8 @@ class PreprocessBatcher:
         try:
             result = done.result()
         except Exception as exc:
-            log.error("preprocessing with pipeline %r failed: %s", lane.key.pipeline, exc)
+            if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
+                log.error("preprocessing with pipeline %r failed: %s", lane.key.pipeline, exc)
             for part in parts:
                 settle(part.pending.future, exception=exc)
         else:

@@ -5,10 +5,15 @@ that pulls the next :class:`Job` (ids, encoded images, labels). DALI calls the
 callback ahead of time to keep ``prefetch`` batches in flight.
 
 A sample that makes the pipeline fail (a truncated JPEG, random bytes, a GIF
-on nvJPEG) must not end the stream: when a run raises, the failed batch's
-samples are tried one at a time through a batch-size-1 copy of the same graph,
-the culprits are reported as skipped and the rest of the batch is run again.
-Results come out in job order whatever was retried.
+on nvJPEG) must not end the stream: when a run raises, the failed batch is
+bisected through a synchronous copy of the same graph (``_culprits``), the
+culprits are reported as skipped and the rest of the batch is run again on a
+rebuilt pipeline. Results come out in job order whatever was retried.
+
+A failure that is not about a sample (out of memory, CUDA, a build, a batch that
+fails whole or again without its culprits) raises :class:`PipelineFault` from
+:meth:`Runner.run`: the batches in flight are lost here, the runner is no longer
+``healthy``, and the fault is reported to the server's :class:`PipelineHealth`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.server.core._dali import build_pipeline, error_line, to_numpy, view
+from batchwire.server.core._culprits import Probe, find_culprits
+from batchwire.server.core._dali import build_pipeline, error_line, fault_kind, to_numpy, view
+from batchwire.server.core._errors import PipelineFault
+from batchwire.server.core._health import PipelineHealth
 from batchwire.server.core._jobs import Job, Result, empty_result
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import BuildContext, PipelineSpec
@@ -76,19 +84,25 @@ class Runner:
         num_threads: int,
         prefetch: int = 2,
         stages: StageTimes | None = None,
+        health: PipelineHealth | None = None,
     ) -> None:
+        """Builds the pipeline: PipelineFault (reported to ``health``) when it cannot."""
         self.key = key
         self._stages = stages or StageTimes()
+        self._health = health or PipelineHealth((key.device_id,))
         self._spec = spec
         self._params = dict(key.params)
         self._ctx = ctx
         self._num_threads = num_threads
         self._prefetch = prefetch
         self._source = _Source()
-        self._pipe = self._build(key.batch_size, self._source)
-        self._probe_sample: list[tuple[list[np.ndarray], np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()
         self.healthy = True
+        try:
+            self._pipe: Any = self._build(key.batch_size, self._source)
+        except PipelineFault as fault:
+            self._fault(fault, batches=0)
+            raise
 
     def _build(self, batch_size: int, source: Any, synchronous: bool = False) -> Any:
         return build_pipeline(
@@ -107,7 +121,9 @@ class Runner:
         """Run ``jobs`` (seq first, first + 1, …) and yield their results in seq order.
 
         Closing the generator early drains what DALI still has in flight, so
-        the runner can serve the next stream. One stream at a time.
+        the runner can serve the next stream. One stream at a time. Raises
+        PipelineFault when the pipeline fails for a reason other than a sample;
+        the runner is then not ``healthy`` and must be dropped.
         """
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("a Runner serves one stream at a time")
@@ -122,7 +138,7 @@ class Runner:
             next_seq = first
             while True:
                 for job in source.empty:
-                    done[job.seq] = empty_result(job)
+                    done[job.seq] = self._empty(job)
                 source.empty.clear()
                 if next_seq in done:
                     yield done.pop(next_seq)
@@ -140,23 +156,15 @@ class Runner:
                         ) from None
                     finished = True
                     return
-                except RuntimeError as exc:
+                except Exception as exc:
                     if not source.in_flight:
                         raise  # not a batch's failure: the source itself failed
-                    # After an error DALI's reset() proved unsafe to rely on
-                    # (a later run could crash), so the pipeline is replaced;
-                    # the batches it held in flight run again on the new one.
-                    failed = source.in_flight.popleft()
-                    pending = list(source.in_flight)
-                    source.in_flight.clear()
-                    self._pipe = self._build(self.key.batch_size, self._source)
-                    repaired = self._recover(failed, exc)
-                    source.retries.extendleft(reversed([repaired, *pending]))
+                    self._repair(exc)
                     continue
                 job = source.in_flight.popleft()
                 done[job.seq] = self._result(job, outputs)
         finally:
-            if not finished:
+            if not finished and self.healthy:
                 self._drain()
             source.jobs = iter(())
             self._lock.release()
@@ -178,6 +186,7 @@ class Runner:
         labels, meta = to_numpy(outputs[1]), to_numpy(outputs[2])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
+        self._health.ran(self.key, images, job.images[0], int(job.labels[0]))
         result = Result(
             seq=job.seq,
             ids=job.ids,
@@ -190,51 +199,67 @@ class Runner:
         # Before the next run, while DALI's buffer holds these images.
         return dataclasses.replace(result, images=images[:0].copy(), payload=job.finish(result))
 
-    def _recover(self, job: Job, exc: RuntimeError) -> Job:
-        """Find which samples of a failed job break the pipeline; retry the rest."""
+    def _empty(self, job: Job) -> Result:
+        """The result of a job none of whose samples is left: no images, shaped as this
+        configuration's batches are once one has run (``(0,)`` before)."""
+        known = self._health.output_shape(self.key)
+        shape, dtype = known if known is not None else ((), np.dtype(self.key.dtype))
+        return empty_result(job, shape, dtype)
+
+    def _repair(self, exc: Exception) -> None:
+        """The oldest batch in flight failed with ``exc``: find its bad samples and queue
+        it again without them, with the batches that were in flight behind it, on a new
+        pipeline. A fault ends the run instead (PipelineFault, raised)."""
+        source = self._source
+        failed = source.in_flight.popleft()
+        pending = list(source.in_flight)
+        source.in_flight.clear()
+        # After an error DALI's pipeline is no longer valid: it is replaced (after the
+        # search, so that the two are not in memory at once).
+        self._pipe = None
+        try:
+            repaired = self._recover(failed, exc)
+            self._pipe = self._build(self.key.batch_size, self._source)
+        except BaseException as error:
+            self.healthy = False  # it has no pipeline
+            if isinstance(error, PipelineFault):
+                self._fault(error, batches=1 + len(pending) + len(source.retries))
+            raise
+        source.retries.extendleft(reversed([repaired, *pending]))
+
+    def _recover(self, job: Job, exc: Exception) -> Job:
+        """``job`` without the samples that make it fail with ``exc``; PipelineFault when
+        the failure is not theirs."""
+        name = self._spec.name
+        kind = fault_kind(exc)
+        if kind is None and job.attempts >= 1:
+            kind = "retry"  # it failed again without its culprits
+        if kind is not None:
+            raise PipelineFault(name, kind, error_line(exc)) from exc
         log.warning(
-            "pipeline %r failed on a batch of %d samples (%s); checking them one by one",
-            self._spec.name,
+            "pipeline %r failed on a batch of %d samples (%s); looking for the samples to blame",
+            name,
             len(job.ids),
             error_line(exc),
         )
-        # A batch whose clean samples fail again is given up, not the stream.
-        bad = list(range(len(job.ids))) if job.attempts >= 1 else self._find_bad(job)
+        probe = Probe(lambda source: self._build(len(job.ids), source, synchronous=True))
+        bad = find_culprits(job, exc, probe, pipeline=name, control=self._health.control())
+        skipped = [int(job.ids[i]) for i in bad]
+        log.warning("skipping sample ids %s: pipeline %r fails on them", skipped, name)
         keep = [i for i in range(len(job.ids)) if i not in set(bad)]
-        skipped = job.skipped + [int(job.ids[i]) for i in bad]
-        log.warning(
-            "skipping sample ids %s: they cannot be processed", [int(job.ids[i]) for i in bad]
-        )
         return dataclasses.replace(
             job,
             ids=job.ids[keep],
             images=[job.images[i] for i in keep],
             labels=job.labels[keep],
-            skipped=skipped,
+            skipped=job.skipped + skipped,
             attempts=job.attempts + 1,
         )
 
-    def _find_bad(self, job: Job) -> list[int]:
-        """Indices of ``job``'s samples that fail alone in a batch-size-1 copy of the graph."""
-        bad = []
-        probe = self._build(1, self._probe_source, synchronous=True)
-        for index in range(len(job.ids)):
-            meta = np.array([[job.seq, job.ids[index]]], dtype=np.int64)
-            self._probe_sample[:] = [
-                (job.images[index : index + 1], job.labels[index : index + 1], meta)
-            ]
-            try:
-                probe.run()
-            except RuntimeError:
-                bad.append(index)
-                # A synchronous pipeline is dead after an error: use a new one.
-                probe = self._build(1, self._probe_source, synchronous=True)
-        return bad
-
-    def _probe_source(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        if not self._probe_sample:
-            raise StopIteration
-        return self._probe_sample.pop()
+    def _fault(self, fault: PipelineFault, batches: int) -> None:
+        """A fault ends this runner: the server's health learns of it."""
+        self.healthy = False
+        self._health.failed(self.key, fault, batches)
 
     def _drain(self) -> None:
         """Run out what DALI holds so the next stream starts clean."""

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from batchwire.server.core._errors import PipelineFault
 from batchwire.server.core._fair import FairQueue
 from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey
@@ -224,7 +225,8 @@ class Scheduler:
             runner, rebuilt = self._runner(slot, key)
         except Exception as exc:
             # The key's pipeline cannot be built: its streams fail, not the server.
-            log.exception("building pipeline %s failed", key.pipeline)
+            if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
+                log.exception("building pipeline %s failed", key.pipeline)
             self._fail_waiting(key, exc)
             return
         in_flight: dict[int, tuple[Ticket, int]] = {}
@@ -243,7 +245,8 @@ class Scheduler:
         except Exception as exc:
             # A pipeline that fails outside a bad sample (which the runner skips) fails
             # the batches it held, not the server: it is dropped and built again.
-            log.exception("pipeline %s failed; rebuilding it", key.pipeline)
+            if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
+                log.exception("pipeline %s failed; rebuilding it", key.pipeline)
             slot.runners.pop(key, None)
             for ticket, seq in in_flight.values():
                 ticket.deliver(seq, exc)

@@ -1,5 +1,5 @@
-"""Metrics read from the engine at each scrape: where the pipelines' time goes, and what
-the scheduler's pipeline slots do.
+"""Metrics read from the engine at each scrape: where the pipelines' time goes, what the
+scheduler's pipeline slots do, and the pipelines' faults.
 
 =========================================  =========  ====================================
 ``batchwire_stage_seconds_total``          counter    seconds the pipelines' threads
@@ -17,6 +17,13 @@ the scheduler's pipeline slots do.
 ``batchwire_queue_wait_seconds``           summary    seconds a batch waited from being
                                                       asked for to a pipeline taking it
 ``batchwire_queued_batches``               gauge      batches asked for and waiting now
+``batchwire_pipeline_faults_total``        counter    pipeline faults (not a sample's: the
+                                                      stream resumes on another server), by
+                                                      ``pipeline`` and ``kind``
+``batchwire_batches_failed_total``         counter    batches a pipeline held when a fault
+                                                      ended its run, by ``pipeline``
+``batchwire_device_healthy``               gauge      0 while a device is broken, by
+                                                      ``device``
 =========================================  =========  ====================================
 """
 
@@ -32,9 +39,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from batchwire.server.core import Scheduler, StageTimes
+from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
 
-__all__ = ["SchedulerCollector", "StageCollector"]
+__all__ = ["HealthCollector", "SchedulerCollector", "StageCollector"]
 
 # SchedulerStats field -> (metric name without _total, help)
 _COUNTERS = {
@@ -103,3 +110,35 @@ class SchedulerCollector(Collector):
         for pipeline, count in sorted(self._scheduler.queued().items()):
             queued.add_metric((pipeline,), count)
         yield queued
+
+
+class HealthCollector(Collector):
+    """The engine's :class:`PipelineHealth` as metric families, read when scraped."""
+
+    def __init__(self, health: PipelineHealth) -> None:
+        self._health = health
+
+    def collect(self) -> Iterable[Metric]:
+        faults = CounterMetricFamily(
+            "batchwire_pipeline_faults",
+            "Pipeline faults (a failure that is not a sample's: the stream resumes on "
+            "another server), by pipeline and kind.",
+            labels=("pipeline", "kind"),
+        )
+        for (pipeline, kind), count in sorted(self._health.faults().items()):
+            faults.add_metric((pipeline, kind), count)
+        failed = CounterMetricFamily(
+            "batchwire_batches_failed",
+            "Batches a pipeline held when a fault ended its run, by pipeline.",
+            labels=("pipeline",),
+        )
+        for pipeline, count in sorted(self._health.batches_failed().items()):
+            failed.add_metric((pipeline,), count)
+        healthy = GaugeMetricFamily(
+            "batchwire_device_healthy",
+            "1 while a device runs its pipelines, 0 while it is broken (health NOT_SERVING).",
+            labels=("device",),
+        )
+        for device, ok in sorted(self._health.devices().items()):
+            healthy.add_metric((device,), 1 if ok else 0)
+        yield from (faults, failed, healthy)

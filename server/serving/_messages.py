@@ -23,6 +23,7 @@ from batchwire.server.core._errors import (
     InvalidRequest,
     NotFound,
     OverCapacity,
+    PipelineFault,
 )
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._stream import Batch
@@ -43,17 +44,20 @@ __all__ = [
     "tolerant",
 ]
 
-# Domain error -> status code: the one place where the mapping lives.
+# Domain error -> status code: the one place where the mapping lives. UNAVAILABLE tells
+# a client to go on elsewhere (RemoteLoader resumes from its cursor on another server);
+# anything not listed is a bug: INTERNAL, with the server's log to say more.
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
+    PipelineFault: grpc.StatusCode.UNAVAILABLE,
     DatasetError: grpc.StatusCode.DATA_LOSS,
 }
 
 
-def status_for(exc: Exception) -> grpc.StatusCode:
+def status_for(exc: BaseException) -> grpc.StatusCode:
     for kind, code in STATUS_CODES.items():
         if isinstance(exc, kind):
             return code

@@ -6,33 +6,43 @@ one process (tests, ``batchwire demo``) never share or clash over metric names.
 What is measured (``dataset`` and ``pipeline`` labels only ever hold names the server
 itself discovered or configured, so a hostile client cannot grow the label sets):
 
-=====================================  =========  ===================================
-``batchwire_streams_started_total``    counter    streams opened
-``batchwire_streams_ended_total``      counter    streams ended, by ``status``: OK (the
-                                                  lane's share delivered), CANCELLED (the
-                                                  client left early), UNAVAILABLE, ...
-``batchwire_active_streams``           gauge      streams open now
-``batchwire_batches_sent_total``       counter    batches handed to gRPC for clients
-``batchwire_samples_sent_total``       counter    samples in those batches
-``batchwire_bytes_sent_total``         counter    serialized bytes of those batches
-``batchwire_skipped_samples_total``    counter    undecodable samples left out
-``batchwire_pipeline_seconds``         histogram  time to produce one batch (read,
-                                                  DALI run, message build)
-``batchwire_client_wait_seconds``      histogram  time one batch waited for the client
-                                                  to take it (gRPC flow control)
-``batchwire_stage_seconds_total``      counter    seconds the pipelines' threads spent, by
-                                                  ``stage``: ``read`` (LMDB, parse, screen),
-                                                  ``pipeline`` (DALI's run), ``encode``
-                                                  (message build)
-``batchwire_pipeline_*``,              (see       what the pipeline slots do and how long
-``batchwire_queue*``                   below)     batches wait for them, by ``pipeline``:
-                                                  :mod:`._collectors`
-``batchwire_errors_total``             counter    calls ended with a status other than
-                                                  OK or CANCELLED (a client's choice), by
-                                                  ``method`` and ``code``
-``batchwire_serving``                  gauge      1 while health reports SERVING
-``batchwire_server_info``              info       version and devices
-=====================================  =========  ===================================
+================================================  =========  =====================================
+``batchwire_streams_started_total``               counter    streams opened
+``batchwire_streams_ended_total``                 counter    streams ended, by ``status``: OK (the
+                                                             lane's share delivered), CANCELLED (the
+                                                             client left early), UNAVAILABLE, ...
+``batchwire_active_streams``                      gauge      streams open now
+``batchwire_batches_sent_total``                  counter    batches handed to gRPC for clients
+``batchwire_samples_sent_total``                  counter    samples in those batches
+``batchwire_bytes_sent_total``                    counter    serialized bytes of those batches
+``batchwire_skipped_samples_total``               counter    undecodable samples left out
+``batchwire_batches_with_skipped_samples_total``  counter    batches sent with a sample left out
+                                                             (empty when all were)
+``batchwire_pipeline_seconds``                    histogram  time to produce one batch (read,
+                                                             DALI run, message build)
+``batchwire_client_wait_seconds``                 histogram  time one batch waited for the client
+                                                             to take it (gRPC flow control)
+``batchwire_stage_seconds_total``                 counter    seconds the pipelines' threads spent,
+                                                             by ``stage``: ``read`` (LMDB, parse,
+                                                             screen), ``pipeline`` (DALI's run),
+                                                             ``encode`` (message build)
+``batchwire_pipeline_*``,                         (see       what the pipeline slots do, how long
+``batchwire_queue*``                              below)     batches wait for them, and pipeline
+                                                             faults, by ``pipeline``: see
+                                                             :mod:`._collectors`
+``batchwire_errors_total``                        counter    calls ended with a status other than
+                                                             OK or CANCELLED (a client's choice),
+                                                             by ``method`` and ``code``
+``batchwire_pipeline_faults_total``               counter    pipeline faults (not a sample's: the
+                                                             stream resumes on another server), by
+                                                             ``pipeline`` and ``kind``
+``batchwire_batches_failed_total``                counter    batches a pipeline held when a fault
+                                                             ended its run, by ``pipeline``
+``batchwire_device_healthy``                      gauge      0 while a device is broken, by
+                                                             ``device``
+``batchwire_serving``                             gauge      1 while health reports SERVING
+``batchwire_server_info``                         info       version and devices
+================================================  =========  =====================================
 """
 
 from __future__ import annotations
@@ -51,8 +61,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
-from batchwire.server.core import Scheduler, StageTimes
-from batchwire.server.serving._collectors import SchedulerCollector, StageCollector
+from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
+from batchwire.server.serving._collectors import (
+    HealthCollector,
+    SchedulerCollector,
+    StageCollector,
+)
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
 
@@ -82,6 +96,7 @@ class StreamMetrics:
         self._samples = metrics.samples_sent.labels(**labels)
         self._bytes = metrics.bytes_sent.labels(**labels)
         self._skipped = metrics.skipped_samples.labels(**labels)
+        self._skipped_batches = metrics.batches_with_skipped.labels(**labels)
         self._pipeline = metrics.pipeline_seconds.labels(**labels)
         self._wait = metrics.client_wait_seconds.labels(**labels)
 
@@ -99,6 +114,7 @@ class StreamMetrics:
         self._pipeline.observe(seconds)
         if skipped:
             self._skipped.inc(skipped)
+            self._skipped_batches.inc()
 
     def sent(self, samples: int, nbytes: int) -> None:
         """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC."""
@@ -139,6 +155,10 @@ class ServerMetrics:
             "batchwire_skipped_samples",
             "Samples left out of their batch because they could not be decoded.",
         )
+        self.batches_with_skipped = counter(
+            "batchwire_batches_with_skipped_samples",
+            "Batches sent with at least one sample left out (empty when all were).",
+        )
         self.pipeline_seconds = histogram(
             "batchwire_pipeline_seconds",
             "Seconds to produce one batch: LMDB read, DALI run, message build.",
@@ -170,6 +190,10 @@ class ServerMetrics:
         """Export what the pipeline slots do (``batchwire_pipeline_*``,
         ``batchwire_queue*``), read at each scrape."""
         self.registry.register(SchedulerCollector(scheduler))
+
+    def watch_health(self, health: PipelineHealth) -> None:
+        """Export ``health``'s faults, failed batches and devices, read at each scrape."""
+        self.registry.register(HealthCollector(health))
 
     def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
         return StreamMetrics(self, dataset, pipeline)

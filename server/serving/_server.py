@@ -87,11 +87,13 @@ class BatchwireServer:
         self.metrics.info.info(_server_info(self.engine))
         self.metrics.watch_stages(self.engine.stages)
         self.metrics.watch_scheduler(self.engine.scheduler)
+        self.metrics.watch_health(self.engine.health)
         self._metrics_http: MetricsHTTPServer | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"
         )
         self._health = health.aio.HealthServicer()
+        self._warm = False  # warmed up with datasets: SERVING unless a device is broken
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._thread: threading.Thread | None = None
@@ -209,6 +211,11 @@ class BatchwireServer:
         )
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        # Pipelines report a device broken or recovered from their own threads.
+        self.engine.health.listen(
+            lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
+        )
         address = f"{self.config.host}:{self.config.port}"
         _check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
@@ -251,11 +258,21 @@ class BatchwireServer:
                 self.config.data_dir,
             )
             return
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, _SERVING)
-        self._serving.set()
-        self.metrics.serving.set(1)
+        self._warm = True
+        await self._report()
         log.info("SERVING %d datasets", len(self.engine.datasets))
+
+    async def _report(self) -> None:
+        """Health as it stands: SERVING once warm, unless a device is broken (a CUDA
+        error, or faults in a row: see ``PipelineHealth``) or the server drains."""
+        if self.engine.draining or not self._warm:
+            return  # NOT_SERVING already; draining keeps it so
+        serving = not self.engine.health.broken()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, _SERVING if serving else _NOT_SERVING)
+        self.metrics.serving.set(1 if serving else 0)
+        if serving:
+            self._serving.set()
 
     async def _drain(self, server: grpc.aio.Server) -> None:
         """NOT_SERVING; new streams get UNAVAILABLE and streams in flight end with

@@ -2,6 +2,11 @@
 
 Each call's request is checked and converted (``_messages``), errors end the call
 with their status code, and an opened stream is served by ``_streaming``.
+
+No call ends UNKNOWN: a domain error ends it with its code (``STATUS_CODES``: a
+pipeline that fails or cannot be built is UNAVAILABLE, so that the client goes on
+elsewhere; a damaged dataset is DATA_LOSS), and anything else is a bug: INTERNAL,
+logged with its traceback, "see the server log".
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import concurrent.futures
 import functools
 import logging
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
@@ -73,6 +79,21 @@ def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, doing: str) -> NoReturn:
+    """End the call with ``exc``'s status: its own message for a domain error, else
+    INTERNAL (a bug), logged with its traceback."""
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("the server failed while %s", doing, exc_info=exc)
+        message = (
+            f"the server failed while {doing} ({type(exc).__name__}: {exc}); see the server log"
+        )
+    else:
+        message = str(exc)
+    await context.abort(code, message)
+    raise AssertionError("unreachable: abort raises")
+
+
 class BatchwireServicer(pb_grpc.BatchwireServicer):
     def __init__(
         self,
@@ -108,11 +129,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
     ) -> pb.ListDatasetsResponse:
         try:
             check_message(request)
-        except ServiceError as exc:
-            await context.abort(status_for(exc), str(exc))
-        return pb.ListDatasetsResponse(
-            datasets=[self._info(s) for s in self._engine.list_datasets()]
-        )
+            return pb.ListDatasetsResponse(
+                datasets=[self._info(s) for s in self._engine.list_datasets()]
+            )
+        except Exception as exc:
+            await _abort(context, exc, "listing its datasets")
 
     async def DescribeDataset(
         self, request: pb.DescribeDatasetRequest, context: grpc.aio.ServicerContext
@@ -121,9 +142,8 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             check_message(request)
             check_name("dataset", request.dataset)
             return self._info(self._engine.describe(request.dataset))
-        except ServiceError as exc:
-            await context.abort(status_for(exc), str(exc))
-            raise  # unreachable: abort raises
+        except Exception as exc:
+            await _abort(context, exc, "describing a dataset")
 
     async def Preprocess(
         self, request: pb.PreprocessRequest, context: grpc.aio.ServicerContext
@@ -136,16 +156,8 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             # Cancelling this await (the client went away) cancels the queued work.
             result = await asyncio.wrap_future(future)
             return await loop.run_in_executor(self._executor, preprocess_result_to_proto, result)
-        except ServiceError as exc:
-            await context.abort(status_for(exc), str(exc))
-            raise  # unreachable: abort raises
         except Exception as exc:
-            log.exception("preprocessing failed: pipeline=%s", request.pipeline)
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"the server failed while preprocessing ({exc}); see its log",
-            )
-            raise
+            await _abort(context, exc, "preprocessing")
 
     def _close_opened(self, opening: asyncio.Future[BatchStream]) -> None:
         if opening.cancelled() or opening.exception() is not None:
@@ -234,13 +246,12 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 stream_request,
             )
             stream = await asyncio.shield(opening)
-        except ServiceError as exc:
-            await context.abort(status_for(exc), str(exc))
-            return None
         except asyncio.CancelledError:
             # The client went away while its pipeline was being built: the stream
             # opens all the same, and must be closed or it holds a stream slot.
             log.info("client went away while its stream was opening; closing it when open")
             opening.add_done_callback(self._close_opened)
             raise
+        except Exception as exc:  # a pipeline that cannot be built, a damaged dataset, ...
+            await _abort(context, exc, "opening a stream")
         return stream, stream_request
