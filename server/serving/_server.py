@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
 _START_TIMEOUT = 30.0
+_SHORT_TASK_THREADS = 8  # the pool's threads when no stream waits in one
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Methods whose errors are counted under their own name (anything else: "other").
@@ -89,8 +90,12 @@ class BatchwireServer:
         self.metrics.watch_scheduler(self.engine.scheduler)
         self.metrics.watch_health(self.engine.health)
         self._metrics_http: MetricsHTTPServer | None = None
+        # Streams read by worker processes (read_workers) wait for each batch in a thread
+        # of this pool; other streams are awaited on the event loop and only open, close and
+        # build Preprocess replies here: a few threads, however many streams.
+        threads = config.max_streams + 4 if config.read_workers else _SHORT_TASK_THREADS
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=config.max_streams + 4, thread_name_prefix="batchwire-stream"
+            max_workers=threads, thread_name_prefix="batchwire-stream"
         )
         self._health = health.aio.HealthServicer()
         self._warm = False  # warmed up with datasets: SERVING unless a device is broken
