@@ -117,15 +117,23 @@ def test_a_slow_consumer_makes_the_server_wait_instead_of_buffering(
 ) -> None:
     request = pb.StreamBatchesRequest(dataset="shapes", pipeline="val", batch_size=16)
     earlier = set(server.engine.streams())  # an earlier test's, still closing
-    with grpc.insecure_channel(server.target) as channel:
+    # gRPC grows a call's flow-control window with its estimate of the link's bandwidth-delay
+    # product (BDP probing), by how fast earlier data was read: from 5 to 16 batches of this
+    # size measured on loopback, depending on the machine's load. Without it the window stays
+    # at HTTP/2's 64 KiB, so what the server may run ahead of its client is fixed.
+    options = [("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(server.target, options=options) as channel:
         call = pb_grpc.BatchwireStub(channel).StreamBatches(request, timeout=60)
         next(call)  # one batch of 16 x 3 x 224 x 224 (2.4 MB), then the client dawdles
         (stream,) = [s for s in server.engine.streams() if s not in earlier]
-        # A server that buffered for slow clients would race through all 32 batches;
-        # this one stops when gRPC's flow-control window and socket buffers are full
-        # (about 5 such batches measured on loopback).
+        # A server that buffered for slow clients would race through all 32 batches; this
+        # one stops when the flow-control window and the socket buffers are full (2 batches
+        # made on loopback: the one taken and the one gRPC holds), and stays stopped.
         time.sleep(1.5)
-        assert stream.produced <= 10, f"{stream.produced} batches made for 1 consumed"
+        made = stream.produced
+        assert made <= 4, f"{made} batches made for 1 consumed"
+        time.sleep(1.5)
+        assert stream.produced == made, f"{stream.produced} batches made for 1 consumed"
         call.cancel()
 
 
