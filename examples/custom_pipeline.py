@@ -12,8 +12,9 @@ device, output dtype/layout and parameter values), with:
   on the CPU: JPEG, PNG, ...), already screened by the server;
 - ``labels``: a DALI node, the batch's int64 labels (one scalar per sample);
 - ``ctx``: a ``BuildContext``. ``ctx.device`` is ``"cpu"`` or ``"gpu"`` and
-  ``ctx.decoder_device`` is ``"cpu"`` or ``"mixed"``: pass them to the ops so
-  the pipeline runs where the server runs it. ``ctx.finish(images, crop=...,
+  ``ctx.decoder_args()`` the decoder's device (``"cpu"`` or ``"mixed"``) with,
+  on the GPU, the buffer sizes the server is configured with: pass them to the
+  ops so the pipeline runs where the server runs it. ``ctx.finish(images, crop=...,
   mirror=...)`` must make the output: it casts and lays out as the client
   asked (uint8 NCHW by default; float16/float32 normalized with the mean/std
   of the config; NHWC);
@@ -40,7 +41,7 @@ def grayscale_jitter(
     encoded: Any, labels: Any, ctx: Any, params: Mapping[str, float]
 ) -> tuple[Any, Any]:
     """Grayscale in three equal channels (for models that expect RGB), then augment."""
-    images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.GRAY)
+    images = fn.decoders.image(encoded, **ctx.decoder_args(), output_type=types.GRAY)
     images = fn.cat(images, images, images, axis=2)
     size = int(params["size"])
     # A crop larger than the image would read outside it: resize at least to the crop.

@@ -118,7 +118,24 @@ class ServerConfig:
         metavar="IDS",
     )
     num_threads: int = _setting(
-        0, "DALI threads per pipeline (default 0: one per core)", bounds=(0, 1024)
+        0,
+        "DALI threads per pipeline (default 0: on the CPU one per CPU this process may use, "
+        "by its affinity and cgroup quota; on GPUs those CPUs shared by the GPUs, at most 8 "
+        "each)",
+        bounds=(0, 1024),
+    )
+    # DALI's own defaults, set here so that they are seen and sized: the mixed decoder keeps
+    # two pinned host buffers and one device buffer of these sizes per DALI thread.
+    decoder_host_padding_mib: int = _setting(
+        8,
+        "GPU decoding: pinned host memory per decoder buffer, two per DALI thread, in MiB "
+        "(default 8)",
+        bounds=(0, 1024),
+    )
+    decoder_device_padding_mib: int = _setting(
+        16,
+        "GPU decoding: device memory per decoder buffer, one per DALI thread, in MiB (default 16)",
+        bounds=(0, 4096),
     )
     prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
     read_workers: int = _setting(

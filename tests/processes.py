@@ -9,7 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,6 +23,7 @@ class ServeProcess:
     process: subprocess.Popen[str]
     address: str
     log: pathlib.Path
+    banner: str  # the first line it printed: where it listens (and serves metrics)
 
 
 def wait_until_serving(address: str, timeout: float) -> None:
@@ -38,10 +39,18 @@ def wait_until_serving(address: str, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def serve_process(data_dir: pathlib.Path, log: pathlib.Path, *args: str) -> Iterator[ServeProcess]:
-    """Start `batchwire serve` on localhost:0, wait for SERVING, kill it on exit."""
+def serve_process(
+    data_dir: pathlib.Path,
+    log: pathlib.Path,
+    *args: str,
+    launcher: Sequence[str] = (),
+    threads: bool = True,
+) -> Iterator[ServeProcess]:
+    """Start `batchwire serve` on localhost:0 (under ``launcher``, e.g. taskset, and with
+    one DALI thread unless ``threads`` is false), wait for SERVING, kill it on exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
     command = [
+        *launcher,
         *PYTHON_BATCHWIRE,
         "serve",
         "--data-dir",
@@ -52,8 +61,7 @@ def serve_process(data_dir: pathlib.Path, log: pathlib.Path, *args: str) -> Iter
         "0",
         "--device",
         "cpu",
-        "--num-threads",
-        "1",
+        *(("--num-threads", "1") if threads else ()),
         *args,
     ]
     with open(log, "w") as stderr:
@@ -66,7 +74,7 @@ def serve_process(data_dir: pathlib.Path, log: pathlib.Path, *args: str) -> Iter
         assert match, f"unexpected first line {line!r}; log: {log.read_text()[-2000:]}"
         address = f"localhost:{match.group(1)}"
         wait_until_serving(address, timeout=120)
-        yield ServeProcess(process, address, log)
+        yield ServeProcess(process, address, log, line.strip())
     finally:
         if process.poll() is None:
             process.kill()

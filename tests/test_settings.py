@@ -22,6 +22,8 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "device": ("gpu", "gpu"),
     "devices": ("0,1", (0, 1)),
     "num_threads": ("3", 3),
+    "decoder_host_padding_mib": ("4", 4),
+    "decoder_device_padding_mib": ("32", 32),
     "prefetch": ("4", 4),
     "read_workers": ("2", 2),
     "max_batch_size": ("512", 512),

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import pathlib
 import threading
 import weakref
@@ -23,6 +22,7 @@ import numpy as np
 
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import NAME_PATTERN, StreamSpec
+from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._errors import (
     Draining,
@@ -67,6 +67,18 @@ class Engine:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices = DevicePlan.resolve(config.device, config.devices)
+        self.usable_cpus = usable_cpus()
+        # DALI threads of each pipeline (see _cpus: not the node's cores, those this
+        # process may use).
+        self.threads = pipeline_threads(
+            config.num_threads, self.devices.kind, len(self.devices.device_ids), self.usable_cpus
+        )
+        log.info(
+            "pipelines run %d DALI threads each (%d CPUs usable by this process%s)",
+            self.threads,
+            self.usable_cpus,
+            "; --num-threads" if config.num_threads else "",
+        )
         self.stages = StageTimes()  # where the pipelines' time goes, by stage
         # Faults, broken devices and a sample known to run, from every pipeline.
         self.health = PipelineHealth(self.devices.device_ids)
@@ -207,7 +219,12 @@ class Engine:
     def _context(self, key: RunnerKey) -> tuple[PipelineSpec, BuildContext]:
         spec = self.pipelines[key.pipeline]
         output = OutputSpec(dtype=key.dtype, layout=key.layout, mean=spec.mean, std=spec.std)
-        return spec, BuildContext(device=key.device, output=output)
+        return spec, BuildContext(
+            device=key.device,
+            output=output,
+            host_padding=self.config.decoder_host_padding_mib << 20,
+            device_padding=self.config.decoder_device_padding_mib << 20,
+        )
 
     def _build_runner(self, key: RunnerKey) -> Runner:
         spec, ctx = self._context(key)
@@ -215,7 +232,7 @@ class Engine:
             key,
             spec,
             ctx,
-            num_threads=self.config.num_threads or (os.cpu_count() or 1),
+            num_threads=self.threads,
             prefetch=self.config.prefetch,
             stages=self.stages,
             health=self.health,
@@ -231,7 +248,7 @@ class Engine:
                 spec,
                 ctx,
                 PlannedSource(str(dataset.directory), batches, read_job),
-                num_threads=self.config.num_threads or (os.cpu_count() or 1),
+                num_threads=self.threads,
                 prefetch=self.config.prefetch,
                 workers=self.config.read_workers,
             )

@@ -106,10 +106,25 @@ class BuildContext:
 
     device: str
     output: OutputSpec
+    # The mixed decoder's per-thread buffers, in bytes (DALI's defaults unless configured).
+    host_padding: int = 8 << 20
+    device_padding: int = 16 << 20
 
     @property
     def decoder_device(self) -> str:
         return "mixed" if self.device == "gpu" else "cpu"
+
+    def decoder_args(self) -> dict[str, Any]:
+        """Keyword arguments for a DALI image decoder: its device, and on the GPU the
+        sizes of the buffers it keeps per thread (``host_memory_padding``: two pinned host
+        buffers; ``device_memory_padding``: one device buffer)."""
+        if self.device != "gpu":
+            return {"device": "cpu"}
+        return {
+            "device": "mixed",
+            "host_memory_padding": self.host_padding,
+            "device_memory_padding": self.device_padding,
+        }
 
     def finish(
         self, images: Any, *, crop: tuple[int, int] | None = None, mirror: Any = None
@@ -184,7 +199,7 @@ def _train(encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float])
 
     images = fn.decoders.image_random_crop(
         encoded,
-        device=ctx.decoder_device,
+        **ctx.decoder_args(),
         output_type=types.RGB,
         random_area=[p["area_min"], p["area_max"]],
         random_aspect_ratio=[p["aspect_min"], p["aspect_max"]],
@@ -201,7 +216,7 @@ def _val(encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float]) -
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
-    images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
+    images = fn.decoders.image(encoded, **ctx.decoder_args(), output_type=types.RGB)
     images = fn.resize(images, device=ctx.device, resize_shorter=p["resize"], antialias=True)
     size = int(p["size"])
     return ctx.finish(images, crop=(size, size)), labels

@@ -301,6 +301,8 @@ def _server_info(engine: Engine) -> dict[str, str]:
         "version": version,
         "device": engine.devices.kind,
         "gpus": ",".join(str(i) for i in ids if i is not None),
+        "threads": str(engine.threads),
+        "usable_cpus": str(engine.usable_cpus),
     }
 
 
