@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"dataset   {m.name}  ({summary.directory})")
     print(f"samples   {m.num_samples}")
     print(f"created   {m.created or '-'}  from {m.source or '-'}")
+    print(f"version   {summary.version}  (as the server reports it)")
     print(f"classes   {len(m.classes)}")
     pairs = list(zip(m.classes, m.class_counts, strict=True))
     for label, (name, count) in enumerate(pairs[:limit]):

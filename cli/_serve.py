@@ -3,7 +3,9 @@
 Settings come from flags, then ``BATCHWIRE_*`` environment variables, then the
 config file, then defaults. SIGTERM or SIGINT drains the server: health goes
 NOT_SERVING, new streams are refused, in-flight streams get ``--grace``
-seconds, and the process exits.
+seconds, and the process exits. SIGHUP rescans ``--data-dir`` at once (as it is
+every ``--rescan-interval`` seconds): datasets ingested, replaced or removed
+since are served, or no longer, without a restart.
 
 Security: ``--tls-cert``/``--tls-key`` serve TLS, ``--tls-client-ca`` requires
 client certificates signed by that CA, ``--token-file`` requires a bearer token,
@@ -101,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
+
+    def on_hangup(signum: int, frame: object) -> None:
+        # Only a wake-up for the server's rescan task: nothing here blocks or logs.
+        server.request_rescan()
+
+    signal.signal(signal.SIGHUP, on_hangup)
     while not stop.wait(1.0):
         if server.join(timeout=0):
             log.error("the server stopped unexpectedly")

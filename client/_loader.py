@@ -13,6 +13,7 @@ import torch.utils.data
 from batchwire.client._channel import ChannelCache, check_target, stub
 from batchwire.client._delivery import LoaderOptions, Tensors
 from batchwire.client._exceptions import (
+    BatchwireError,
     InvalidArgumentError,
 )
 from batchwire.client._frameworks import (
@@ -232,8 +233,14 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
     def _plan(self, share: Rank, epoch: int, start: int = 0) -> tuple[StreamSpec, Plan]:
         """The stream of ``share`` in ``epoch`` from cursor ``start``, and its plan."""
         try:
+            # The version the share is planned on: a server that serves another one
+            # refuses the stream (FAILED_PRECONDITION) rather than mix versions.
             spec = self._spec.replace(
-                rank=share.rank, world_size=share.world_size, epoch=epoch, start=start
+                rank=share.rank,
+                world_size=share.world_size,
+                epoch=epoch,
+                start=start,
+                dataset_version=self._describe().version,
             )
             plan = spec.plan(self.num_samples)
         except ValueError as exc:
@@ -325,7 +332,13 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         stream_pass = self._begin(self._share(), tensors)
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):
-                delivery = stream_pass.take(index)
+                try:
+                    delivery = stream_pass.take(index)
+                except BatchwireError as exc:
+                    if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                        # The dataset was replaced: the next pass describes it again.
+                        self._info = None
+                    raise
                 stream_pass.cursor = delivery.cursor
                 self.skipped_ids.extend(delivery.skipped_ids)
                 # Also a batch whose every sample was unreadable (empty): every rank takes

@@ -21,6 +21,7 @@ from batchwire.client._ledger import Ledger, Record
 if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
     from batchwire.common.stream import StreamSpec
+    from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["Rank", "Resumable"]
 
@@ -29,6 +30,10 @@ _READABLE_STATES = (1, 2)  # version 1: saved by batchwire 0.1, same fields and 
 # A state loads into a loader only if these match (the rank may differ: ranks move in
 # lockstep, and frameworks save rank 0's state and load it on every rank).
 _IDENTITY = ("dataset", "batch_size", "seed", "shuffle", "drop_last", "world_size")
+# The version of the dataset's content a state was saved on (DatasetInfo.version): a
+# state loads only where the server serves that version. Absent in states saved by
+# earlier releases, or before the loader described its dataset: not checked.
+_DATASET_VERSION = "dataset_version"
 
 
 def _invalid(message: str) -> InvalidArgumentError:
@@ -49,6 +54,7 @@ class Resumable:
 
     _ledger: Ledger
     _pass: StreamPass | None
+    _info: pb.DatasetInfo | None
     _spec: StreamSpec
     _group: Any
     _explicit: Rank | None
@@ -128,7 +134,7 @@ class Resumable:
             )
         epoch, cursor = self._position(record)
         share = self._share()
-        return {
+        state = {
             "version": _STATE_VERSION,
             **self._identity(share),
             "pipeline": self._spec.pipeline,
@@ -136,6 +142,27 @@ class Resumable:
             "epoch": epoch,
             "cursor": cursor,
         }
+        # Known once the loader described its dataset, which every pass does first.
+        if self._info is not None and self._info.version:
+            state[_DATASET_VERSION] = self._info.version
+        return state
+
+    def _check_dataset_version(self, saved: object) -> None:
+        """Refuse a state saved on another version of the dataset than the server's."""
+        if not saved:
+            return
+        self._info = None  # what the server serves now, not what it served before
+        serving = self._describe().version
+        if serving and saved != serving:
+            raise _invalid(
+                f"state was saved on version {saved} of dataset {self._spec.dataset!r} but "
+                f"the server now serves version {serving}: the dataset was replaced "
+                "(re-ingested). Start the epoch again (load no state, or call set_epoch) or "
+                "serve the old version"
+            )
+
+    def _describe(self) -> pb.DatasetInfo:
+        raise NotImplementedError  # RemoteLoader's
 
     def _identity(self, share: Rank) -> dict[str, Any]:
         """The settings a state must share with a loader to load into it (_IDENTITY)."""
@@ -152,7 +179,11 @@ class Resumable:
         """The next pass continues from ``state``: exactly the rest of its epoch.
 
         Refuses a state of another dataset, seed, batch size, shuffle, drop_last or
-        world size, with a message.
+        world size, with a message; and a state saved on another version of the dataset
+        than the server serves now (the dataset was replaced: the rest of its epoch no
+        longer exists). That check describes the dataset, so the server must answer;
+        a state without ``dataset_version`` (earlier releases), or at an epoch's start
+        (``cursor`` 0), is not checked.
         """
         if state.get("version") not in _READABLE_STATES:
             raise _invalid(
@@ -174,6 +205,8 @@ class Resumable:
         worker = worker_id()
         if worker not in (None, 0):
             return  # workers other than 0 stream nothing (see the class docstring)
+        if cursor > 0:  # at an epoch's start nothing of the old version is left to finish
+            self._check_dataset_version(state.get(_DATASET_VERSION))
         with self._ledger.update() as record:
             record.epoch, record.cursor, record.fresh = epoch, cursor, True
             record.pass_id, record.in_workers = 0, False

@@ -34,6 +34,9 @@ __all__ = [
 # Names of datasets and pipelines (also directory names on the server).
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+# A dataset's version as DescribeDataset tells it (empty: not checked).
+_VERSION_PATTERN = re.compile(r"^[0-9a-f]{0,64}$")
+
 # The dtypes and layouts images travel in, by name and wire value; a request that
 # leaves them unset gets the first of each.
 OUTPUT_DTYPES: Mapping[str, int] = types.MappingProxyType(
@@ -79,7 +82,8 @@ class StreamSpec(Share):
     ``params`` override the pipeline's declared parameters (e.g. ``{"size": 160}``);
     ``dtype``/``layout`` are the images' output format. ``lanes``/``lane`` serve
     ``StreamBatches`` clients that split a share over several calls; a pulled stream
-    leaves them at 1 and 0.
+    leaves them at 1 and 0. ``dataset_version``, when set, is the version of the dataset
+    the share was planned on: a server serving another version refuses the stream.
     """
 
     dataset: str
@@ -87,6 +91,7 @@ class StreamSpec(Share):
     dtype: str = "uint8"
     layout: str = "NCHW"
     params: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    dataset_version: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,6 +101,11 @@ class StreamSpec(Share):
             raise ValueError(f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+        if not _VERSION_PATTERN.match(self.dataset_version):
+            raise ValueError(
+                f"dataset_version must be hex digits (DatasetInfo.version), got "
+                f"{self.dataset_version[:80]!r}"
+            )
         for name, limit in LIMITS.items():
             if getattr(self, name) > limit:
                 raise ValueError(f"{name} must be at most {limit}, got {getattr(self, name)}")
@@ -117,6 +127,7 @@ class StreamSpec(Share):
             dtype=OUTPUT_DTYPES[self.dtype],
             layout=LAYOUTS[self.layout],
             params=dict(self.params),
+            dataset_version=self.dataset_version,
             **self.share_fields(),
         )
 
@@ -136,5 +147,6 @@ class StreamSpec(Share):
             dtype=dtype,
             layout=layout,
             params=dict(message.params),
+            dataset_version=message.dataset_version,
             **share,
         )

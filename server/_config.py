@@ -201,6 +201,13 @@ class ServerConfig:
         float,
         bounds=(0, 86400),
     )
+    rescan_interval: float = _setting(
+        5.0,
+        "seconds between rescans of data_dir for datasets added, replaced (ingest "
+        "--overwrite) or removed; SIGHUP rescans at once (default 5; 0: only on SIGHUP)",
+        float,
+        bounds=(0, 86400),
+    )
     tls_cert: pathlib.Path | None = _setting(
         None, "PEM certificate chain: serve TLS (needs tls_key)", _path, metavar="FILE"
     )

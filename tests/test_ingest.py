@@ -31,6 +31,7 @@ from batchwire.server.data import (  # noqa: E402  # noqa: E402
     IngestReport,
     Manifest,
     ingest,
+    manifest_version,
     sample_key,
 )
 from batchwire.v1 import datum_pb2  # noqa: E402
@@ -392,6 +393,8 @@ def test_inspect_prints_counts(
     assert main(["inspect", str(report.path)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^samples\s+14$", out, re.M)
+    version = manifest_version((report.path / "manifest.json").read_bytes())
+    assert re.search(rf"^version\s+{version}\s", out, re.M)
     for label, (name, count) in enumerate(zip(tree.classes, tree.counts(), strict=True)):
         assert re.search(rf"^\s+{label}\s+{name}\s+{count}$", out, re.M), out
     assert out.count("4 samples") == 3 and "shard-00003  ids 12..13  2 samples" in out

@@ -37,6 +37,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "max_request_bytes": ("1048576", 1048576),
     "max_message_bytes": ("4194304", 4194304),
     "grace": ("12.5", 12.5),
+    "rescan_interval": ("0", 0.0),
     "tls_cert": ("/etc/c.pem", pathlib.Path("/etc/c.pem")),
     "tls_key": ("/etc/k.pem", pathlib.Path("/etc/k.pem")),
     "tls_client_ca": ("/etc/ca.pem", pathlib.Path("/etc/ca.pem")),

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from batchwire.common.sampler import Plan
-from batchwire.common.stream import NAME_PATTERN, StreamSpec
+from batchwire.common.stream import StreamSpec
+from batchwire.server.core._catalog import Catalog, Change
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._errors import (
@@ -30,6 +31,7 @@ from batchwire.server.core._errors import (
     NotFound,
     OverCapacity,
     PipelineFault,
+    VersionMismatch,
 )
 from batchwire.server.core._health import PipelineHealth
 from batchwire.server.core._jobs import Job, read_job
@@ -43,7 +45,7 @@ from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stages import StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.core._ticket import Ticket
-from batchwire.server.data._dataset import Dataset, DatasetError
+from batchwire.server.data._dataset import Dataset
 
 if TYPE_CHECKING:
     from batchwire.server._config import ServerConfig
@@ -59,6 +61,7 @@ class DatasetSummary:
     num_samples: int
     classes: tuple[str, ...]
     format_version: int
+    version: str  # of the content: see batchwire.server.data.manifest_version
 
 
 class Engine:
@@ -82,7 +85,8 @@ class Engine:
         self.stages = StageTimes()  # where the pipelines' time goes, by stage
         # Faults, broken devices and a sample known to run, from every pipeline.
         self.health = PipelineHealth(self.devices.device_ids)
-        self.datasets: dict[str, Dataset] = {}
+        # The datasets under the data directory, as of the last rescan.
+        self.catalog = Catalog(pathlib.Path(config.data_dir))
         # Every stream's batches and every Preprocess batch run on these pipelines.
         self.scheduler = Scheduler(
             self._build_runner,
@@ -111,51 +115,64 @@ class Engine:
     # -- datasets --------------------------------------------------------------------
 
     def open_datasets(self) -> None:
-        """Open every dataset directory directly under the data directory."""
-        root = pathlib.Path(self.config.data_dir)
-        if not root.is_dir():
-            raise DatasetError(f"data directory {root} does not exist or is not a directory")
-        if (root / "manifest.json").is_file():
-            raise DatasetError(
-                f"data directory {root} is itself a dataset (it holds manifest.json): point "
-                f"--data-dir at the directory that holds datasets by name, here {root.parent}, "
-                f"and clients ask for dataset {root.name!r}"
-            )
-        for child in sorted(root.iterdir()):
-            if child.name.startswith(".") or not (child / "manifest.json").is_file():
-                continue
-            if not NAME_PATTERN.match(child.name):
-                log.warning("ignoring dataset directory %s: its name is not allowed", child)
-                continue
-            try:
-                self.datasets[child.name] = Dataset(child)
-            except DatasetError as exc:
-                log.error("cannot serve dataset %s: %s", child, exc)
-                continue
-            log.info("dataset %r: %d samples", child.name, self.datasets[child.name].num_samples)
+        """Open every dataset directory directly under the data directory (the first
+        :meth:`rescan`); ``DatasetError`` if the data directory is not one."""
+        self.rescan()
+
+    def rescan(self) -> list[Change]:
+        """Serve what the data directory holds now: datasets added, replaced or removed
+        since the last scan, each logged. Streams open on a replaced or removed dataset
+        finish on the version they started with; new streams get the new one.
+        ``DatasetError`` (and no change) if the data directory is missing."""
+        changes = self.catalog.scan()
+        for change in changes:
+            if change.change == "removed":
+                log.info("dataset %r removed (was version %s)", change.name, change.old)
+            elif change.change == "added":
+                log.info(
+                    "dataset %r added: %d samples, version %s",
+                    change.name,
+                    change.num_samples,
+                    change.new,
+                )
+            else:
+                log.info(
+                    "dataset %r replaced: %d samples, version %s (was %s); open streams "
+                    "finish on the old version",
+                    change.name,
+                    change.num_samples,
+                    change.new,
+                    change.old,
+                )
+        return changes
+
+    @property
+    def datasets(self) -> Mapping[str, Dataset]:
+        """The datasets served now, by name (a snapshot)."""
+        return self.catalog.snapshot()
 
     def list_datasets(self) -> list[DatasetSummary]:
-        return [self.describe(name) for name in sorted(self.datasets)]
+        summaries = []
+        for name in self.catalog.names():
+            try:
+                summaries.append(self.describe(name))
+            except NotFound:
+                continue  # removed by a rescan meanwhile
+        return summaries
 
     def describe(self, name: str) -> DatasetSummary:
-        dataset = self._dataset(name)
+        dataset = self.catalog.get(name)
         return DatasetSummary(
             name=name,
             num_samples=dataset.num_samples,
             classes=dataset.classes,
             format_version=dataset.manifest.format_version,
+            version=dataset.version,
         )
 
     @property
     def pipelines(self) -> Mapping[str, PipelineSpec]:
         return self.config.pipelines
-
-    def _dataset(self, name: str) -> Dataset:
-        dataset = self.datasets.get(name)
-        if dataset is None:
-            known = ", ".join(sorted(self.datasets)) or "none"
-            raise NotFound(f"no dataset named {name!r} on this server (it has: {known})")
-        return dataset
 
     # -- streams ---------------------------------------------------------------------
 
@@ -175,7 +192,22 @@ class Engine:
             raise InvalidRequest("a pulled stream names batches, not lanes: leave lanes unset")
         if self.draining:
             raise Draining("the server is shutting down; resume the stream on another server")
-        dataset = self._dataset(request.dataset)
+        # The stream holds this Dataset to its end, whatever a rescan does meanwhile.
+        dataset = self.catalog.acquire(request.dataset)
+        try:
+            return self._open(request, dataset, pull, encode)
+        except BaseException:
+            self.catalog.release(dataset)
+            raise
+
+    def _open(
+        self,
+        request: StreamSpec,
+        dataset: Dataset,
+        pull: bool,
+        encode: Callable[[Batch], Any] | None,
+    ) -> BatchStream:
+        _check_version(request, dataset)
         spec = pipeline_named(self.pipelines, request.pipeline)
         if request.batch_size > self.config.max_batch_size:
             raise InvalidRequest(
@@ -193,7 +225,7 @@ class Engine:
             if self.config.read_workers and not pull:
                 parallel = functools.partial(self._build_parallel, key, dataset)
             stream = BatchStream(
-                self._release,
+                functools.partial(self._release, dataset),
                 lambda: self.draining,
                 dataset,
                 plan,
@@ -207,7 +239,7 @@ class Engine:
             self._open_streams.add(stream)
             return stream
         except BaseException:
-            self._release()
+            self._uncount()
             raise
 
     def _plan(self, request: StreamSpec, dataset: Dataset) -> Plan:
@@ -247,7 +279,7 @@ class Engine:
                 key,
                 spec,
                 ctx,
-                PlannedSource(str(dataset.directory), batches, read_job),
+                PlannedSource(str(dataset.directory), batches, read_job, dataset.version),
                 num_threads=self.threads,
                 prefetch=self.config.prefetch,
                 workers=self.config.read_workers,
@@ -267,7 +299,7 @@ class Engine:
         return self._ticket(key, read, count=count, window=self.config.prefetch + 2)
 
     def _reserve_stream(self) -> None:
-        """Count a new stream, or refuse it at the limit (``_release`` uncounts it)."""
+        """Count a new stream, or refuse it at the limit (``_uncount`` uncounts it)."""
         with self._streams_lock:
             if self._streams >= self.config.max_streams:
                 raise OverCapacity(
@@ -276,9 +308,14 @@ class Engine:
                 )
             self._streams += 1
 
-    def _release(self) -> None:
+    def _uncount(self) -> None:
         with self._streams_lock:
             self._streams -= 1
+
+    def _release(self, dataset: Dataset) -> None:
+        """A stream ended: uncount it and give its dataset back."""
+        self._uncount()
+        self.catalog.release(dataset)
 
     @property
     def active_streams(self) -> int:
@@ -292,10 +329,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """Run one small batch of every dataset's first pipeline: proves DALI works."""
-        if not self.datasets:
+        names = self.catalog.names()
+        if not names:
             log.warning("no datasets under %s: nothing to serve yet", self.config.data_dir)
             return
-        name = next(iter(sorted(self.datasets)))
+        name = names[0]
         pipeline = next(iter(self.pipelines))
         stream = self.open_stream(
             StreamSpec(
@@ -322,6 +360,18 @@ class Engine:
         for stream in self.streams():
             stream.close()
         self.scheduler.close()
-        for dataset in self.datasets.values():
-            dataset.close()
-        self.datasets.clear()
+        self.catalog.close()
+
+
+def _check_version(request: StreamSpec, dataset: Dataset) -> None:
+    """VersionMismatch if the request expects another version of the dataset (a client
+    resuming a stream after the dataset was replaced); an empty expectation (older
+    clients) is not checked."""
+    if request.dataset_version and request.dataset_version != dataset.version:
+        raise VersionMismatch(
+            f"the stream expects version {request.dataset_version} of dataset "
+            f"{request.dataset!r} but this server serves version {dataset.version}: the "
+            "dataset was replaced (re-ingested). Resuming would mix samples of both "
+            "versions; start the epoch again (a new loader, or set_epoch) or serve the "
+            "old version"
+        )

@@ -8,6 +8,7 @@ imports grpc.
     ├── InvalidRequest     a request field is out of range or inconsistent
     ├── OverCapacity       a server limit (streams, batch size) is reached
     ├── Draining           the server is shutting down; retry elsewhere
+    ├── VersionMismatch    a stream expects another version of its dataset (replaced)
     └── PipelineFault      a pipeline failed for a reason that is not a sample (out of
                            memory, CUDA, a build, a batch that fails whole); retry elsewhere
 """
@@ -22,6 +23,7 @@ __all__ = [
     "OverCapacity",
     "PipelineFault",
     "ServiceError",
+    "VersionMismatch",
 ]
 
 # What failed, for PipelineFault.kind (and the metrics label), with its words for a user.
@@ -53,6 +55,11 @@ class OverCapacity(ServiceError):
 
 class Draining(ServiceError):
     pass
+
+
+class VersionMismatch(ServiceError):
+    """The request expects a version of its dataset that this server no longer (or does
+    not yet) serve: resuming would mix samples of two versions."""
 
 
 class PipelineFault(ServiceError):

@@ -20,7 +20,7 @@ from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import BuildContext, PipelineSpec
 
-__all__ = ["ParallelRunner", "PlannedSource", "UnreadableBatch"]
+__all__ = ["ParallelRunner", "PlannedSource", "ReplacedDataset", "UnreadableBatch"]
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +29,30 @@ class UnreadableBatch(Exception):
     """No record of a batch can be fed to DALI (it cannot run an empty batch)."""
 
 
+class ReplacedDataset(Exception):
+    """The dataset's directory holds another version than the stream's."""
+
+
 class PlannedSource:
     """A stream's batches, read in DALI's worker processes by ``read``.
 
     The parallel external_source calls it with the batch number; ``read`` is the
     engine's record path (``read_job``). It is pickled into each worker, which
-    opens its own LMDB environment on first use.
+    opens its own LMDB environment on first use. A worker that finds another
+    ``version`` of the dataset there (replaced since the stream opened; empty: not
+    checked) fails its
+    batch, and the stream goes on inline, on the server's Dataset of its version.
     """
 
     def __init__(
-        self, directory: str, batches: list[np.ndarray], read: Callable[[Any, int, np.ndarray], Job]
+        self,
+        directory: str,
+        batches: list[np.ndarray],
+        read: Callable[[Any, int, np.ndarray], Job],
+        version: str = "",
     ) -> None:
         self.directory = directory
+        self.version = version
         self.batches = batches
         self.read = read
         self._dataset: Any = None
@@ -69,7 +81,14 @@ class PlannedSource:
                 handler.setFormatter(formatter)
                 root.addHandler(handler)
                 root.setLevel(level)
-            self._dataset = Dataset(pathlib.Path(self.directory))
+            dataset = Dataset(pathlib.Path(self.directory))
+            if self.version and dataset.version != self.version:
+                dataset.close()
+                raise ReplacedDataset(
+                    f"dataset {self.directory} is now version {dataset.version}, not the "
+                    f"stream's {self.version}: it was replaced"
+                )
+            self._dataset = dataset
         job = self.read(self._dataset, info.iteration, self.batches[info.iteration])
         if not job.images:
             raise UnreadableBatch(f"no record of batch {job.seq} can be decoded")

@@ -22,6 +22,7 @@ from batchwire.server.data._dataset import (
     DatasetError,
     Manifest,
     Shard,
+    manifest_version,
     sample_key,
 )
 from batchwire.server.data._formats import unsupported_reason
@@ -52,6 +53,7 @@ __all__ = [
     "ShardSummary",
     "UnsafePickle",
     "ingest",
+    "manifest_version",
     "read_manifest",
     "safe_loads",
     "sample_key",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -43,6 +44,7 @@ __all__ = [
     "DatasetError",
     "Manifest",
     "Shard",
+    "manifest_version",
     "sample_key",
 ]
 
@@ -54,6 +56,15 @@ MAX_LABEL = 2**31 - 1  # the largest class index: Datum.label is an int32
 
 class DatasetError(Exception):
     """A dataset directory is missing, unreadable or not in batchwire's format."""
+
+
+def manifest_version(manifest: bytes) -> str:
+    """A dataset's version: the first 12 hex digits of the sha256 of its manifest's bytes.
+
+    Every ingest writes a new manifest (with its own ``created`` stamp), so a dataset
+    ingested again under the same name, even from the same images, gets a new version.
+    """
+    return hashlib.sha256(manifest).hexdigest()[:12]
 
 
 def sample_key(sample_id: int) -> bytes:
@@ -147,25 +158,42 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: pathlib.Path) -> Manifest:
-        path = directory / MANIFEST
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise DatasetError(f"cannot read {path}: {exc.strerror}") from exc
-        return cls.from_json(text)
+        return cls.from_json(_read_manifest(directory).decode("utf-8", errors="replace"))
+
+
+def _read_manifest(directory: pathlib.Path) -> bytes:
+    path = directory / MANIFEST
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"cannot read {path}: {exc.strerror}") from exc
 
 
 class Dataset:
-    """Read-only access to a dataset's records by global id. Thread-safe."""
+    """Read-only access to a dataset's records by global id. Thread-safe.
+
+    A Dataset reads the files it opened, whatever happens to its directory later: a
+    dataset replaced by ``ingest --overwrite`` (its directory renamed away and removed)
+    stays readable through an open Dataset, since the LMDB files stay mapped until
+    :meth:`close`. ``version`` names the content (:func:`manifest_version`).
+    """
 
     def __init__(self, directory: pathlib.Path | str) -> None:
         self.directory = pathlib.Path(directory)
-        self.manifest = Manifest.load(self.directory)
+        raw = _read_manifest(self.directory)
+        self.manifest = Manifest.from_json(raw.decode("utf-8", errors="replace"))
+        self.version = manifest_version(raw)
         self._starts = [shard.first_id for shard in self.manifest.shards]
         self._envs: list[lmdb.Environment] = []
         try:
             for shard in self.manifest.shards:
                 self._envs.append(_ENVIRONMENTS.acquire(self.directory / shard.path))
+            # An ingest --overwrite that swapped the directory while the shards were being
+            # opened would leave this Dataset with the old manifest and new shards.
+            if _read_manifest(self.directory) != raw:
+                raise DatasetError(
+                    f"dataset {self.directory} changed while it was being opened; try again"
+                )
         except DatasetError:
             self.close()
             raise
@@ -231,16 +259,26 @@ class Dataset:
 class _SharedEnvironments:
     """LMDB forbids opening one environment twice in a process, so every
     Dataset over the same shard (two servers in one process, a test beside a
-    server) shares one read-only handle, closed with its last user."""
+    server) shares one read-only handle, closed with its last user.
+
+    A shard is known by its path and its ``data.mdb``'s inode: a dataset replaced
+    under the same path has new files, which must not be read through the old
+    handle (still open for the streams of the old version).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[lmdb.Environment, int]] = {}
 
     def acquire(self, path: pathlib.Path) -> lmdb.Environment:
-        if not (path / "data.mdb").is_file():
+        try:
+            stat = (path / "data.mdb").stat()
+        except OSError:
+            stat = None
+        if stat is None or not (path / "data.mdb").is_file():
             raise DatasetError(f"shard {path} has no data.mdb: the dataset is incomplete")
-        key = os.path.realpath(path)
+        real = os.path.realpath(path)
+        key = f"{real}@{stat.st_dev}:{stat.st_ino}"
         with self._lock:
             env, users = self._open.get(key, (None, 0))
             if env is None:
@@ -248,7 +286,7 @@ class _SharedEnvironments:
                     # lock=False: datasets are immutable once ingested, so readers
                     # need no lock file (and the volume may be mounted read-only).
                     env = lmdb.open(
-                        key,
+                        real,
                         readonly=True,
                         lock=False,
                         readahead=False,

@@ -27,6 +27,7 @@ class DatasetSummary:
 
     directory: pathlib.Path
     manifest: Manifest
+    version: str  # what DescribeDataset reports as the dataset's version
     shards: tuple[ShardSummary, ...]
     problems: tuple[str, ...]
 
@@ -44,7 +45,7 @@ def summarize(directory: pathlib.Path | str) -> DatasetSummary:
     directory = pathlib.Path(directory)
     problems: list[str] = []
     with Dataset(directory) as dataset:
-        manifest = dataset.manifest
+        manifest, version = dataset.manifest, dataset.version
         entries_by_shard = dataset.shard_entries()
         for shard in manifest.shards:
             ends = sorted({shard.first_id, shard.first_id + shard.count - 1}) if shard.count else []
@@ -72,5 +73,9 @@ def summarize(directory: pathlib.Path | str) -> DatasetSummary:
             )
         )
     return DatasetSummary(
-        directory=directory, manifest=manifest, shards=tuple(shards), problems=tuple(problems)
+        directory=directory,
+        manifest=manifest,
+        version=version,
+        shards=tuple(shards),
+        problems=tuple(problems),
     )

@@ -24,6 +24,7 @@ from batchwire.server.core._errors import (
     NotFound,
     OverCapacity,
     PipelineFault,
+    VersionMismatch,
 )
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._stream import Batch
@@ -52,6 +53,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
+    VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     PipelineFault: grpc.StatusCode.UNAVAILABLE,
     DatasetError: grpc.StatusCode.DATA_LOSS,
 }

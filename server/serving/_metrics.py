@@ -40,6 +40,14 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
                                                              ended its run, by ``pipeline``
 ``batchwire_device_healthy``                      gauge      0 while a device is broken, by
                                                              ``device``
+``batchwire_dataset_rescans_total``               counter    rescans of the data directory (every
+                                                             ``rescan_interval`` seconds, SIGHUP)
+``batchwire_dataset_rescan_errors_total``         counter    rescans that failed (data directory
+                                                             missing or unreadable)
+``batchwire_datasets_changed_total``              counter    datasets a rescan found ``added``,
+                                                             ``replaced`` or ``removed``, by
+                                                             ``change``
+``batchwire_datasets``                            gauge      datasets served now
 ``batchwire_serving``                             gauge      1 while health reports SERVING
 ``batchwire_server_info``                         info       version and devices
 ================================================  =========  =====================================
@@ -180,6 +188,23 @@ class ServerMetrics:
         self.serving = Gauge(
             "batchwire_serving", "1 while the health service reports SERVING.", registry=r
         )
+        self.rescans = Counter(
+            "batchwire_dataset_rescans", "Rescans of the data directory.", registry=r
+        )
+        self.rescan_errors = Counter(
+            "batchwire_dataset_rescan_errors",
+            "Rescans that failed: the data directory is missing or unreadable.",
+            registry=r,
+        )
+        self.datasets_changed = Counter(
+            "batchwire_datasets_changed",
+            "Datasets a rescan found added, replaced (ingest --overwrite) or removed.",
+            ("change",),
+            registry=r,
+        )
+        for change in ("added", "replaced", "removed"):
+            self.datasets_changed.labels(change=change)  # exported at 0 from the start
+        self.datasets = Gauge("batchwire_datasets", "Datasets served now.", registry=r)
         self.info = Info("batchwire_server", "Version and devices of this server.", registry=r)
 
     def watch_stages(self, stages: StageTimes) -> None:

@@ -6,6 +6,7 @@ Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
     server.start()               # returns once listening; warm-up continues
     server.wait_serving(60)      # health reports SERVING
     print(server.target)         # "localhost:PORT"
+    server.rescan()              # datasets added, replaced or removed since (also on a timer)
     server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
 
 The server runs its own event loop (uvloop where installed) in a named thread.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import importlib.metadata
 import logging
@@ -29,7 +31,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchwire.server._config import ServerConfig
+from batchwire.server.core._catalog import Change
 from batchwire.server.core._engine import Engine
+from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
@@ -106,6 +110,10 @@ class BatchwireServer:
         self._serving = threading.Event()
         self._start_error: BaseException | None = None
         self._stop_requested: asyncio.Event | None = None
+        self._rescan_wanted: asyncio.Event | None = None
+        self._rescan_lock: asyncio.Lock | None = None
+        self._warm_lock: asyncio.Lock | None = None
+        self._rescan_failing = False  # the last rescan failed (logged once, not each time)
         self._grace: float | None = None
         self._port = 0
 
@@ -128,6 +136,7 @@ class BatchwireServer:
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
         self.engine.open_datasets()
+        self.metrics.datasets.set(len(self.engine.catalog))
         if self.config.metrics_port is not None:
             try:
                 self._metrics_http = MetricsHTTPServer(
@@ -146,6 +155,28 @@ class BatchwireServer:
     def wait_serving(self, timeout: float) -> bool:
         """Whether health reached SERVING within ``timeout`` seconds."""
         return self._serving.wait(timeout)
+
+    def rescan(self, timeout: float = 120.0) -> list[Change]:
+        """Rescan the data directory now and return what changed, once served: new
+        datasets listed and streamable, a replaced one's new version given to new
+        streams, a removed one no longer listed. Where the server had no dataset yet,
+        returns once the pipeline warm-up that follows is done (SERVING if it passed).
+
+        Call it from any thread but the server's own; ``TimeoutError`` after
+        ``timeout`` seconds. The server also rescans every ``rescan_interval`` seconds.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._rescan_lock is None:
+            raise ServerError("the server is not running")
+        return asyncio.run_coroutine_threadsafe(self._rescan(), loop).result(timeout)
+
+    def request_rescan(self) -> None:
+        """Ask for a rescan soon, without waiting for it (safe in a signal handler)."""
+        loop, wanted = self._loop, self._rescan_wanted
+        if loop is None or wanted is None:
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server has stopped
+            loop.call_soon_threadsafe(wanted.set)
 
     def stop(self, grace: float | None = 10.0) -> None:
         """Drain and stop: health NOT_SERVING, new streams refused, in-flight ones
@@ -199,6 +230,9 @@ class BatchwireServer:
 
     async def _main(self) -> None:
         self._stop_requested = asyncio.Event()
+        self._rescan_wanted = asyncio.Event()
+        self._rescan_lock = asyncio.Lock()
+        self._warm_lock = asyncio.Lock()
         server = self._server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
@@ -245,34 +279,91 @@ class BatchwireServer:
             log.warning("bearer tokens without TLS: anyone on the network path can read them")
         self._listening.set()
         warm = asyncio.ensure_future(self._warm_up())
+        rescans = asyncio.ensure_future(self._rescans())
         await self._stop_requested.wait()
         warm.cancel()
+        rescans.cancel()
         await self._drain(server)
 
     async def _warm_up(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._executor, self.engine.warm_up)
-        except Exception:
-            log.exception("pipeline warm-up failed: health stays NOT_SERVING")
-            return
-        if not self.engine.datasets:
-            log.error(
-                "no datasets found under %s: health stays NOT_SERVING until the server is "
-                "restarted with data (ingest with `batchwire ingest`)",
-                self.config.data_dir,
-            )
-            return
-        self._warm = True
+        """Run the engine's warm-up unless warm already: SERVING once it passes with
+        datasets. Runs at start and again after a rescan while not warm."""
+        assert self._warm_lock is not None
+        async with self._warm_lock:
+            if self._warm or self.engine.draining:
+                return
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._executor, self.engine.warm_up)
+            except Exception:
+                log.exception("pipeline warm-up failed: health stays NOT_SERVING")
+                return
+            if not len(self.engine.catalog):
+                when = (
+                    f"within {self.config.rescan_interval:g}s or on SIGHUP"
+                    if self.config.rescan_interval
+                    else "on SIGHUP (rescan_interval is 0)"
+                )
+                log.error(
+                    "no datasets found under %s: health stays NOT_SERVING until one is "
+                    "ingested there (`batchwire ingest`); the server sees it %s",
+                    self.config.data_dir,
+                    when,
+                )
+                return
+            self._warm = True
         await self._report()
-        log.info("SERVING %d datasets", len(self.engine.datasets))
+        log.info("SERVING %d datasets", len(self.engine.catalog))
+
+    async def _rescans(self) -> None:
+        """Rescan every ``rescan_interval`` seconds (0: never on a timer) and whenever
+        :meth:`request_rescan` asks; cancelled when the server stops."""
+        assert self._rescan_wanted is not None
+        interval = self.config.rescan_interval or None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rescan_wanted.wait(), interval)
+            self._rescan_wanted.clear()
+            try:
+                await self._rescan()
+            except Exception:  # a bug; the next rescan may fare better
+                log.exception("rescan of %s failed", self.config.data_dir)
+
+    async def _rescan(self) -> list[Change]:
+        """One rescan, off the event loop; then warm up or report health as it changed."""
+        assert self._rescan_lock is not None
+        async with self._rescan_lock:
+            if self.engine.draining:
+                return []
+            loop = asyncio.get_running_loop()
+            self.metrics.rescans.inc()
+            try:
+                changes = await loop.run_in_executor(self._executor, self.engine.rescan)
+            except DatasetError as exc:
+                self.metrics.rescan_errors.inc()
+                if not self._rescan_failing:
+                    log.error("rescan failed, serving the datasets found before: %s", exc)
+                self._rescan_failing = True
+                return []
+            if self._rescan_failing:
+                log.info("rescan of %s works again", self.config.data_dir)
+                self._rescan_failing = False
+            for change in changes:
+                self.metrics.datasets_changed.labels(change=change.change).inc()
+            self.metrics.datasets.set(len(self.engine.catalog))
+        if changes:
+            await self._warm_up()
+            await self._report()
+        return changes
 
     async def _report(self) -> None:
         """Health as it stands: SERVING once warm, unless a device is broken (a CUDA
-        error, or faults in a row: see ``PipelineHealth``) or the server drains."""
+        error, or faults in a row: see ``PipelineHealth``), no dataset is left, or the
+        server drains."""
         if self.engine.draining or not self._warm:
             return  # NOT_SERVING already; draining keeps it so
-        serving = not self.engine.health.broken()
+        # Every dataset removed by a rescan: nothing to serve until one comes back.
+        serving = len(self.engine.catalog) > 0 and not self.engine.health.broken()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _SERVING if serving else _NOT_SERVING)
         self.metrics.serving.set(1 if serving else 0)

@@ -122,6 +122,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             classes=summary.classes,
             pipelines=pipelines,
             format_version=summary.format_version,
+            version=summary.version,
         )
 
     async def ListDatasets(
