@@ -23,6 +23,7 @@ class ServeProcess:
     process: subprocess.Popen[str]
     address: str
     log: pathlib.Path
+    start_line: str = ""  # what it printed first: "batchwire serving DIR with N workers on ..."
 
 
 def wait_until_serving(address: str, timeout: float) -> None:
@@ -66,7 +67,7 @@ def serve_process(data_dir: pathlib.Path, log: pathlib.Path, *args: str) -> Iter
         assert match, f"unexpected first line {line!r}; log: {log.read_text()[-2000:]}"
         address = f"localhost:{match.group(1)}"
         wait_until_serving(address, timeout=120)
-        yield ServeProcess(process, address, log)
+        yield ServeProcess(process, address, log, line.strip())
     finally:
         if process.poll() is None:
             process.kill()
