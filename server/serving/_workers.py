@@ -273,7 +273,13 @@ def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
         )[0]
     except OSError as exc:
         raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
-    reserved = socket.socket(family, kind, proto)
+    try:
+        reserved = socket.socket(family, kind, proto)
+    except OSError as exc:
+        if address != "::":
+            raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
+        # A host without IPv6: "[::]" means every IPv4 address, as gRPC takes it too.
+        return _reserve_port("0.0.0.0", port)
     try:
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         reserved.bind(sockaddr)
