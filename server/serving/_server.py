@@ -27,6 +27,8 @@ import importlib.metadata
 import logging
 import socket
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -111,7 +113,9 @@ class BatchwireServer:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="batchwire-stream"
         )
-        self._health = health.aio.HealthServicer()
+        self._health = (
+            health.aio.HealthServicer() if slot is None else _UnitHealthServicer(self._report)
+        )
         self._warm = False  # warmed up with datasets: SERVING unless a device is broken
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -350,6 +354,24 @@ class BatchwireServer:
         await self._health.enter_graceful_shutdown()
         await server.stop(self._grace)
         log.info("stopped")
+
+
+class _UnitHealthServicer(health.aio.HealthServicer):
+    """A unit worker's health service: it brings the unit's state up to date before it
+    answers, so that every worker gives a probe the same answer (the siblings' states
+    change in other processes; between two polls, workers could answer apart)."""
+
+    def __init__(self, refresh: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
+        self._refresh = refresh
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        await self._refresh()
+        return await super().Check(request, context)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        await self._refresh()
+        await super().Watch(request, context)
 
 
 def _server_info(engine: Engine) -> dict[str, str]:

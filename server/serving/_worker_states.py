@@ -4,8 +4,9 @@ answers health checks for the whole unit.
 ``batchwire serve --workers N`` runs N servers behind one port: a probe lands on
 whichever worker the kernel picks, and must get the same answer from each. Each
 worker writes its own state into its slot of one shared array (one writer per
-slot: no lock is needed for a single ``int``) and reads every slot to decide what
-its health service reports: SERVING only when every worker is SERVING.
+slot: no lock is needed for a single ``int``) and reads every slot, at each health
+check and every poll, to decide what its health service reports: SERVING only when
+every worker is SERVING.
 
 The parent creates the array (:meth:`WorkerStates.create`) before it starts the
 workers and marks a worker :data:`EXITED` when its process ends.
