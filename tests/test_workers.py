@@ -10,6 +10,7 @@ import pathlib
 import re
 import signal
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -182,7 +183,16 @@ def test_health_is_one_answer_from_every_worker(unit: ServeProcess) -> None:
 
 
 def test_one_metrics_endpoint_has_the_series_of_both_workers(unit: ServeProcess) -> None:
-    samples = _scrape(_metrics_port(unit))
+    port = _metrics_port(unit)
+    # Each worker sets its batchwire_serving when it next looks at the unit's states
+    # (every 0.25 s): poll, with a deadline, for both.
+    deadline = time.monotonic() + 30
+    while True:
+        samples = _scrape(port)
+        both = [samples.get(("batchwire_serving", (("worker", w),))) for w in ("0", "1")]
+        if both == [1, 1] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert samples[("batchwire_workers", ())] == 2
     for worker in ("0", "1"):
         assert samples[("batchwire_serving", (("worker", worker),))] == 1
