@@ -9,20 +9,34 @@ and ``exception`` with the traceback when there is one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "choose", "configure"]
+__all__ = [
+    "FORMATS",
+    "LEVELS",
+    "JsonFormatter",
+    "choose",
+    "configure",
+    "configure_worker",
+    "real_output_for_children",
+]
 
 FORMATS = ("plain", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PLAIN_WORKER = "%(asctime)s %(levelname)s %(name)s [worker %(worker)s]: %(message)s"
+
+# With JSON logs: (the real stdout, the real stderr, the pipe C output is sent to),
+# as file descriptors; see real_output_for_children.
+_captured: tuple[int, int, int] | None = None
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
@@ -78,8 +92,27 @@ def choose(
     )
 
 
-def configure(level: str, fmt: str) -> None:
-    """Send log records of ``level`` and above to stderr in ``fmt`` (plain|json).
+class _WorkerField(logging.Filter):
+    """Adds ``worker`` (its index) to every record: a JSON field, a plain-text tag."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.index
+        return True
+
+
+def configure_worker(level: str, fmt: str, index: int) -> None:
+    """:func:`configure` in worker process ``index`` of ``batchwire serve --workers``:
+    its records say which worker wrote them."""
+    configure(level, fmt, worker=index)
+
+
+def configure(level: str, fmt: str, *, worker: int | None = None) -> None:
+    """Send log records of ``level`` and above to stderr in ``fmt`` (plain|json),
+    tagged with ``worker`` where given.
 
     Like ``logging.basicConfig``, does nothing when the root logger already has
     handlers (an embedding application or a test runner configured logging)."""
@@ -92,8 +125,30 @@ def configure(level: str, fmt: str) -> None:
     if fmt == "json":
         _capture_native_output()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(PLAIN))
+    plain = PLAIN if worker is None else PLAIN_WORKER
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(plain))
+    if worker is not None:
+        handler.addFilter(_WorkerField(worker))
     logging.basicConfig(level=level, handlers=[handler])
+
+
+@contextlib.contextmanager
+def real_output_for_children() -> Iterator[None]:
+    """While open, file descriptors 1 and 2 are the real stdout and stderr again, so
+    processes started now inherit those (and, logging JSON, capture their own C output)
+    instead of this process's capture pipe, which would wrap their JSON lines in its
+    own records. Nothing of this process should write C output meanwhile."""
+    if _captured is None:
+        yield
+        return
+    out, err, pipe = _captured
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    try:
+        yield
+    finally:
+        os.dup2(pipe, 1)
+        os.dup2(pipe, 2)
 
 
 def _capture_native_output() -> None:
@@ -105,10 +160,12 @@ def _capture_native_output() -> None:
     sys.stderr.flush()
     sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, encoding=sys.stdout.encoding)
     sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding)
+    global _captured
     read, write = os.pipe()
     os.dup2(write, 1)
     os.dup2(write, 2)
-    os.close(write)
+    # The write end stays open for real_output_for_children to restore.
+    _captured = (sys.stdout.fileno(), sys.stderr.fileno(), write)
     native = logging.getLogger("batchwire.native")
 
     def forward() -> None:

@@ -117,6 +117,13 @@ class ServerConfig:
         device_ids,
         metavar="IDS",
     )
+    workers: int | None = _setting(
+        None,
+        "server processes behind the port, each with its own interpreter (SO_REUSEPORT spreads "
+        "connections over them); on a GPU host each gets its own GPUs (default: one per visible "
+        "GPU in devices, 1 on the CPU)",
+        bounds=(1, 256),
+    )
     num_threads: int = _setting(
         0,
         "DALI threads per pipeline (default 0: on the CPU one per CPU this process may use, "

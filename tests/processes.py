@@ -23,7 +23,7 @@ class ServeProcess:
     process: subprocess.Popen[str]
     address: str
     log: pathlib.Path
-    banner: str  # the first line it printed: where it listens (and serves metrics)
+    start_line: str = ""  # what it printed first: "batchwire serving DIR with N workers on ..."
 
 
 def wait_until_serving(address: str, timeout: float) -> None:

@@ -30,6 +30,7 @@ def test_serve_process_streams_and_drains_on_sigterm(
     data_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     with serve_process(data_dir, tmp_path / "serve.log", "--grace", "5") as served:
+        assert " with 1 worker on localhost:" in served.start_line  # the CPU's default
         assert main(["health", "--address", served.address]) == 0
         with RemoteLoader(
             served.address, dataset="shapes", batch_size=16, params={"size": 32}

@@ -45,8 +45,8 @@ def test_a_server_limited_by_taskset_to_one_cpu_builds_pipelines_with_one_thread
         launcher=("taskset", "-c", str(cpu)),
         threads=False,  # the default, derived from what the process may use
     ) as served:
-        match = re.search(r"metrics on port (\d+)", served.banner)
-        assert match, served.banner
+        match = re.search(r"metrics on port (\d+)", served.start_line)
+        assert match, served.start_line
         info = server_info(int(match.group(1)))
     assert info["usable_cpus"] == "1"
     assert info["threads"] == "1"

@@ -21,6 +21,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "port": ("6000", 6000),
     "device": ("gpu", "gpu"),
     "devices": ("0,1", (0, 1)),
+    "workers": ("2", 2),
     "num_threads": ("3", 3),
     "decoder_host_padding_mib": ("4", 4),
     "decoder_device_padding_mib": ("32", 32),

@@ -10,6 +10,9 @@ Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
     server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
 
 The server runs its own event loop (uvloop where installed) in a named thread.
+As one worker of ``batchwire serve --workers N`` (``slot=``, see
+:mod:`._workers`), it binds its port with SO_REUSEPORT beside its siblings and its
+health service answers for the whole unit.
 TLS, mutual TLS and bearer tokens come from the config (``batchwire.server.serving._security``);
 the constructor reads those files, so a bad one is a ``ConfigError`` before anything
 is opened.
@@ -25,6 +28,8 @@ import importlib.metadata
 import logging
 import socket
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,6 +42,7 @@ from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
+from batchwire.server.serving._worker_states import State, WorkerSlot
 from batchwire.v1 import batchwire_pb2
 
 __all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
@@ -46,6 +52,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
 _START_TIMEOUT = 30.0
 _SHORT_TASK_THREADS = 8  # the pool's threads when no stream waits in one
+# How often a worker of a unit reads its siblings' states: how long a probe may see
+# another answer from one worker than from the next.
+_UNIT_POLL_SECONDS = 0.25
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Methods whose errors are counted under their own name (anything else: "other").
@@ -83,9 +92,15 @@ def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class BatchwireServer:
-    def __init__(self, config: ServerConfig) -> None:
-        """Raises ``ConfigError`` when a TLS or token file is missing or malformed."""
+    def __init__(self, config: ServerConfig, *, slot: WorkerSlot | None = None) -> None:
+        """Raises ``ConfigError`` when a TLS or token file is missing or malformed.
+
+        ``slot``: this server is one worker of a unit sharing its port (SO_REUSEPORT):
+        it publishes its state there and reports SERVING only while every worker of
+        the unit does."""
         self.config = config
+        self._slot = slot
+        self._reported: bool | None = None  # the unit's serving state last set in health
         self.security = ServerSecurity.from_config(config)
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
@@ -101,7 +116,9 @@ class BatchwireServer:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="batchwire-stream"
         )
-        self._health = health.aio.HealthServicer()
+        self._health = (
+            health.aio.HealthServicer() if slot is None else _UnitHealthServicer(self._report)
+        )
         self._warm = False  # warmed up with datasets: SERVING unless a device is broken
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -235,7 +252,8 @@ class BatchwireServer:
         self._warm_lock = asyncio.Lock()
         server = self._server = grpc.aio.server(
             options=[
-                ("grpc.so_reuseport", 0),
+                # A unit's workers share the port; a lone server must find it free.
+                ("grpc.so_reuseport", 0 if self._slot is None else 1),
                 ("grpc.max_send_message_length", -1),
                 # Preprocess requests carry encoded images (config max_request_bytes).
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
@@ -256,7 +274,8 @@ class BatchwireServer:
             lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
         )
         address = f"{self.config.host}:{self.config.port}"
-        _check_port_free(self.config.host, self.config.port)
+        if self._slot is None:  # a unit's parent checked it, and holds it reserved
+            _check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
         try:
             if credentials is None:
@@ -280,9 +299,15 @@ class BatchwireServer:
         self._listening.set()
         warm = asyncio.ensure_future(self._warm_up())
         rescans = asyncio.ensure_future(self._rescans())
+        follow = None
+        if self._slot is not None:
+            self._slot.publish(State.WARMING)
+            follow = asyncio.ensure_future(self._follow_unit())
         await self._stop_requested.wait()
         warm.cancel()
         rescans.cancel()
+        if follow is not None:
+            follow.cancel()
         await self._drain(server)
 
     async def _warm_up(self) -> None:
@@ -360,6 +385,9 @@ class BatchwireServer:
         """Health as it stands: SERVING once warm, unless a device is broken (a CUDA
         error, or faults in a row: see ``PipelineHealth``), no dataset is left, or the
         server drains."""
+        if self._slot is not None:
+            await self._report_unit(self._slot)
+            return
         if self.engine.draining or not self._warm:
             return  # NOT_SERVING already; draining keeps it so
         # Every dataset removed by a rescan: nothing to serve until one comes back.
@@ -370,6 +398,40 @@ class BatchwireServer:
         if serving:
             self._serving.set()
 
+    async def _report_unit(self, slot: WorkerSlot) -> None:
+        """As a unit's worker: publish this worker's state, then report the unit's
+        (SERVING only while every worker is)."""
+        if self.engine.draining:
+            return  # NOT_SERVING already; draining keeps it so
+        if not self._warm or len(self.engine.catalog) == 0:
+            own = State.WARMING  # not ready: warming up, or no dataset to serve yet
+        else:
+            own = State.BROKEN if self.engine.health.broken() else State.SERVING
+        slot.publish(own)
+        serving = slot.unit_serving()
+        if serving == self._reported:
+            return
+        previous, self._reported = self._reported, serving
+        if serving:
+            log.info("the unit serves: every worker is SERVING")
+        elif previous:
+            log.warning("the unit does not serve: a worker is warming, broken or draining")
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, _SERVING if serving else _NOT_SERVING)
+        self.metrics.serving.set(1 if serving else 0)
+        if serving:
+            self._serving.set()
+        else:
+            self._serving.clear()
+
+    async def _follow_unit(self) -> None:
+        """Follow the siblings' states (they change in other processes) until stopped."""
+        assert self._stop_requested is not None
+        while not self._stop_requested.is_set():
+            await self._report()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_requested.wait(), _UNIT_POLL_SECONDS)
+
     async def _drain(self, server: grpc.aio.Server) -> None:
         """NOT_SERVING; new streams get UNAVAILABLE and streams in flight end with
         UNAVAILABLE at their next batch (clients resume elsewhere from their
@@ -377,9 +439,29 @@ class BatchwireServer:
         log.info("draining: NOT_SERVING, refusing new streams, grace %ss", self._grace)
         self._serving.clear()
         self.metrics.serving.set(0)
+        if self._slot is not None:
+            self._slot.publish(State.DRAINING)
         await self._health.enter_graceful_shutdown()
         await server.stop(self._grace)
         log.info("stopped")
+
+
+class _UnitHealthServicer(health.aio.HealthServicer):
+    """A unit worker's health service: it brings the unit's state up to date before it
+    answers, so that every worker gives a probe the same answer (the siblings' states
+    change in other processes; between two polls, workers could answer apart)."""
+
+    def __init__(self, refresh: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
+        self._refresh = refresh
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        await self._refresh()
+        return await super().Check(request, context)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        await self._refresh()
+        await super().Watch(request, context)
 
 
 def _server_info(engine: Engine) -> dict[str, str]:

@@ -1,0 +1,308 @@
+"""``batchwire serve --workers N``: N server processes behind one port.
+
+One server process shares one interpreter lock between its record path (LMDB reads,
+protobuf parsing), its message builds and gRPC, so one process cannot keep several
+GPUs busy. A :class:`WorkerUnit` runs N :class:`BatchwireServer` processes on the
+same port, as gRPC's own Python multiprocessing example does: the parent reserves
+the port with a SO_REUSEPORT socket it never listens on, then spawns the workers,
+each binding the port with ``grpc.so_reuseport``; the kernel spreads *connections*
+(not calls) over them. The parent creates no gRPC object, and workers are spawned,
+not forked (gRPC forbids a fork after it is initialized).
+
+Contracts:
+
+* Any worker serves any stream: an epoch's order is a pure function of (seed, epoch),
+  and a call lives on one connection, so on one worker.
+* Health is one answer (see :mod:`._worker_states`): SERVING only while every worker is.
+* :meth:`WorkerUnit.stop` drains every worker (SIGTERM to each; each drains as a lone
+  server does) and returns within ``grace`` plus a small margin.
+* A worker that dies is not restarted: :meth:`WorkerUnit.failed` says so, and
+  ``batchwire serve`` stops the others and exits non-zero, for the orchestrator to
+  restart the whole unit (a half unit would report NOT_SERVING forever anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from batchwire.server._config import ServerConfig
+from batchwire.server.core import DevicePlan
+from batchwire.server.core._cpus import pipeline_threads, usable_cpus
+from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
+from batchwire.server.serving._server import ServerError, _check_port_free
+from batchwire.server.serving._worker_metrics import WorkerMetricsCollector
+from batchwire.server.serving._worker_process import (
+    LISTENING,
+    WorkerSpec,
+    run_worker,
+)
+from batchwire.server.serving._worker_states import State, WorkerStates
+
+__all__ = ["WorkerUnit", "plan_workers"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT = 180.0  # seconds for every worker to import, open datasets and listen
+_STOP_MARGIN = 5.0  # seconds past the grace for workers to close their engines
+_KILL_WAIT = 5.0
+
+
+def plan_workers(config: ServerConfig, gpu_count: int | None = None) -> list[dict[str, Any]]:
+    """What each worker changes of ``config``: one dict per worker.
+
+    ``workers`` unset: one worker per GPU of the device plan, each given its own GPU
+    (``devices`` narrowed to one id), on a host where a GPU is visible; one worker on
+    the CPU. ``workers`` set: that many; on a GPU host worker i takes every N-th GPU
+    from the i-th (or GPU i mod count when workers outnumber GPUs). On the CPU with
+    several workers and ``num_threads`` unset, each worker's DALI threads are its
+    share of the CPUs the unit may use (``_cpus``); on GPUs, the unit's CPUs shared by
+    all its GPUs, as one process would share them. ``gpu_count`` (None: ask CUDA) lets this be tested anywhere.
+    Raises ``DeviceError`` as ``DevicePlan.resolve`` does.
+    """
+    plan = DevicePlan.resolve(config.device, config.devices, gpu_count)
+    if plan.kind == "gpu":
+        ids = [i for i in plan.device_ids if i is not None]
+        count = config.workers or len(ids)
+        if count == 1:
+            return [{}]
+        # Each worker sees one GPU, but the unit's CPUs are shared by all of them.
+        threads = pipeline_threads(config.num_threads, "gpu", len(ids), usable_cpus())
+        return [
+            {
+                "device": "gpu",
+                "devices": tuple(ids[i::count]) or (ids[i % len(ids)],),
+                "num_threads": threads,
+            }
+            for i in range(count)
+        ]
+    count = config.workers or 1
+    if count == 1:
+        return [{}]
+    threads = config.num_threads or max(1, usable_cpus() // count)
+    return [{"num_threads": threads} for _ in range(count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Given:
+    """A config source that is the config itself (no custom pipeline from a file)."""
+
+    config: ServerConfig
+
+    def __call__(self) -> ServerConfig:
+        return self.config
+
+
+class WorkerUnit:
+    """N worker processes serving ``config`` on one port; ``start()``, ``failed()``,
+    ``stop(grace)``, with ``port``, ``metrics_port`` and ``target`` once started.
+
+    ``source`` rebuilds the config in each worker (default: ``config`` pickled, which
+    holds only where no pipeline function was loaded from a file); ``setup(index)``
+    configures a worker's logging.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        source: Callable[[], ServerConfig] | None = None,
+        setup: Callable[[int], None] | None = None,
+        gpu_count: int | None = None,
+    ) -> None:
+        self.config = config
+        self._plans = plan_workers(config, gpu_count)
+        self._source = source or _Given(config)
+        self._setup = setup
+        self._context = multiprocessing.get_context("spawn")
+        self._states = WorkerStates.create(self._context, len(self._plans))
+        self._processes: list[BaseProcess] = []
+        self._pipes: list[multiprocessing.connection.Connection] = []
+        self._metrics_ports: list[int | None] = [None] * len(self._plans)
+        self._reserved: socket.socket | None = None
+        self._metrics_http: MetricsHTTPServer | None = None
+        self._port = 0
+
+    @property
+    def workers(self) -> int:
+        return len(self._plans)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self._metrics_http is None else self._metrics_http.port
+
+    @property
+    def target(self) -> str:
+        return f"localhost:{self._port}"
+
+    def start(self, timeout: float = _START_TIMEOUT) -> None:
+        """Reserve the port, serve the unit's metrics, spawn the workers and return
+        once every one listens (warm-up continues). ``ServerError`` when the port is
+        taken or a worker cannot start (its message), with every worker stopped."""
+        host = self.config.host
+        _check_port_free(host, self.config.port)
+        self._reserved, self._port = _reserve_port(host, self.config.port)
+        try:
+            if self.config.metrics_port is not None:
+                self._metrics_http = self._serve_metrics()
+            for index, plan in enumerate(self._plans):
+                self._spawn(index, plan)
+            self._wait_listening(time.monotonic() + timeout)
+        except BaseException:
+            self.stop(grace=0)
+            raise
+        log.info(
+            "%d workers on %s:%d (SO_REUSEPORT: connections spread over them)",
+            self.workers,
+            host,
+            self._port,
+        )
+
+    def failed(self) -> str | None:
+        """A description of the first worker whose process ended, else None."""
+        for index, process in enumerate(self._processes):
+            if process.exitcode is not None:
+                self._states.set(index, State.EXITED)
+                return f"worker {index} (pid {process.pid}) exited with status {process.exitcode}"
+        return None
+
+    def rescan(self) -> None:
+        """Forward SIGHUP to every live worker: each rescans the data directory."""
+        for process in self._processes:
+            if process.exitcode is None and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGHUP)
+
+    def stop(self, grace: float) -> bool:
+        """Drain every worker (SIGTERM), wait ``grace`` seconds plus a margin, kill what
+        is left; whether every worker exited with status 0."""
+        for process in self._processes:
+            if process.exitcode is None:
+                process.terminate()  # SIGTERM: the worker drains
+        deadline = time.monotonic() + grace + _STOP_MARGIN
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for index, process in enumerate(self._processes):
+            if process.exitcode is None:
+                log.error("worker %d did not stop within the grace period: killed", index)
+                process.kill()
+                process.join(_KILL_WAIT)
+            self._states.set(index, State.EXITED)
+        clean = all(process.exitcode == 0 for process in self._processes)
+        for pipe in self._pipes:
+            pipe.close()
+        if self._metrics_http is not None:
+            self._metrics_http.stop()
+            self._metrics_http = None
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
+        return clean
+
+    # -- internals --------------------------------------------------------------------
+
+    def _serve_metrics(self) -> MetricsHTTPServer:
+        registry = CollectorRegistry()
+        registry.register(
+            WorkerMetricsCollector(
+                self._states,
+                lambda: list(self._metrics_ports),
+                lambda: sum(1 for process in self._processes if process.exitcode is None),
+            )
+        )
+        try:
+            return MetricsHTTPServer(registry, self.config.host, self.config.metrics_port or 0)
+        except MetricsError as exc:
+            raise ServerError(str(exc)) from exc
+
+    def _spawn(self, index: int, plan: dict[str, Any]) -> None:
+        overrides = {**plan, "port": self._port, "metrics_port": None, "workers": 1}
+        spec = WorkerSpec(
+            index=index,
+            source=self._source,
+            overrides=overrides,
+            setup=self._setup,
+            metrics=self.config.metrics_port is not None,
+        )
+        ours, theirs = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=run_worker,
+            args=(spec, self._states, theirs),
+            name=f"batchwire-worker-{index}",
+            # Not daemonic: a worker's read_workers are processes of its own.
+            daemon=False,
+        )
+        process.start()
+        theirs.close()  # the worker's end: EOF here when it exits
+        self._processes.append(process)
+        self._pipes.append(ours)
+
+    def _wait_listening(self, deadline: float) -> None:
+        waiting = dict(enumerate(self._pipes))
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServerError(
+                    f"workers {sorted(waiting)} did not listen within {_START_TIMEOUT:.0f}s"
+                )
+            ready = multiprocessing.connection.wait(list(waiting.values()), remaining)
+            for index, pipe in list(waiting.items()):
+                if pipe not in ready:
+                    continue
+                del waiting[index]
+                try:
+                    kind, value = pipe.recv()
+                except EOFError:
+                    self._processes[index].join(_KILL_WAIT)
+                    code = self._processes[index].exitcode
+                    raise ServerError(
+                        f"worker {index} exited with status {code} before it listened "
+                        "(its log is above)"
+                    ) from None
+                if kind != LISTENING:
+                    raise ServerError(str(value))
+                self._metrics_ports[index] = value
+
+
+def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
+    """A bound, never listening SO_REUSEPORT socket holding ``port`` (0: a free one) for
+    the workers while the unit runs, and the port."""
+    address = host.strip("[]") or None
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM
+        )[0]
+    except OSError as exc:
+        raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
+    try:
+        reserved = socket.socket(family, kind, proto)
+    except OSError as exc:
+        if address != "::":
+            raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
+        # A host without IPv6: "[::]" means every IPv4 address, as gRPC takes it too.
+        return _reserve_port("0.0.0.0", port)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind(sockaddr)
+    except OSError as exc:
+        reserved.close()
+        raise ServerError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another with --port)"
+        ) from exc
+    return reserved, reserved.getsockname()[1]
