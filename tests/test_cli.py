@@ -113,6 +113,13 @@ def test_demo_builds_serves_and_prints_a_rate(
     assert "circle 24, cross 24, square 24, triangle 24" in out
     assert main(args) == 0  # the second run reuses the cached dataset
     assert "using the sample dataset" in capsys.readouterr().out
+    # Without --images, whatever is cached; with another number, a dataset of that size.
+    assert main([*args[:3], "--batch-size", "16", "--device", "cpu"]) == 0
+    assert "(96 images)" in capsys.readouterr().out
+    assert main([*args[:4], "48", *args[5:]]) == 0
+    out = capsys.readouterr().out
+    assert "has 96 images, not 48: making it again" in out
+    assert re.search(r"streamed 48 images ", out), out
 
 
 def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
