@@ -235,6 +235,23 @@ def _write_file_list(src: pathlib.Path, tree: PhotoTree) -> pathlib.Path:
     return listing
 
 
+def test_a_truncated_file_is_decoded_once_and_named_in_the_summary(
+    tree: PhotoTree, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    for relpath in ("cat/chelsea.jpg", "cat/truncated.jpg", "coffee/coffee.ppm"):
+        shutil.copy(tree.path(relpath), src / "cat")
+    argv = ["ingest", str(src), str(tmp_path / "out"), "--name", "one", "--no-progress"]
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    assert "ingested 2 images" in out
+    assert "cat/truncated.jpg: corrupt or truncated image data" in out
+    # DALI's decoder prints its own [ERROR] line (to fd 2, from C++) each time it fails
+    # on the file: once, not again when its batch is checked file by file.
+    assert err.count("Could not decode jpeg") <= 1, err
+
+
 def test_file_list_ingest(tree: PhotoTree, tmp_path: pathlib.Path) -> None:
     src = tmp_path / "src"
     listing = _write_file_list(src, tree)
