@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import json
 import os
+import pathlib
 import sys
+import urllib.parse
 from collections.abc import Sequence
 
 from batchwire.cli import _logs
@@ -23,6 +27,9 @@ __all__ = ["main"]
 _COMMANDS = ("ingest", "inspect", "serve", "health", "bench", "preview", "demo")
 # What the [server] extra adds; the thin client has none of them.
 _SERVER_PACKAGES = frozenset({"nvidia", "lmdb", "uvloop", "PIL", "yaml", "grpc_reflection"})
+# Commands that need less than the whole [server] extra: `preview` only talks to a server
+# and draws with Pillow, which the [preview] extra adds.
+_EXTRA_OF_COMMAND = {"preview": "preview"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,9 +97,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _SERVER_PACKAGES:
             raise
+        extra = _EXTRA_OF_COMMAND.get(args.command, "server")
         print(
-            f"error: {exc.name} is missing: `batchwire {args.command}` needs the server extra "
-            '(pip install "batchwire[server]")',
+            f"error: {exc.name} is missing: `batchwire {args.command}` needs the {extra} extra "
+            f"({_install_command(extra)})",
             file=sys.stderr,
         )
         return 2
+
+
+def _install_command(extra: str) -> str:
+    """The pip command that adds ``extra`` to this installation of batchwire: from the
+    directory it was installed from (a checkout; editable if it was), else from the index."""
+    for dist in importlib.metadata.distributions(name="batchwire"):
+        try:
+            origin = json.loads(dist.read_text("direct_url.json") or "null")
+        except ValueError:
+            continue
+        if not isinstance(origin, dict) or "dir_info" not in origin:
+            continue
+        url = urllib.parse.urlparse(str(origin.get("url", "")))
+        if url.scheme != "file":
+            continue
+        directory = pathlib.Path(urllib.parse.unquote(url.path))
+        where = "." if directory == pathlib.Path.cwd() else str(directory)
+        editable = "-e " if origin["dir_info"].get("editable") else ""
+        return f'pip install {editable}"{where}[{extra}]"'
+    return f'pip install "batchwire[{extra}]"'

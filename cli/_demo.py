@@ -29,13 +29,20 @@ def _default_cache() -> pathlib.Path:
 HELP = "build a sample dataset, serve it on localhost and stream it"
 DESCRIPTION = "Build a small generated dataset, serve it in-process and stream one epoch."
 DEFAULT_LOG_LEVEL = "WARNING"
+DEFAULT_IMAGES = 2000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache_help = "where the dataset is kept (default ~/.cache/batchwire) [BATCHWIRE_CACHE]"
     parser.add_argument("--cache", type=pathlib.Path, help=cache_help)
     parser.add_argument(
-        "--images", type=int, default=2000, help="images to generate (default 2000)"
+        "--images",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"images to generate, rounded down to a multiple of 4 (default: those of the "
+        f"cached dataset, else {DEFAULT_IMAGES}); another number than the cached dataset's "
+        "makes it again",
     )
     parser.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
     parser.add_argument(
@@ -55,16 +62,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ensure_dataset(data_dir: pathlib.Path, images: int, rebuild: bool) -> None:
+def _ensure_dataset(data_dir: pathlib.Path, images: int | None, rebuild: bool) -> None:
+    """The dataset of ``images`` images (None: the cached one, whatever its size) in
+    ``data_dir/shapes``, generated and ingested unless it is there already."""
     from tqdm import tqdm
 
-    from batchwire.server.data import SHAPES, ingest, write_image_folders
+    from batchwire.server.data import (
+        SHAPES,
+        DatasetError,
+        ingest,
+        read_manifest,
+        write_image_folders,
+    )
 
     target = data_dir / DATASET
+    per_class = max(1, (images or DEFAULT_IMAGES) // len(SHAPES))
     if (target / "manifest.json").is_file() and not rebuild:
-        print(f"using the sample dataset in {target}")
-        return
-    per_class = max(1, images // len(SHAPES))
+        try:
+            cached = read_manifest(target).num_samples
+        except DatasetError:
+            cached = None  # unreadable: made again below
+        if (cached is not None and images is None) or cached == per_class * len(SHAPES):
+            print(f"using the sample dataset in {target} ({cached} images)")
+            return
+        if cached is not None:
+            print(
+                f"the sample dataset in {target} has {cached} images, not "
+                f"{per_class * len(SHAPES)}: making it again"
+            )
     data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="batchwire-demo-", dir=data_dir.parent) as tmp:
         source = pathlib.Path(tmp) / "images"

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = summarize(args.directory)
     except DatasetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}{_hint(args.directory)}", file=sys.stderr)
         return 2
     m = summary.manifest
     limit = None if args.all else _MAX_CLASSES
@@ -81,6 +81,22 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("check     ok: every shard holds the records its manifest lists")
     return 0
+
+
+def _hint(directory: pathlib.Path) -> str:
+    """What to do when ``directory`` is not a dataset: its parent folder, or a missing path."""
+    if not directory.exists():
+        return f" ({directory} does not exist)"
+    if not directory.is_dir() or (directory / "manifest.json").exists():
+        return ""
+    names = sorted(c.name for c in directory.iterdir() if (c / "manifest.json").is_file())
+    if not names:
+        return f" ({directory} is not a dataset: `batchwire ingest` makes one)"
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"; {directory} holds datasets ({shown}): inspect one of them, e.g. "
+        f"batchwire inspect {directory / names[0]}"
+    )
 
 
 def human_size(num_bytes: float) -> str:

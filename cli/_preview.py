@@ -16,6 +16,7 @@ written with Pillow's default font at ``CAPTION_OFFSET`` within the strip.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import pathlib
 import sys
@@ -174,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from batchwire.client import BatchwireError, RemoteLoader
+
+    # Pillow draws the grid: where it is missing, say so before streaming anything.
+    importlib.import_module("PIL.Image")
 
     if args.batch_size < 1 or (args.columns is not None and args.columns < 1):
         print("error: --batch-size and --columns must be at least 1", file=sys.stderr)

@@ -25,7 +25,7 @@ from batchwire.client._exceptions import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from batchwire.client._health import check_health
+from batchwire.client._health import check_health, list_datasets
 from batchwire.client._security import ChannelSecurity
 from batchwire.common import __version__
 
@@ -50,6 +50,7 @@ __all__ = [
     "UnavailableError",
     "__version__",
     "check_health",
+    "list_datasets",
 ]
 
 

@@ -27,11 +27,21 @@ CHANNEL_OPTIONS = (
 
 # host:port or [v6]:port; anything with a scheme (dns:///, unix:, ipv4:) is gRPC's to parse.
 _HOST_PORT = re.compile(r"(\[[^\]]+\]|[^:\[\]/]+):\d{1,5}")
+# Web URLs, which gRPC would take for a DNS name ("Misformatted domain name").
+_URL_SCHEME = re.compile(r"(https?|grpcs?)://", re.IGNORECASE)
 
 
 def check_target(target: str) -> str:
     """``target`` if it names a port; InvalidArgumentError if it is a bare host, which gRPC
-    would dial on port 443."""
+    would dial on port 443, or a web URL (``http://host:port``), which gRPC cannot resolve."""
+    scheme = _URL_SCHEME.match(target)
+    if scheme:
+        bare = target[scheme.end() :].rstrip("/")
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"address {target!r} is a URL: write HOST:PORT without {scheme.group()!r}, "
+            f"e.g. {bare or 'gpu-host:50051'}",
+        )
     if ":/" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "unix-abstract:")):
         return target
     if not _HOST_PORT.fullmatch(target):

@@ -8,8 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from batchwire.client._channel import open_channel
 from batchwire.client._exceptions import from_rpc_error
 from batchwire.client._security import ChannelSecurity
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
-__all__ = ["check_health"]
+__all__ = ["check_health", "list_datasets"]
 
 
 def check_health(
@@ -35,3 +37,27 @@ def check_health(
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address) from exc
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def list_datasets(
+    address: str,
+    *,
+    timeout: float = 5.0,
+    security: ChannelSecurity | None = None,
+    tls_name: str | None = None,
+) -> list[str]:
+    """The names of the datasets ``address`` serves, sorted; ``[]`` for a server that found
+    none under its data directory (its health then stays NOT_SERVING).
+
+    Raises the ``BatchwireError`` that fits, as ``check_health`` does.
+    """
+    with open_channel(address, security, tls_name=tls_name) as channel:
+        try:
+            response = pb_grpc.BatchwireStub(channel).ListDatasets(
+                pb.ListDatasetsRequest(),
+                timeout=timeout,
+                metadata=security.metadata() if security is not None else (),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, address) from exc
+    return sorted(dataset.name for dataset in response.datasets)

@@ -5,7 +5,10 @@ root with its own data root, exec root, pid file and socket, host networking onl
 (``--bridge=none --iptables=false --ip-masq=false``: no Docker network, no traffic to any
 address but loopback). What is slow to make is kept between runs in ``$BATCHWIRE_DOCKER_CACHE``
 (default ``/var/cache/batchwire-tests``): the Debian root filesystem the base image is
-imported from, the wheelhouse, and the engine's data root with its build cache.
+imported from, the wheelhouse, and the engine's data root with its build cache: about 8 GB
+after a run. A data root over ``MAX_DATA_ROOT_BYTES`` is started afresh, and the build cache
+is pruned to 12 GB after each build; nothing else removes it (``rm -rf`` it while no test
+run holds it, as README says).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ def _tail(path: pathlib.Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def cache_bytes() -> int:
+    """What the tests keep in ``CACHE`` between runs, in bytes (0 where it is absent)."""
+    return _directory_bytes(CACHE) if CACHE.exists() else 0
 
 
 def _directory_bytes(path: pathlib.Path) -> int:

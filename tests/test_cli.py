@@ -13,7 +13,7 @@ from processes import PYTHON_BATCHWIRE, serve_process
 
 from batchwire.cli import main
 from batchwire.client import RemoteLoader
-from batchwire.server import BatchwireServer
+from batchwire.server import BatchwireServer, ServerConfig
 
 
 def test_health_exits_zero_only_when_serving(
@@ -24,6 +24,41 @@ def test_health_exits_zero_only_when_serving(
     assert main(["health", "--address", "localhost:1", "--timeout", "2"]) == 1
     # The hint the loader gives, not gRPC's raw text alone.
     assert "is `batchwire serve` running there?" in capsys.readouterr().err
+
+
+def test_health_wait_returns_once_serving_and_says_why_a_server_without_data_never_is(
+    server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["health", "--address", server.target, "--wait", "60"]) == 0
+    assert capsys.readouterr().out.strip() == f"{server.target}: SERVING"
+    empty = BatchwireServer(
+        ServerConfig(data_dir=tmp_path, host="localhost", port=0, device="cpu", num_threads=1)
+    )
+    empty.start()
+    try:
+        assert main(["health", "--address", empty.target, "--wait", "1"]) == 1
+    finally:
+        empty.stop(grace=1.0)
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"{empty.target}: NOT_SERVING after 1 s: it found no datasets" in err
+    assert "batchwire ingest" in err
+
+
+def test_health_of_nothing_listening_is_one_line_and_an_url_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as closed:
+        closed.bind(("localhost", 0))
+        port = closed.getsockname()[1]
+    assert main(["health", "--address", f"localhost:{port}", "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"localhost:{port}: UNAVAILABLE" in err, err
+    assert main(["health", "--address", "http://localhost:50051"]) == 2
+    err = capsys.readouterr().err
+    assert "is a URL: write HOST:PORT without 'http://', e.g. localhost:50051" in err
+    with pytest.raises(ValueError, match="is a URL"):
+        RemoteLoader("https://gpu-host:50051/", dataset="shapes")
 
 
 def test_serve_process_streams_and_drains_on_sigterm(
@@ -79,6 +114,13 @@ def test_demo_builds_serves_and_prints_a_rate(
     assert "circle 24, cross 24, square 24, triangle 24" in out
     assert main(args) == 0  # the second run reuses the cached dataset
     assert "using the sample dataset" in capsys.readouterr().out
+    # Without --images, whatever is cached; with another number, a dataset of that size.
+    assert main([*args[:3], "--batch-size", "16", "--device", "cpu"]) == 0
+    assert "(96 images)" in capsys.readouterr().out
+    assert main([*args[:4], "48", *args[5:]]) == 0
+    out = capsys.readouterr().out
+    assert "has 96 images, not 48: making it again" in out
+    assert re.search(r"streamed 48 images ", out), out
 
 
 def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:

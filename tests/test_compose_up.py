@@ -33,6 +33,7 @@ from dockerhost import (
     Engine,
     Unavailable,
     build,
+    cache_bytes,
     compose_files,
     prepare_offline_build,
     wait_healthy,
@@ -90,6 +91,10 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     finally:
         engine.stop()
         report("engine stopped, its containers removed")
+        report(
+            f"kept for the next run: {cache_bytes() / 1e9:.1f} GB in {CACHE} "
+            f"(rm -rf {CACHE} removes it)"
+        )
 
 
 @pytest.fixture(scope="module")

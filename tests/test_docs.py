@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import unittest
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -56,6 +57,11 @@ PORT = re.compile(r"\b5005\d\b")
 INCLUDE = re.compile(r'\A(\s*--8<--\s+"[^"]+"\s*)+\Z')
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def _where(example: Example) -> str:
+    """``PAGE:LINE`` of a block, as its test id names it."""
+    return f"{pathlib.Path(example.path).relative_to(ROOT)}:{example.line}"
 
 
 def _free_port() -> str:
@@ -119,7 +125,7 @@ class Page:
 
     def evaluate(self, example: Example) -> None:
         if INCLUDE.match(str(example.parsed)):
-            pytest.skip("shows a repository file; its own tests run it")
+            pytest.skip(f"{_where(example)}: shows a repository file; its own tests run it")
         if example.region.lexemes.get("arguments") == "bash":
             self.run_bash(example)
         else:
@@ -229,11 +235,27 @@ def _credentials(workdir: pathlib.Path) -> None:
 @pytest.mark.parametrize(
     "example",
     [example for _, example in EXAMPLES],
-    ids=[f"{pathlib.Path(d.path).relative_to(ROOT)}:{e.line}" for d, e in EXAMPLES],
+    ids=[_where(e) for _, e in EXAMPLES],
 )
 def test_example(example: Example, pages: Callable[[str], Page]) -> None:
     pages(example.path)
-    example.evaluate()
+    try:
+        example.evaluate()
+    except unittest.SkipTest as skipped:
+        # pytest reports a skip at the line that raised it, here; the page's own line is
+        # what a reader of `pytest -rs` needs.
+        pytest.skip(f"{_where(example)}: {skipped}")
+
+
+def test_what_readme_makes_in_a_checkout_is_ignored_by_git() -> None:
+    """Quick start 2 run in the checkout leaves nothing for `git status` to list."""
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    made = ["my-images/cat/001.jpg", "datasets/pets/manifest.json", "ckpt.pt"]
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", *made], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.stdout.split() == made, done.stderr
 
 
 def test_setup_commands_match_ci() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import pathlib
 import re
@@ -235,6 +236,23 @@ def _write_file_list(src: pathlib.Path, tree: PhotoTree) -> pathlib.Path:
     return listing
 
 
+def test_a_truncated_file_is_decoded_once_and_named_in_the_summary(
+    tree: PhotoTree, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    for relpath in ("cat/chelsea.jpg", "cat/truncated.jpg", "coffee/coffee.ppm"):
+        shutil.copy(tree.path(relpath), src / "cat")
+    argv = ["ingest", str(src), str(tmp_path / "out"), "--name", "one", "--no-progress"]
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    assert "ingested 2 images" in out
+    assert "cat/truncated.jpg: corrupt or truncated image data" in out
+    # DALI's decoder prints its own [ERROR] line (to fd 2, from C++) each time it fails
+    # on the file: once, not again when its batch is checked file by file.
+    assert err.count("Could not decode jpeg") <= 1, err
+
+
 def test_file_list_ingest(tree: PhotoTree, tmp_path: pathlib.Path) -> None:
     src = tmp_path / "src"
     listing = _write_file_list(src, tree)
@@ -279,19 +297,26 @@ def test_file_list_malformed_line_is_a_clear_error(
 
 
 def test_existing_dataset_needs_overwrite_and_is_replaced_whole(
-    tree: PhotoTree, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+    tree: PhotoTree,
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     listing = tmp_path / "two.txt"
     listing.write_text("cat/chelsea.jpg 0\ncat/tiny.png 1\n")
     out = tmp_path / "out"
     base = ["ingest", str(tree.root), str(out), "--name", "ds", "--no-progress"]
+    caplog.set_level(logging.INFO, logger="batchwire")
     assert main([*base, "--file-list", str(listing)]) == 0
+    assert "ingesting 2 files" in caplog.text
+    caplog.clear()
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     listing.write_text("coffee/coffee.ppm 0\n")
     assert main([*base, "--file-list", str(listing)]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and "--overwrite" in err
+    assert "ingesting" not in caplog.text, "refused before reading the source"
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
     assert leftovers(out) == []
@@ -420,4 +445,25 @@ def test_inspect_of_a_directory_that_is_not_a_dataset(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["inspect", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith("error: cannot read")
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read") and "`batchwire ingest` makes one" in err
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert f"({tmp_path / 'missing'} does not exist)" in capsys.readouterr().err
+
+
+def test_inspect_of_the_folder_that_holds_datasets_names_them(
+    report: IngestReport, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent = report.path.parent
+    assert main(["inspect", str(parent)]) == 2
+    err = capsys.readouterr().err
+    assert f"{parent} holds datasets ({report.path.name}" in err
+    assert f"batchwire inspect {report.path}" in err
+
+
+def test_a_missing_source_is_said_to_be_missing(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "my-images"
+    assert main(["ingest", str(missing), str(tmp_path / "out"), "--name", "pets"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: source {missing} does not exist"

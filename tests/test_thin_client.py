@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import pathlib
 import subprocess
 import sys
 import textwrap
+import urllib.parse
 
 from batchwire.server import BatchwireServer
 
@@ -57,15 +61,48 @@ def test_health_command_needs_no_server_packages(server: BatchwireServer) -> Non
     assert "SERVING" in result.stdout
 
 
-def test_server_commands_without_server_packages_say_what_to_install(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _run_cli(argv: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """``batchwire ARGV`` where the server packages are missing, in ``cwd``."""
     script = SCRIPT.split("from batchwire.client")[0] + textwrap.dedent(
         """
         from batchwire.cli import main
-        sys.exit(main(["serve", "--data-dir", sys.argv[1], "--port", "0"]))
+        sys.exit(main(sys.argv[1:]))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    return subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60, cwd=cwd
     )
+
+
+def _installed_from() -> pathlib.Path | None:
+    """The directory (a checkout) batchwire was installed from, if it was."""
+    for dist in importlib.metadata.distributions(name="batchwire"):
+        origin = json.loads(dist.read_text("direct_url.json") or "null")
+        if isinstance(origin, dict) and "dir_info" in origin:
+            return pathlib.Path(urllib.parse.unquote(urllib.parse.urlparse(origin["url"]).path))
+    return None
+
+
+def test_server_commands_without_server_packages_say_what_to_install(
+    tmp_path: pathlib.Path,
+) -> None:
+    result = _run_cli(["serve", "--data-dir", str(tmp_path), "--port", "0"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert 'pip install "batchwire[server]"' in result.stderr
+    assert "`batchwire serve` needs the server extra" in result.stderr
+    checkout = _installed_from()
+    if checkout is None:  # installed from the package index
+        assert 'pip install "batchwire[server]"' in result.stderr
+        return
+    # From a checkout, the command that works there: the index may not have batchwire.
+    assert f'"{checkout}[server]"' in result.stderr, result.stderr
+    result = _run_cli(["serve", "--data-dir", str(tmp_path), "--port", "0"], cwd=checkout)
+    assert '".[server]"' in result.stderr, result.stderr
+
+
+def test_preview_without_pillow_asks_for_the_preview_extra_alone(tmp_path: pathlib.Path) -> None:
+    # Nothing listens on port 1: the missing Pillow is found before any streaming.
+    argv = ["preview", "--address", "localhost:1", "--dataset", "shapes", "--out", "grid.png"]
+    result = _run_cli(argv, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "PIL is missing: `batchwire preview` needs the preview extra" in result.stderr
+    assert "[preview]" in result.stderr and "[server]" not in result.stderr

@@ -98,9 +98,10 @@ def ingest(
     )
     _check_options(options)
     final = out / name
+    # Before the source is read: a refusal comes first, not after "ingesting N files".
+    check_replaceable(final, overwrite)
     sources = _open_sources(src, None if file_list is None else pathlib.Path(file_list), final)
     try:
-        check_replaceable(final, overwrite)
         manifest = _write_and_publish(
             sources, src=src, out=out, options=options, overwrite=overwrite
         )
@@ -146,6 +147,8 @@ def _open_sources(
 
 
 def _scan(src: pathlib.Path, file_list: pathlib.Path | None, final: pathlib.Path) -> Sources:
+    if not src.exists():
+        raise IngestError(f"source {src} does not exist")
     if not src.is_dir():
         raise IngestError(
             f"source {src} is not a directory of images nor an LMDB (a directory holding "
