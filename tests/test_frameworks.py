@@ -185,8 +185,22 @@ class Launch:
     returncode: int
     output: str
 
-    def tail(self, chars: int = 6000) -> str:
-        return f"\n--- {self.name} exited {self.returncode}; output tail:\n{self.output[-chars:]}"
+    def tail(self, chars: int = 6000, rank_lines: int = 30) -> str:
+        """The output's end, and before it each rank's last lines: the rank that failed
+        first is often not the one whose traceback ends the output."""
+        ranks: dict[str, list[str]] = {}
+        for line in self.output.splitlines():
+            match = re.match(r"\[(rank\d+)\]:", line)
+            if match:
+                ranks.setdefault(match.group(1), []).append(line)
+        per_rank = "".join(
+            f"\n--- {self.name}, {rank}'s last lines:\n" + "\n".join(lines[-rank_lines:])
+            for rank, lines in sorted(ranks.items())
+        )
+        return (
+            f"{per_rank}\n--- {self.name} exited {self.returncode}; output tail:\n"
+            f"{self.output[-chars:]}"
+        )
 
 
 def descendants(pid: int) -> list[int]:
