@@ -1,6 +1,7 @@
 """The package's layout keeps its promises: one package, ``batchwire``, in ``src/`` (no
-top-level ``client`` or ``server`` module installed); the data and DALI parts of the server
-load no grpc; the command line uses only public APIs; the paths the docs name exist."""
+top-level ``client`` or ``server`` module installed) that mypy sees; the data and DALI parts
+of the server load no grpc; the command line uses only public APIs; the paths the docs name
+exist."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
+
+import mypy.api
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "batchwire"
@@ -103,3 +107,39 @@ def test_the_paths_the_docs_name_exist() -> None:
     assert named, "no paths found: the patterns no longer match the docs"
     missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
     assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
+    """With the project's mypy settings (missing imports ignored), ``batchwire`` names
+    resolve to their classes: a package mypy could not find would be ``Any``, silently."""
+    snippet = textwrap.dedent(
+        """
+        from batchwire.client import RemoteLoader
+        from batchwire.common.sampler import Share
+
+        def f(loader: RemoteLoader, share: Share) -> None:
+            reveal_type(loader)
+            reveal_type(share.plan(10))
+            reveal_type(loader.state_dict())
+        """
+    )
+    stdout, stderr, status = mypy.api.run(
+        [
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(ROOT / ".mypy_cache"),
+            "-c",
+            snippet,
+        ]
+    )
+    # Older mypy releases spell builtins out ("builtins.dict[builtins.str, Any]").
+    revealed = [
+        name.replace("builtins.", "") for name in re.findall(r'Revealed type is "([^"]+)"', stdout)
+    ]
+    assert revealed == [
+        "batchwire.client._loader.RemoteLoader",
+        "batchwire.common.sampler.Plan",
+        "dict[str, Any]",
+    ], stdout + stderr
+    assert status == 0, stdout + stderr
