@@ -126,7 +126,9 @@ def test_demo_builds_serves_and_prints_a_rate(
 def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.metadata
 
+    import batchwire
     import batchwire.client
+    import batchwire.common
     import batchwire.server
 
     installed = importlib.metadata.version("batchwire")
@@ -134,6 +136,7 @@ def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"batchwire {installed}"
+    assert batchwire.__version__ == batchwire.common.__version__ == installed
     assert batchwire.client.__version__ == batchwire.server.__version__ == installed
 
 

@@ -351,12 +351,12 @@ def test_a_package_that_cannot_run_fails_the_build(
     fails (its last step runs the entrypoint), not the container at start."""
 
     def empty_cli(context: pathlib.Path) -> None:
-        (context / "cli" / "__init__.py").write_text("")
+        (context / "src" / "batchwire" / "cli" / "__init__.py").write_text("")
 
     done = build(engine, wheelhouse, "batchwire:broken", change=empty_cli)
-    assert done.returncode != 0, "a wheel with an empty cli/__init__.py was built"
+    assert done.returncode != 0, "a wheel with an empty batchwire/cli/__init__.py was built"
     output = done.stdout + done.stderr
     assert "cannot import name 'main' from 'batchwire.cli'" in output, output[-3000:]
     missing = engine.docker("image", "inspect", "batchwire:broken", check=False)
     assert missing.returncode != 0, "no image is tagged"
-    engine.report("an empty cli/__init__.py fails docker build at its last step")
+    engine.report("an empty batchwire/cli/__init__.py fails docker build at its last step")

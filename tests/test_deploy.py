@@ -73,7 +73,7 @@ def known_environment_variables() -> set[str]:
     the CLI's and client's source."""
     names = {setting.variable for setting in settings()}
     for directory in ("cli", "client"):
-        for path in (ROOT / directory).glob("*.py"):
+        for path in (ROOT / "src" / "batchwire" / directory).glob("*.py"):
             names.update(re.findall(r"BATCHWIRE_[A-Z_]+[A-Z]", path.read_text()))
     return names
 

@@ -1,14 +1,22 @@
-"""The package's layout keeps its promises: the data and DALI parts of the server load no
-grpc, and the command line uses only public APIs."""
+"""The package's layout keeps its promises: one package, ``batchwire``, in ``src/`` (no
+top-level ``client`` or ``server`` module installed) that mypy sees; the data and DALI parts
+of the server load no grpc; the command line uses only public APIs; the paths the docs name
+exist."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import pathlib
+import re
 import subprocess
 import sys
+import textwrap
+
+import mypy.api
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "batchwire"
 
 
 def test_data_and_core_load_no_grpc() -> None:
@@ -49,5 +57,89 @@ def _private_imports(path: pathlib.Path) -> list[str]:
 
 
 def test_cli_uses_only_public_apis() -> None:
-    found = [hit for path in sorted((ROOT / "cli").glob("*.py")) for hit in _private_imports(path)]
+    cli = PACKAGE / "cli"
+    found = [hit for path in sorted(cli.glob("*.py")) for hit in _private_imports(path)]
     assert not found, "the CLI imports private modules:\n" + "\n".join(found)
+
+
+def test_one_package_is_installed_and_no_top_level_client_or_server(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Outside the checkout (``-I``: neither the working directory nor PYTHONPATH on
+    ``sys.path``), ``batchwire`` and its parts import, and nothing else of the checkout does."""
+    code = (
+        "import importlib.util\n"
+        "import batchwire, batchwire.client, batchwire.common, batchwire.server, batchwire.cli\n"
+        "import batchwire.v1.batchwire_pb2, batchwire.v1.batchwire_pb2_grpc\n"
+        "print(batchwire.__version__)\n"
+        "print(sorted(name for name in ('client', 'server', 'common', 'cli', 'v1', 'src',"
+        " 'proto', 'benchmarks') if importlib.util.find_spec(name) is not None))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,
+    )
+    version, found = out.stdout.split("\n")[:2]
+    assert version == importlib.metadata.version("batchwire")
+    assert found == "[]", f"top-level modules installed besides batchwire: {found}"
+
+
+def test_typed_markers_are_in_the_package() -> None:
+    assert (PACKAGE / "py.typed").is_file()
+    assert (PACKAGE / "client" / "py.typed").is_file()
+
+
+def test_the_paths_the_docs_name_exist() -> None:
+    """Files of the checkout named in README, the docs and the development page's layout
+    table (``src/...``, ``proto/...`` and the table's first column) are where they say."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {
+        (page.name, path)
+        for page in pages
+        for path in re.findall(r"`((?:src|proto)/[\w./-]+)`", page.read_text())
+    }
+    table = (ROOT / "docs" / "development.md").read_text().split("## Layout", 1)[1]
+    named |= {("development.md", p) for p in re.findall(r"^\| `([^`]+)` \|", table, re.M)}
+    assert named, "no paths found: the patterns no longer match the docs"
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
+    assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
+    """With the project's mypy settings (missing imports ignored), ``batchwire`` names
+    resolve to their classes: a package mypy could not find would be ``Any``, silently."""
+    snippet = textwrap.dedent(
+        """
+        from batchwire.client import RemoteLoader
+        from batchwire.common.sampler import Share
+
+        def f(loader: RemoteLoader, share: Share) -> None:
+            reveal_type(loader)
+            reveal_type(share.plan(10))
+            reveal_type(loader.state_dict())
+        """
+    )
+    stdout, stderr, status = mypy.api.run(
+        [
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(ROOT / ".mypy_cache"),
+            "-c",
+            snippet,
+        ]
+    )
+    # Older mypy releases spell builtins out ("builtins.dict[builtins.str, Any]").
+    revealed = [
+        name.replace("builtins.", "") for name in re.findall(r'Revealed type is "([^"]+)"', stdout)
+    ]
+    assert revealed == [
+        "batchwire.client._loader.RemoteLoader",
+        "batchwire.common.sampler.Plan",
+        "dict[str, Any]",
+    ], stdout + stderr
+    assert status == 0, stdout + stderr

@@ -5,13 +5,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import typing
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchwire.common.sampler import Plan, epoch_order, num_batches, rank_share
+from batchwire.common.sampler import (
+    Plan,
+    Share,
+    ShareFields,
+    epoch_order,
+    num_batches,
+    rank_share,
+)
 
 sizes = st.integers(min_value=0, max_value=500)
 worlds = st.integers(min_value=1, max_value=9)
@@ -224,3 +232,11 @@ def test_bad_plans_are_refused_with_a_clear_message(kwargs: dict[str, int], mess
     base = {"num_samples": 100, "batch_size": 8}
     with pytest.raises(ValueError, match=message):
         Plan(**{**base, **kwargs})
+
+
+def test_share_fields_are_every_field_of_a_share_with_its_type() -> None:
+    share = Share(batch_size=3, seed=5, epoch=2, shuffle=False, rank=1, world_size=2, start=4)
+    names = [f.name for f in dataclasses.fields(Share)]
+    assert typing.get_type_hints(ShareFields) == typing.get_type_hints(Share)
+    assert share.share_fields() == {name: getattr(share, name) for name in names}
+    assert share.plan(20) == Plan(num_samples=20, **share.share_fields())

@@ -26,10 +26,19 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator
+from typing import TypedDict
 
 import numpy as np
 
-__all__ = ["Plan", "PlannedBatch", "Share", "epoch_order", "num_batches", "rank_share"]
+__all__ = [
+    "Plan",
+    "PlannedBatch",
+    "Share",
+    "ShareFields",
+    "epoch_order",
+    "num_batches",
+    "rank_share",
+]
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,6 +88,21 @@ class PlannedBatch:
     ids: np.ndarray
 
 
+class ShareFields(TypedDict):
+    """A :class:`Share`'s fields by name, as :meth:`Share.share_fields` gives them."""
+
+    batch_size: int
+    seed: int
+    epoch: int
+    shuffle: bool
+    drop_last: bool
+    rank: int
+    world_size: int
+    lanes: int
+    lane: int
+    start: int
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Share:
     """Which share of which epoch: every number that fixes a rank's batches but the
@@ -115,14 +139,25 @@ class Share:
             if not ok:
                 raise ValueError(message)
 
-    def share_fields(self) -> dict[str, object]:
+    def share_fields(self) -> ShareFields:
         """This share's numbers by name (what a Plan needs besides the dataset's size)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Share)}
+        return ShareFields(
+            batch_size=self.batch_size,
+            seed=self.seed,
+            epoch=self.epoch,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            rank=self.rank,
+            world_size=self.world_size,
+            lanes=self.lanes,
+            lane=self.lane,
+            start=self.start,
+        )
 
     def plan(self, num_samples: int) -> Plan:
         """This share of a dataset of ``num_samples`` (``ValueError`` if, say, ``start``
         lies past its end)."""
-        return Plan(num_samples=num_samples, **self.share_fields())  # type: ignore[arg-type]
+        return Plan(num_samples=num_samples, **self.share_fields())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ import logging
 import os
 import pathlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from batchwire.server.data._batches import Rejected
 from batchwire.server.data._dataset import MANIFEST, Manifest, Shard
@@ -134,7 +134,7 @@ def _write_shards(
 
 def _batches(
     sources: Sources | LmdbSource, batch_size: int
-) -> Iterator[tuple[list[tuple[SourceFile, bytes]] | list[tuple[Record, bytes]], list[Rejected]]]:
+) -> Iterator[tuple[Sequence[tuple[SourceFile | Record, bytes]], list[Rejected]]]:
     try:
         yield from sources.batches(batch_size)
     except LmdbSourceError as exc:

@@ -356,7 +356,7 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=None,
         )
-        return pull(requests, metadata=self._security.metadata())  # type: ignore[no-any-return]
+        return pull(requests, metadata=self._security.metadata())
 
     # -- life cycle --------------------------------------------------------------------
 

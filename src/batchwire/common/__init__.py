@@ -6,11 +6,6 @@ Pure NumPy and protobuf: no grpc, no DALI, no torch.
 
 from __future__ import annotations
 
-import importlib.metadata
-
-try:
-    __version__ = importlib.metadata.version("batchwire")
-except importlib.metadata.PackageNotFoundError:  # run from a tree that was never installed
-    __version__ = "0+unknown"
+from batchwire import __version__
 
 __all__ = ["__version__"]

@@ -41,7 +41,7 @@ __all__ = [
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
-# The output formats a stream or a Preprocess request may ask for (common/stream.py).
+# The output formats a stream or a Preprocess request may ask for (batchwire.common.stream).
 DTYPES = tuple(OUTPUT_DTYPES)
 LAYOUTS = tuple(WIRE_LAYOUTS)
 

@@ -39,14 +39,19 @@ _VERSION_PATTERN = re.compile(r"^[0-9a-f]{0,64}$")
 
 # The dtypes and layouts images travel in, by name and wire value; a request that
 # leaves them unset gets the first of each.
-OUTPUT_DTYPES: Mapping[str, int] = types.MappingProxyType(
+OUTPUT_DTYPES: Mapping[str, pb.DType] = types.MappingProxyType(
     {"uint8": pb.UINT8, "float16": pb.FLOAT16, "float32": pb.FLOAT32}
 )
-LAYOUTS: Mapping[str, int] = types.MappingProxyType({"NCHW": pb.NCHW, "NHWC": pb.NHWC})
-_DTYPE_NAMES = {wire: name for name, wire in OUTPUT_DTYPES.items()} | {
-    pb.DTYPE_UNSPECIFIED: "uint8"
+LAYOUTS: Mapping[str, pb.Layout] = types.MappingProxyType({"NCHW": pb.NCHW, "NHWC": pb.NHWC})
+# By wire value: any int a message may hold, known or not.
+_DTYPE_NAMES: dict[int, str] = {
+    **{wire: name for name, wire in OUTPUT_DTYPES.items()},
+    pb.DTYPE_UNSPECIFIED: "uint8",
 }
-_LAYOUT_NAMES = {wire: name for name, wire in LAYOUTS.items()} | {pb.LAYOUT_UNSPECIFIED: "NCHW"}
+_LAYOUT_NAMES: dict[int, str] = {
+    **{wire: name for name, wire in LAYOUTS.items()},
+    pb.LAYOUT_UNSPECIFIED: "NCHW",
+}
 
 # Bounds beyond the contract's own checks (Plan), so that nothing huge is allocated for a
 # hostile request.

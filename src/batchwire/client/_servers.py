@@ -80,7 +80,7 @@ def resolve(targets: Sequence[str]) -> list[Server]:
 
 def backoff(attempt: int, base: float = 0.1, cap: float = 2.0) -> float:
     """Seconds to wait before retry ``attempt`` (0, 1, ...): capped exponential, jittered."""
-    return min(cap, base * 2**attempt) * random.uniform(0.5, 1.0)
+    return min(cap, base * 2.0**attempt) * random.uniform(0.5, 1.0)
 
 
 class ServerSet:
@@ -150,7 +150,7 @@ def describe_dataset(
     for lane in range(len(servers.servers())):
         server = servers.pick(lane)
         try:
-            info = stub_for(server).DescribeDataset(
+            info: pb.DatasetInfo = stub_for(server).DescribeDataset(
                 pb.DescribeDatasetRequest(dataset=spec.dataset), timeout=timeout, metadata=metadata
             )
         except grpc.RpcError as exc:

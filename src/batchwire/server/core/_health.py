@@ -59,10 +59,11 @@ class PipelineHealth:
         self._shapes: dict[_ShapeKey, tuple[tuple[int, ...], np.dtype]] = {}
         self._faults: collections.Counter[tuple[str, str]] = collections.Counter()
         self._batches_failed: collections.Counter[str] = collections.Counter()
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[], object]] = []
 
-    def listen(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` whenever a device becomes broken or recovers."""
+    def listen(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` whenever a device becomes broken or recovers (what it returns
+        is ignored)."""
         self._listeners.append(callback)
 
     # -- reports --------------------------------------------------------------------------

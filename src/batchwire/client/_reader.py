@@ -164,9 +164,9 @@ class ServerPuller(threading.Thread):
                     call = self._call = self._open_call(
                         self.server, self._requests(held, over, accepted)
                     )
-                call.initial_metadata()  # type: ignore[attr-defined]  # sent once it opened
+                call.initial_metadata()  # sent once it opened
                 accepted.set()
-                self._receive(call, held, recovering=attempt > 0)  # type: ignore[arg-type]
+                self._receive(call, held, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except grpc.RpcError as exc:
                 if self._halt.is_set():

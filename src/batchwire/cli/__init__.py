@@ -19,10 +19,10 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 
+import batchwire
 from batchwire.cli import _logs
-from batchwire.common import __version__
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 _COMMANDS = ("ingest", "inspect", "serve", "health", "bench", "preview", "demo")
 # What the [server] extra adds; the thin client has none of them.
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="batchwire",
         description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
     )
-    parser.add_argument("--version", action="version", version=f"batchwire {__version__}")
+    parser.add_argument("--version", action="version", version=f"batchwire {batchwire.__version__}")
     _add_log_options(parser, default=None)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:

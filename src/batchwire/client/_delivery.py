@@ -71,7 +71,7 @@ class Tensors:
         """Runs in the reader thread: labels to tensors, CPU images normalized early."""
         cuda, normalize = self.options.device.type == "cuda", self.options.normalize
         images: torch.Tensor = d.images  # type: ignore[assignment]
-        labels = torch.from_numpy(d.labels)  # type: ignore[arg-type]
+        labels = torch.from_numpy(d.labels)
         if cuda:
             labels = labels.pin_memory()
         elif normalize and not d.normalized:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchwire.client._channel import open_channel
+from batchwire.client._channel import open_channel, stub
 from batchwire.client._exceptions import from_rpc_error
 from batchwire.client._security import ChannelSecurity
 from batchwire.v1 import batchwire_pb2 as pb
-from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
 __all__ = ["check_health", "list_datasets"]
 
@@ -36,7 +35,8 @@ def check_health(
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address) from exc
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    status: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return status
 
 
 def list_datasets(
@@ -53,7 +53,7 @@ def list_datasets(
     """
     with open_channel(address, security, tls_name=tls_name) as channel:
         try:
-            response = pb_grpc.BatchwireStub(channel).ListDatasets(
+            response = stub(channel).ListDatasets(
                 pb.ListDatasetsRequest(),
                 timeout=timeout,
                 metadata=security.metadata() if security is not None else (),

@@ -13,7 +13,7 @@ from batchwire.v1 import batchwire_pb2 as pb
 __all__ = ["DTYPES", "from_proto", "to_proto"]
 
 # Wire dtype <-> NumPy dtype (always little-endian on the wire).
-DTYPES: dict[int, np.dtype] = {
+DTYPES: dict[pb.DType, np.dtype] = {
     pb.UINT8: np.dtype("u1"),
     pb.INT32: np.dtype("<i4"),
     pb.INT64: np.dtype("<i8"),
