@@ -69,10 +69,7 @@ class Catalog:
     def acquire(self, name: str) -> Dataset:
         """The dataset served as ``name`` now, borrowed until :meth:`release`; NotFound."""
         with self._lock:
-            dataset = self._serving.get(name)
-            if dataset is None:
-                known = ", ".join(sorted(self._serving)) or "none"
-                raise NotFound(f"no dataset named {name!r} on this server (it has: {known})")
+            dataset = self._served_as(name)
             self._users[id(dataset)] = self._users.get(id(dataset), 0) + 1
             return dataset
 
@@ -95,11 +92,15 @@ class Catalog:
     def get(self, name: str) -> Dataset:
         """The dataset served as ``name`` now, not borrowed (for its facts); NotFound."""
         with self._lock:
-            dataset = self._serving.get(name)
-            if dataset is None:
-                known = ", ".join(sorted(self._serving)) or "none"
-                raise NotFound(f"no dataset named {name!r} on this server (it has: {known})")
-            return dataset
+            return self._served_as(name)
+
+    def _served_as(self, name: str) -> Dataset:
+        """The dataset served as ``name`` (under the lock); NotFound naming the others."""
+        dataset = self._serving.get(name)
+        if dataset is None:
+            known = ", ".join(sorted(self._serving)) or "none"
+            raise NotFound(f"no dataset named {name!r} on this server (it has: {known})")
+        return dataset
 
     def names(self) -> list[str]:
         with self._lock:

@@ -100,7 +100,7 @@ class BatchwireServer:
         the unit does."""
         self.config = config
         self._slot = slot
-        self._reported: bool | None = None  # the unit's serving state last set in health
+        self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
@@ -384,45 +384,31 @@ class BatchwireServer:
     async def _report(self) -> None:
         """Health as it stands: SERVING once warm, unless a device is broken (a CUDA
         error, or faults in a row: see ``PipelineHealth``), no dataset is left, or the
-        server drains."""
-        if self._slot is not None:
-            await self._report_unit(self._slot)
-            return
-        if self.engine.draining or not self._warm:
-            return  # NOT_SERVING already; draining keeps it so
-        # Every dataset removed by a rescan: nothing to serve until one comes back.
-        serving = len(self.engine.catalog) > 0 and not self.engine.health.broken()
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, _SERVING if serving else _NOT_SERVING)
-        self.metrics.serving.set(1 if serving else 0)
-        if serving:
-            self._serving.set()
-
-    async def _report_unit(self, slot: WorkerSlot) -> None:
-        """As a unit's worker: publish this worker's state, then report the unit's
-        (SERVING only while every worker is)."""
+        server drains. As a unit's worker: this worker's state is published and the
+        unit's reported (SERVING only while every worker is)."""
         if self.engine.draining:
             return  # NOT_SERVING already; draining keeps it so
         if not self._warm or len(self.engine.catalog) == 0:
             own = State.WARMING  # not ready: warming up, or no dataset to serve yet
         else:
             own = State.BROKEN if self.engine.health.broken() else State.SERVING
-        slot.publish(own)
-        serving = slot.unit_serving()
+        if self._slot is None:
+            serving = own is State.SERVING
+        else:
+            self._slot.publish(own)
+            serving = self._slot.unit_serving()
         if serving == self._reported:
             return
         previous, self._reported = self._reported, serving
-        if serving:
+        if self._slot is not None and serving:
             log.info("the unit serves: every worker is SERVING")
-        elif previous:
+        elif self._slot is not None and previous:
             log.warning("the unit does not serve: a worker is warming, broken or draining")
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _SERVING if serving else _NOT_SERVING)
         self.metrics.serving.set(1 if serving else 0)
         if serving:
             self._serving.set()
-        else:
-            self._serving.clear()
 
     async def _follow_unit(self) -> None:
         """Follow the siblings' states (they change in other processes) until stopped."""
