@@ -12,7 +12,7 @@
 
 What a user measures is in the installed command: ``batchwire bench --address`` (a running
 server, as a trainer sees it) and ``batchwire bench --compare`` (runs (a)..(e) side by side).
-These modes build on its helpers (``batchwire.cli._bench_runs``: local servers, the runs,
+These modes build on its helpers (``batchwire.bench``: local servers, the runs,
 the generated dataset cached in ``~/.cache/batchwire/bench``).
 """
 

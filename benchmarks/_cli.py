@@ -12,7 +12,7 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
-from batchwire.cli._bench_runs import ServerStartError, add_run_arguments
+from batchwire.bench import ServerStartError, add_run_arguments
 from benchmarks import chaos, fleet, longrun, messages, mix, reading, scaling, stages, streams
 
 __all__ = ["MODES", "build_parser", "main"]

@@ -22,7 +22,7 @@ import subprocess
 import urllib.request
 from typing import Any
 
-from batchwire.cli._bench_probe import process_cpu_seconds
+from batchwire.bench import process_cpu_seconds
 from batchwire.server.core import STAGES as SERVER_STAGES
 
 __all__ = ["STAGES", "Counters", "ServerProbe", "gpu_memory_mib"]

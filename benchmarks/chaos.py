@@ -18,8 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from batchwire.cli._bench_probe import rss_mib
-from batchwire.cli._bench_runs import LocalServer
+from batchwire.bench import LocalServer, rss_mib
 
 __all__ = ["ChaosResult", "RankTally", "chaos", "chaos_report", "run_chaos"]
 
@@ -246,8 +245,7 @@ def chaos_report(result: ChaosResult) -> str:
 
 def run_chaos(args: argparse.Namespace) -> int:
     """Servers stopped and restarted under two streaming ranks: exit 1 unless exactly once."""
-    from batchwire.cli._bench_report import write_json
-    from batchwire.cli._bench_runs import bench_dataset, machine
+    from batchwire.bench import bench_dataset, machine, write_json
     from batchwire.server.data import Manifest
 
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
-from batchwire.cli._bench_runs import LocalServer, RunResult, run_remote
+from batchwire.bench import LocalServer, RunResult, run_remote
 
 __all__ = ["Burner", "fleet", "fleet_table", "run_fleet"]
 
@@ -109,8 +109,7 @@ def fleet_table(results: Mapping[str, RunResult]) -> str:
 
 def run_fleet(args: argparse.Namespace) -> int:
     """Two servers, the second slowed by busy neighbours: solo rates against both."""
-    from batchwire.cli._bench_report import write_json
-    from batchwire.cli._bench_runs import bench_dataset, machine
+    from batchwire.bench import bench_dataset, machine, write_json
 
     if (os.cpu_count() or 1) < 2:
         print("error: --fleet needs at least 2 cores", file=sys.stderr)

@@ -16,7 +16,7 @@ Sample = tuple[float, float, float]  # seconds since the start, server RSS, clie
 
 def run_long(args: argparse.Namespace) -> int:
     """Stream for ``--duration`` seconds; memory at start and end, and the growth."""
-    from batchwire.cli._bench_runs import LocalServer, bench_dataset
+    from batchwire.bench import LocalServer, bench_dataset
 
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
     with (
@@ -38,8 +38,7 @@ def _stream(
     args: argparse.Namespace, address: str, server_pid: int, dataset: str
 ) -> tuple[int, list[Sample]]:
     """(images received, memory samples) of epochs streamed for ``args.duration`` seconds."""
-    from batchwire.cli._bench_probe import process_tree, rss_mib
-    from batchwire.cli._bench_runs import progress
+    from batchwire.bench import process_tree, progress, rss_mib
     from batchwire.client import RemoteLoader
 
     loader = RemoteLoader(

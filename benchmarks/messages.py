@@ -27,8 +27,7 @@ _PARTS = (
 
 def run_messages(args: argparse.Namespace) -> int:
     """Both tables; ``--json`` writes their rows."""
-    from batchwire.cli._bench_report import write_json
-    from batchwire.cli._bench_runs import machine
+    from batchwire.bench import machine, write_json
 
     rows = _raw_by_size()
     rows += _parts_vs_whole(max(args.batch_size, 512))
@@ -38,7 +37,7 @@ def run_messages(args: argparse.Namespace) -> int:
 
 
 def _raw_by_size() -> list[dict[str, Any]]:
-    from batchwire.cli._bench_transport import raw_server, run_raw
+    from batchwire.bench import raw_server, run_raw
 
     print(f"{'message':>10} {'GB/s':>7} {'client CPU-s/GB':>16}")
     rows: list[dict[str, Any]] = []
@@ -54,8 +53,7 @@ def _raw_by_size() -> list[dict[str, Any]]:
 
 
 def _parts_vs_whole(batch: int) -> list[dict[str, Any]]:
-    from batchwire.cli._bench_runs import IMAGE_BYTES, run_remote
-    from batchwire.cli._bench_transport import transport_server
+    from batchwire.bench import IMAGE_BYTES, run_remote, transport_server
 
     print(f"\nbatches of {batch} ({batch * IMAGE_BYTES / 2**20:.0f} MiB), transport only (d):")
     rows: list[dict[str, Any]] = []

@@ -172,8 +172,7 @@ def table(result: MixResult) -> str:
 
 def run_mix(args: argparse.Namespace) -> int:
     """One server with default settings on ``--device``, the mix for ``--duration`` (40) s."""
-    from batchwire.cli._bench_report import write_json
-    from batchwire.cli._bench_runs import LocalServer, bench_dataset, machine
+    from batchwire.bench import LocalServer, bench_dataset, machine, write_json
 
     try:
         groups = parse_mix(args.mix)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.cli._bench_probe import CpuClock, process_tree
+from batchwire.bench import CpuClock, process_tree
 
 __all__ = ["ReadingResult", "measure_reading", "measure_serving", "reading_table", "run_reading"]
 
@@ -121,8 +121,7 @@ def measure_reading(
     log: Callable[[str], None] = print,
 ) -> list[ReadingResult]:
     """Every run of the module docstring, ``repeats`` times alternated, after a warm-up."""
-    from batchwire.server.core import read_job
-    from batchwire.server.core._parallel import PlannedSource
+    from batchwire.server.core import PlannedSource, read_job
     from batchwire.server.data import Dataset, Manifest
 
     directory = data_dir / dataset
@@ -243,7 +242,7 @@ def measure_serving(
     read workers, alternated; the medians as a table and as rows for JSON."""
     import tempfile
 
-    from batchwire.cli._bench_runs import LocalServer, RunResult, run_remote
+    from batchwire.bench import LocalServer, RunResult, run_remote
 
     results: dict[str, list[RunResult]] = {"inline": [], f"read_workers={workers}": []}
     with (
@@ -284,8 +283,7 @@ def measure_serving(
 def run_reading(args: argparse.Namespace) -> int:
     """The record path inline, in threads and in DALI's workers, next to decoding; then
     run (b) from a server reading inline and from one with read workers."""
-    from batchwire.cli._bench_report import write_json
-    from batchwire.cli._bench_runs import bench_dataset, machine, run_inprocess
+    from batchwire.bench import bench_dataset, machine, run_inprocess, write_json
 
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
     batch, images, repeats = args.batch_size, args.images, args.repeats

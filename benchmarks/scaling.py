@@ -13,7 +13,7 @@ __all__ = ["run_scaling"]
 
 
 def run_scaling(args: argparse.Namespace) -> int:
-    from batchwire.cli._bench_runs import LocalServer, bench_dataset, run_remote
+    from batchwire.bench import LocalServer, bench_dataset, run_remote
 
     if (os.cpu_count() or 1) < 2:
         print("error: --scaling needs at least 2 cores", file=sys.stderr)

@@ -64,7 +64,7 @@ def _pil_stages(records: list[np.ndarray], count: int) -> tuple[float, float]:
     """CPU seconds per image: (full decode, what run (c) does per sample)."""
     from PIL import Image
 
-    from batchwire.cli._bench_pil import pil_train_sample
+    from batchwire.bench import pil_train_sample
 
     chosen = [records[i % len(records)].tobytes() for i in range(count)]
     started = time.process_time()
@@ -122,7 +122,7 @@ def measure_stages(directory: pathlib.Path, batch_size: int = 64, batches: int =
 
 
 def run_stages(args: argparse.Namespace) -> int:
-    from batchwire.cli._bench_runs import bench_dataset
+    from batchwire.bench import bench_dataset
 
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
     print(measure_stages(data_dir / dataset))

@@ -344,8 +344,7 @@ def _server_table(results: Sequence[StreamsResult]) -> str:
 def run_streams(args: argparse.Namespace) -> int:
     """A server of its own for each K of ``--streams``, ``--duration`` seconds (20) each,
     on ``--device``."""
-    from batchwire.cli._bench_report import write_json
-    from batchwire.cli._bench_runs import LocalServer, bench_dataset, machine
+    from batchwire.bench import LocalServer, bench_dataset, machine, write_json
 
     try:
         counts = [int(k) for k in args.streams.split(",")]

@@ -62,6 +62,16 @@ def test_cli_uses_only_public_apis() -> None:
     assert not found, "the CLI imports private modules:\n" + "\n".join(found)
 
 
+def test_benchmarks_use_only_public_apis() -> None:
+    """``benchmarks/`` measures what ``batchwire bench`` measures, through ``batchwire.bench``
+    and the other public modules, never another package's private parts."""
+    benchmarks = pathlib.Path(__file__).parents[1] / "benchmarks"
+    paths = sorted(benchmarks.glob("*.py"))
+    assert paths, f"no benchmarks found in {benchmarks}"
+    found = [hit for path in paths for hit in _private_imports(path)]
+    assert not found, "benchmarks/ imports private modules:\n" + "\n".join(found)
+
+
 def test_one_package_is_installed_and_no_top_level_client_or_server(
     tmp_path: pathlib.Path,
 ) -> None:

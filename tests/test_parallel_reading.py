@@ -18,7 +18,7 @@ from conftest import start_server
 from test_corrupt import corrupt
 from test_resources import within
 
-from batchwire.cli._bench_probe import process_tree
+from batchwire.bench import process_tree
 from batchwire.client._channel import CHANNEL_OPTIONS
 from batchwire.common.tensors import from_proto
 from batchwire.server import BatchwireServer

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from batchwire.cli import _credentials as credentials
 
 if TYPE_CHECKING:
-    from batchwire.cli._bench_runs import RunResult
+    from batchwire.bench import RunResult
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
@@ -46,7 +46,7 @@ DEFAULT_LOG_LEVEL = "WARNING"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from batchwire.cli._bench_runs import add_run_arguments
+    from batchwire.bench import add_run_arguments
 
     parser.add_argument("--address", help="a running server (HOST:PORT) to measure as a trainer")
     add_run_arguments(parser)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.compare:
-        from batchwire.cli._bench_runs import ServerStartError
+        from batchwire.bench import ServerStartError
 
         try:
             return _compare(args)
@@ -109,8 +109,7 @@ def _against(args: argparse.Namespace) -> int:
 
 
 def _measure_against(args: argparse.Namespace) -> int:
-    from batchwire.cli._bench_probe import CpuClock, rss_mib
-    from batchwire.cli._bench_runs import progress
+    from batchwire.bench import CpuClock, progress, rss_mib
     from batchwire.client import RemoteLoader
 
     loader = RemoteLoader(
@@ -171,8 +170,13 @@ _RUNS = ("inprocess", "remote", "pil", "transport", "raw")
 
 def _compare(args: argparse.Namespace) -> int:
     """Runs (a)..(e) alternated on the same data and cores, medians reported."""
-    from batchwire.cli._bench_runs import IMAGE_BYTES, LocalServer, bench_dataset
-    from batchwire.cli._bench_transport import raw_server, transport_server
+    from batchwire.bench import (
+        IMAGE_BYTES,
+        LocalServer,
+        bench_dataset,
+        raw_server,
+        transport_server,
+    )
     from batchwire.server.data import Manifest
 
     wanted = [name.strip() for name in args.runs.split(",") if name.strip()]
@@ -198,7 +202,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _per_message(batch_size: int) -> int:
     """Images per gRPC message of run (e): as many as one message of (b) carries."""
-    from batchwire.cli._bench_runs import IMAGE_BYTES
+    from batchwire.bench import IMAGE_BYTES
     from batchwire.server import ServerConfig
 
     return round(min(batch_size * IMAGE_BYTES, ServerConfig.max_message_bytes) / IMAGE_BYTES)
@@ -213,9 +217,7 @@ def _compare_runs(
     raw: tuple[str, int],
 ) -> dict[str, Callable[[], RunResult]]:
     """Each of (a)..(e) as a function that measures one run of it; servers as (address, pid)."""
-    from batchwire.cli._bench_pil import run_pil
-    from batchwire.cli._bench_runs import IMAGE_BYTES, run_inprocess, run_remote
-    from batchwire.cli._bench_transport import run_raw
+    from batchwire.bench import IMAGE_BYTES, run_inprocess, run_pil, run_raw, run_remote
 
     batch, images = args.batch_size, args.images
     per_message = _per_message(batch)
@@ -250,8 +252,7 @@ def _alternate(runs: dict[str, Callable[[], RunResult]], repeats: int) -> list[R
 
 
 def _report_compare(args: argparse.Namespace, results: list[RunResult]) -> None:
-    from batchwire.cli._bench_report import draw_chart, summarize, table, write_json
-    from batchwire.cli._bench_runs import machine
+    from batchwire.bench import draw_chart, machine, summarize, table, write_json
 
     summary = summarize(results)
     host = machine()

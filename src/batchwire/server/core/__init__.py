@@ -23,6 +23,7 @@ from batchwire.server.core._errors import (
 from batchwire.server.core._health import FAULTS_IN_A_ROW, PipelineHealth
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._parallel import PlannedSource
 from batchwire.server.core._pipelines import (
     PRESETS,
     BuildContext,
@@ -56,6 +57,7 @@ __all__ = [
     "PipelineFault",
     "PipelineHealth",
     "PipelineSpec",
+    "PlannedSource",
     "Result",
     "Runner",
     "RunnerKey",

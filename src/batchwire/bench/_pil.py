@@ -12,8 +12,8 @@ import random
 import time
 from typing import Any
 
-from batchwire.cli._bench_probe import CpuClock, RssSampler
-from batchwire.cli._bench_runs import RunResult
+from batchwire.bench._probe import CpuClock, RssSampler
+from batchwire.bench._runs import RunResult
 
 __all__ = ["LmdbPilDataset", "pil_train_sample", "run_pil"]
 

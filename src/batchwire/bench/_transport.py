@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
-from batchwire.cli._bench_probe import CpuClock, RssSampler
-from batchwire.cli._bench_runs import IMAGE_BYTES, RunResult
+from batchwire.bench._probe import CpuClock, RssSampler
+from batchwire.bench._runs import IMAGE_BYTES, RunResult
 
 __all__ = ["IN_MEMORY_BYTES", "raw_server", "run_raw", "transport_server"]
 

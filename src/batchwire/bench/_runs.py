@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchwire.cli._bench_probe import CpuClock, RssSampler
+from batchwire.bench._probe import CpuClock, RssSampler
 
 __all__ = [
     "LocalServer",

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from batchwire.cli._bench_runs import RunResult
+from batchwire.bench._runs import RunResult
 
 __all__ = ["TARGETS", "draw_chart", "ratios", "summarize", "table", "write_json"]
 

@@ -1,0 +1,74 @@
+"""The measurements behind ``batchwire bench`` and the research benchmarks in ``benchmarks/``.
+
+Both import this module, so a figure in the docs and the installed command are made by the
+same code:
+
+- runs: :func:`run_inprocess` (DALI in the trainer's process), :func:`run_remote` (a
+  :class:`RemoteLoader <batchwire.client.RemoteLoader>` on a server), :func:`run_pil` (a
+  PIL/torchvision ``DataLoader``), :func:`run_raw` (gRPC alone) — each a :class:`RunResult`
+  of images/s, CPU and memory;
+- servers: :class:`LocalServer` (``batchwire serve`` in a child process, waited for until
+  SERVING), :func:`transport_server` and :func:`raw_server` (the transport without DALI);
+- data: :func:`bench_dataset` (generated ImageNet-sized JPEGs, built once in
+  ``~/.cache/batchwire/bench``);
+- probes: :class:`CpuClock`, :class:`RssSampler`, :func:`process_tree`, :func:`rss_mib`,
+  :func:`process_cpu_seconds`;
+- reports: :func:`summarize`, :func:`ratios`, :func:`table`, :func:`write_json`,
+  :func:`draw_chart`, and :func:`machine` (what the figures ran on).
+"""
+
+from __future__ import annotations
+
+from batchwire.bench._pil import LmdbPilDataset, pil_train_sample, run_pil
+from batchwire.bench._probe import (
+    CpuClock,
+    RssSampler,
+    process_cpu_seconds,
+    process_tree,
+    rss_mib,
+)
+from batchwire.bench._report import draw_chart, ratios, summarize, table, write_json
+from batchwire.bench._runs import (
+    IMAGE_BYTES,
+    LocalServer,
+    RunResult,
+    ServerStartError,
+    add_run_arguments,
+    bench_dataset,
+    cache_dir,
+    machine,
+    progress,
+    run_inprocess,
+    run_remote,
+)
+from batchwire.bench._transport import raw_server, run_raw, transport_server
+
+__all__ = [
+    "IMAGE_BYTES",
+    "CpuClock",
+    "LmdbPilDataset",
+    "LocalServer",
+    "RssSampler",
+    "RunResult",
+    "ServerStartError",
+    "add_run_arguments",
+    "bench_dataset",
+    "cache_dir",
+    "draw_chart",
+    "machine",
+    "pil_train_sample",
+    "process_cpu_seconds",
+    "process_tree",
+    "progress",
+    "ratios",
+    "raw_server",
+    "rss_mib",
+    "run_inprocess",
+    "run_pil",
+    "run_raw",
+    "run_remote",
+    "summarize",
+    "table",
+    "transport_server",
+    "write_json",
+]
