@@ -56,7 +56,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PORT = re.compile(r"\b5005\d\b")
 INCLUDE = re.compile(r'\A(\s*--8<--\s+"[^"]+"\s*)+\Z')
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.docs, pytest.mark.timeout(120)]
 
 
 def _where(example: Example) -> str:

@@ -43,7 +43,7 @@ from batchwire.client import RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(600)]
 
 JOBS = pathlib.Path(__file__).parent / "frameworks"
 NUM_SAMPLES = 520  # conftest's "shapes"

@@ -153,3 +153,28 @@ def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
         "dict[str, Any]",
     ], stdout + stderr
     assert status == 0, stdout + stderr
+
+
+def test_the_slow_integration_tests_carry_their_markers() -> None:
+    """``-m docker``, ``-m frameworks`` and ``-m docs`` select exactly their modules, and
+    nothing else is marked, so ``-m "not docker and not frameworks and not docs"`` (the
+    development guide's quick run) leaves out just those."""
+    tests = pathlib.Path(__file__).parent
+    expected = {
+        "docker": "test_compose_up.py",
+        "frameworks": "test_frameworks.py",
+        "docs": "test_docs.py",
+    }
+    for marker, module in expected.items():
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker, str(tests)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tests.parent,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        collected = [line for line in out.stdout.splitlines() if "::" in line]
+        assert collected, f"-m {marker} selected no test:\n{out.stdout[-3000:]}"
+        files = {line.split("::")[0].rsplit("/", 1)[-1] for line in collected}
+        assert files == {module}, f"-m {marker} selected tests in {sorted(files)}"
