@@ -349,7 +349,7 @@ def test_a_drain_ends_a_pulled_stream_that_asks_for_nothing(data_dir: pathlib.Pa
         with grpc.insecure_channel(server.target, options=CHANNEL_OPTIONS) as channel:
             call = pb_grpc.BatchwireStub(channel).PullBatches(requests(), timeout=60)
             assert next(call).index == 0
-            server.engine.draining = True
+            server.engine.drain()
             with pytest.raises(grpc.RpcError) as caught:
                 next(call)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

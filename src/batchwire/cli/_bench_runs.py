@@ -157,9 +157,9 @@ class RunResult:
 def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images: int) -> RunResult:
     from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine
+    from batchwire.server.core import Engine, EngineConfig
 
-    engine = Engine(ServerConfig(data_dir=data_dir, device="auto"))
+    engine = Engine(EngineConfig.of(ServerConfig(data_dir=data_dir, device="auto")))
     engine.open_datasets()
     try:
         cpu = CpuClock()

@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from batchwire.server._config import ServerConfig
 from batchwire.server.core._catalog import Change
 from batchwire.server.core._engine import Engine
+from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._security import ServerSecurity
@@ -102,19 +103,17 @@ class BatchwireServer:
         self._slot = slot
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
-        self.engine = Engine(config)
+        self.engine = Engine(EngineConfig.of(config))
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
         self.metrics.watch_stages(self.engine.stages)
         self.metrics.watch_scheduler(self.engine.scheduler)
         self.metrics.watch_health(self.engine.health)
         self._metrics_http: MetricsHTTPServer | None = None
-        # Streams read by worker processes (read_workers) wait for each batch in a thread
-        # of this pool; other streams are awaited on the event loop and only open, close and
-        # build Preprocess replies here: a few threads, however many streams.
-        threads = config.max_streams + 4 if config.read_workers else _SHORT_TASK_THREADS
+        # Streams are awaited on the event loop and only open, close and build Preprocess
+        # replies here: a few threads, however many streams.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="batchwire-stream"
+            max_workers=_SHORT_TASK_THREADS, thread_name_prefix="batchwire-stream"
         )
         self._health = (
             health.aio.HealthServicer() if slot is None else _UnitHealthServicer(self._report)
@@ -202,7 +201,7 @@ class BatchwireServer:
         if loop is None or requested is None or loop.is_closed():
             return
         self._grace = grace
-        self.engine.draining = True
+        self.engine.drain()
         loop.call_soon_threadsafe(requested.set)
         self.join((grace or 0) + _START_TIMEOUT)
 
@@ -261,7 +260,13 @@ class BatchwireServer:
             # The metrics interceptor comes first, so it also counts the token check's refusals.
             interceptors=(self.metrics.interceptor(_METHODS), *self.security.interceptors()),
         )
-        add_to_server(BatchwireServicer(self.engine, self._executor, self.metrics), server)
+        servicer = BatchwireServicer(
+            self.engine,
+            self._executor,
+            self.metrics,
+            max_message_bytes=self.config.max_message_bytes,
+        )
+        add_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
