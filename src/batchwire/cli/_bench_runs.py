@@ -3,7 +3,7 @@
 (a) ``inprocess``  the server's DALI pipeline run in this process, no gRPC
 (b) ``remote``     a local ``batchwire serve`` process streaming to ``RemoteLoader``
 (c) ``pil``        a torch DataLoader over the same LMDB, PIL decode + random-resized-crop
-                   + flip (source document 001's recipe), ``num_workers`` = cores
+                   + flip (the usual PyTorch LMDB recipe), ``num_workers`` = cores
 (d) ``transport``  batchwire's streaming path (batch encoding, parts, grpc.aio, RemoteLoader)
                    with batches already in memory: no LMDB, no decoding
 (e) ``raw``        the gRPC ceiling: messages of the same sizes, identity serializers

@@ -37,7 +37,7 @@ __all__ = [
     "load_function",
 ]
 
-# ImageNet statistics in the 0..255 pixel scale (seed documents 000 and 002).
+# ImageNet statistics (torchvision's mean and std) in the 0..255 pixel scale.
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
