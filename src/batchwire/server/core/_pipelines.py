@@ -158,7 +158,9 @@ PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], tuple[Any, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
-    """A named pipeline: its graph function, tunable parameters and statistics."""
+    """What to build for a named pipeline: its graph function, tunable parameters and
+    statistics. Built for a :class:`~batchwire.server.core._keys.RunnerKey`, it becomes a
+    :class:`~batchwire.server.core._runner.Runner`."""
 
     name: str
     function: PipelineFn
