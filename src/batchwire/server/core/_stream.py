@@ -114,10 +114,10 @@ class BatchStream(Generic[P]):
         self._next_seq = 0  # the batch to hand out next, in the order asked
         self._ticket = setup.schedule(self._read)
         self._feed: WorkerFeed[P] | None = None
-        if batches is not None:
-            self.want(batches)
-            self.end_wants()
         try:
+            if batches is not None:
+                self.want(batches)
+                self.end_wants()
             if workers is not None and self._planned:
                 runner = workers([planned.ids for planned in self._planned])
                 self._feed = WorkerFeed(runner, self._ticket, self._finish, setup.window)
