@@ -1,6 +1,6 @@
 """A :class:`Ticket`: one stream's requests to the server's pipelines, and their results.
 
-A stream (or a Preprocess lane) asks for its batches through its ticket, at most
+A stream (or a Preprocess queue) asks for its batches through its ticket, at most
 ``window`` ahead of what it has taken, so a slow client never makes the server hold more;
 the scheduler takes the requests of every ticket in the order its fairness policy says
 (:mod:`batchwire.server.core._fair`) and hands each result back to its ticket.
