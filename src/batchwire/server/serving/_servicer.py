@@ -1,7 +1,10 @@
 """The gRPC face of the engine: the servicer, and its registration with a server.
 
-Each call's request is checked and converted (``_messages``), errors end the call
-with their status code, and an opened stream is served by ``_streaming``.
+Each call's request is checked and converted (``_messages``), an error ends the call
+with its status code (one decorator on every handler, ``_ends_with_status``), and an
+opened stream is served by ``_streaming``. Both streaming RPCs open the same kind of
+stream, which runs the batches asked of it: ``PullBatches`` hands it its client's
+requests as they come, ``StreamBatches`` asks for its lane's batches when it opens.
 
 No call ends UNKNOWN: a domain error ends it with its code (``STATUS_CODES``: a
 pipeline that fails or cannot be built is UNAVAILABLE, so that the client goes on
