@@ -349,7 +349,7 @@ def test_a_drain_ends_a_pulled_stream_that_asks_for_nothing(data_dir: pathlib.Pa
         with grpc.insecure_channel(server.target, options=CHANNEL_OPTIONS) as channel:
             call = pb_grpc.BatchwireStub(channel).PullBatches(requests(), timeout=60)
             assert next(call).index == 0
-            server.engine.draining = True
+            server.engine.drain()
             with pytest.raises(grpc.RpcError) as caught:
                 next(call)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -357,3 +357,27 @@ def test_a_drain_ends_a_pulled_stream_that_asks_for_nothing(data_dir: pathlib.Pa
     finally:
         stop.set()
         server.stop(grace=1.0)
+
+
+def test_a_stream_batches_lane_is_not_held_to_the_pull_ahead_limit(
+    server: BatchwireServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """StreamBatches asks for its lane's batches through the pull path, all at open; the
+    limit on batches asked for ahead is a pulling client's, not the lane's."""
+    from batchwire.server.serving import _servicer
+
+    monkeypatch.setattr(_servicer, "MAX_PULL_AHEAD", 4)
+    share = {"dataset": "shapes", "pipeline": "val", "batch_size": 8, "shuffle": True}
+    plan = Plan(num_samples=520, batch_size=8, lanes=2, lane=1, start=20)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.BatchwireStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            asked = pb.PullRequest(stream=pb.StreamBatchesRequest(**share), batches=range(5))
+            list(stub.PullBatches(iter([asked]), timeout=60))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        request = pb.StreamBatchesRequest(**share, lanes=2, lane=1, start=20)
+        batches = list(stub.StreamBatches(request, timeout=60))
+    # The lane's batches from the cursor on, in order, with the ids the plan gives them.
+    assert [b.index for b in batches] == [b.index for b in plan.batches()] == list(range(3, 65, 2))
+    for got, planned in zip(batches, plan.batches(), strict=True):
+        assert list(got.ids) == planned.ids.tolist() and got.cursor == planned.end

@@ -180,6 +180,11 @@ def test_a_batch_planned_alone_is_the_batch_of_the_whole_plan(
         alone = plan.batch(b.index)
         assert (alone.index, alone.begin, alone.end) == (b.index, b.begin, b.end)
         assert alone.ids.tolist() == b.ids.tolist()
+    # Many at once (what a StreamBatches lane asks for), in the order asked.
+    together = plan.batches_at([b.index for b in reversed(planned)])
+    assert [(t.index, t.ids.tolist()) for t in together] == [
+        (b.index, b.ids.tolist()) for b in reversed(planned)
+    ]
     for index in {-1, plan.num_batches} | {
         k for k in range(plan.num_batches) if k * batch + batch <= start
     }:

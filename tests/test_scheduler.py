@@ -11,6 +11,7 @@ import logging
 import pathlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import Engine, Job, Result, RunnerKey, Scheduler, Ticket
+from batchwire.server.core import Engine, EngineConfig, Job, Result, RunnerKey, Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -70,11 +71,17 @@ def held() -> Iterator[tuple[threading.Event, Scheduler]]:
     scheduler.close()
 
 
+def take(ticket: Ticket, seq: int) -> Result[Any] | None:
+    """Batch ``seq`` of the ticket, once run; asks for one more, as a stream does."""
+    result = ticket.future(seq).result(timeout=30)
+    ticket.more()
+    return result
+
+
 def take_all(ticket: Ticket, count: int) -> list[int]:
-    stop = threading.Event()
     out = []
     for seq in range(count):
-        result = ticket.take(seq, stop, poll=0.05)
+        result = take(ticket, seq)
         assert result is not None
         out += result.ids.tolist()
     return out
@@ -119,10 +126,9 @@ def test_a_batch_that_cannot_be_read_fails_its_stream_only(
     bad.start(0)
     good.start(0)
     release.set()
-    stop = threading.Event()
-    assert bad.take(0, stop) is not None
+    assert take(bad, 0) is not None
     with pytest.raises(OSError, match="bad batch 1 unreadable"):
-        bad.take(1, stop)
+        take(bad, 1)
     assert len(take_all(good, 3)) == 9
 
 
@@ -138,7 +144,7 @@ def test_a_pipeline_that_cannot_be_built_fails_its_streams_and_not_others() -> N
         broken = scheduler.ticket(key(pipeline="broken"), 2, reads.of("broken"), window=2)
         broken.start(0)
         with pytest.raises(RuntimeError, match="cannot build"):
-            broken.take(0, threading.Event())
+            take(broken, 0)
         fine = scheduler.ticket(key(), 2, reads.of("fine"), window=2)
         fine.start(0)
         assert len(take_all(fine, 2)) == 6
@@ -150,7 +156,7 @@ def test_many_streams_share_one_pipeline_and_each_gets_its_exact_share(
     data_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = ServerConfig(data_dir=data_dir, device="cpu", num_threads=1, pipelines_per_device=1)
-    engine = Engine(config)
+    engine = Engine(EngineConfig.of(config))
     engine.open_datasets()
     caplog.set_level(logging.INFO, logger="batchwire.server.core._scheduler")
     try:

@@ -1,6 +1,6 @@
 """Run (c) of ``batchwire bench --compare``: the usual recipe without batchwire, a torch
-DataLoader over the same LMDB with PIL decode, random-resized-crop and flip (source
-document 001's recipe), ``num_workers`` = cores."""
+DataLoader over the same LMDB with PIL decode, random-resized-crop and flip,
+``num_workers`` = cores."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ __all__ = ["LmdbPilDataset", "pil_train_sample", "run_pil"]
 
 
 class LmdbPilDataset:
-    """Source document 001's recipe: LMDB (readonly, lock=False, readahead=False) opened
+    """The usual PyTorch recipe: LMDB (readonly, lock=False, readahead=False) opened
     lazily in each worker, PIL decode, RandomResizedCrop(224) + horizontal flip."""
 
     def __init__(self, dataset_dir: pathlib.Path, size: int = 224) -> None:

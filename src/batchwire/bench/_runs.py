@@ -3,7 +3,7 @@
 (a) ``inprocess``  the server's DALI pipeline run in this process, no gRPC
 (b) ``remote``     a local ``batchwire serve`` process streaming to ``RemoteLoader``
 (c) ``pil``        a torch DataLoader over the same LMDB, PIL decode + random-resized-crop
-                   + flip (source document 001's recipe), ``num_workers`` = cores
+                   + flip (the usual PyTorch LMDB recipe), ``num_workers`` = cores
 (d) ``transport``  batchwire's streaming path (batch encoding, parts, grpc.aio, RemoteLoader)
                    with batches already in memory: no LMDB, no decoding
 (e) ``raw``        the gRPC ceiling: messages of the same sizes, identity serializers
@@ -157,9 +157,9 @@ class RunResult:
 def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images: int) -> RunResult:
     from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine
+    from batchwire.server.core import Engine, EngineConfig
 
-    engine = Engine(ServerConfig(data_dir=data_dir, device="auto"))
+    engine = Engine(EngineConfig.of(ServerConfig(data_dir=data_dir, device="auto")))
     engine.open_datasets()
     try:
         cpu = CpuClock()

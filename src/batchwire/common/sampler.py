@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TypedDict
 
 import numpy as np
@@ -213,17 +213,29 @@ class Plan(Share):
         """Batch ``index`` of the share (any lane), without the rest of the share: what a
         client pulling batches one at a time asks for. ``ValueError`` if the share has no
         such batch from ``start`` on."""
-        begin, end = self._bounds(index)
-        if not 0 <= index < self.num_batches or begin >= end:
-            raise ValueError(
-                f"batch {index} is not in this share from cursor {self.start} "
-                f"(batches {self.start // self.batch_size}..{self.num_batches - 1})"
-            )
+        return self.batches_at([index])[0]
+
+    def batches_at(self, indices: Sequence[int]) -> list[PlannedBatch]:
+        """Batches ``indices`` of the share (any lane), in that order, the epoch's order
+        computed once for all of them; ``ValueError`` as :meth:`batch`."""
+        bounds = [(index, *self._bounds(index)) for index in indices]
+        for index, begin, end in bounds:
+            if not 0 <= index < self.num_batches or begin >= end:
+                raise ValueError(
+                    f"batch {index} is not in this share from cursor {self.start} "
+                    f"(batches {self.start // self.batch_size}..{self.num_batches - 1})"
+                )
+        if not bounds:
+            return []
         order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
         # Share position p is element rank + p * world_size of the order, wrapped around
         # when ranks are padded (rank_share's tiling).
-        positions = self.rank + np.arange(begin, end, dtype=np.int64) * self.world_size
-        return PlannedBatch(index=index, begin=begin, end=end, ids=order[positions % len(order)])
+        planned = []
+        for index, begin, end in bounds:
+            positions = self.rank + np.arange(begin, end, dtype=np.int64) * self.world_size
+            ids = order[positions % len(order)]
+            planned.append(PlannedBatch(index=index, begin=begin, end=end, ids=ids))
+        return planned
 
     def _bounds(self, index: int) -> tuple[int, int]:
         """Share positions ``[begin, end)`` of batch ``index`` from ``start`` on."""

@@ -4,14 +4,17 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 (:mod:`batchwire.server.serving`) adapts messages to :class:`~batchwire.common.stream.StreamSpec` and
 :class:`Batch` and maps the errors below to status codes::
 
-    engine = Engine(ServerConfig(data_dir="data"))
-    stream = engine.open_stream(StreamSpec(dataset="pets", batch_size=64))
+    engine = Engine(EngineConfig.of(ServerConfig(data_dir="data")))
+    engine.open_datasets()
+    for batch in engine.open_stream(StreamSpec(dataset="pets", batch_size=64)):
+        ...
 """
 
 from __future__ import annotations
 
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
-from batchwire.server.core._engine import Engine
+from batchwire.server.core._engine import DatasetDescription, Engine
+from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -34,7 +37,7 @@ from batchwire.server.core._pipelines import (
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
 from batchwire.server.core._stages import STAGES, StageTimes
-from batchwire.server.core._stream import Batch, BatchStream
+from batchwire.server.core._stream import Batch, BatchStream, share_batches
 from batchwire.server.core._ticket import Ticket
 
 __all__ = [
@@ -44,10 +47,12 @@ __all__ = [
     "Batch",
     "BatchStream",
     "BuildContext",
+    "DatasetDescription",
     "DeviceError",
     "DevicePlan",
     "Draining",
     "Engine",
+    "EngineConfig",
     "InvalidRequest",
     "Job",
     "NotFound",
@@ -67,5 +72,6 @@ __all__ = [
     "StageTimes",
     "Ticket",
     "read_job",
+    "share_batches",
     "visible_gpu_count",
 ]

@@ -14,9 +14,9 @@ import logging
 import pathlib
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from batchwire.common.stream import StreamSpec
 from batchwire.server.core._catalog import Catalog, Change
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
+from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -38,25 +39,24 @@ from batchwire.server.core._jobs import Job, read_job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, PipelineSpec
-from batchwire.server.core._preprocess import LANE_WINDOW, PreprocessBatcher
+from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stages import StageTimes
-from batchwire.server.core._stream import Batch, BatchStream
+from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
 from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._dataset import Dataset
 
-if TYPE_CHECKING:
-    from batchwire.server._config import ServerConfig
-
-__all__ = ["DatasetSummary", "Engine"]
+__all__ = ["DatasetDescription", "Engine"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class DatasetSummary:
+class DatasetDescription:
+    """A served dataset, as ``DescribeDataset`` reports it."""
+
     name: str
     num_samples: int
     classes: tuple[str, ...]
@@ -67,7 +67,7 @@ class DatasetSummary:
 class Engine:
     """Datasets discovered under the data directory, pipelines, and streams."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.devices = DevicePlan.resolve(config.device, config.devices)
         self.usable_cpus = usable_cpus()
@@ -98,13 +98,13 @@ class Engine:
         self._streams_lock = threading.Lock()
         self._device_cycle = itertools.cycle(self.devices.device_ids)
         self._open_streams: weakref.WeakSet[BatchStream] = weakref.WeakSet()
-        self.draining = False
+        self._draining = False
         self.preprocessing = PreprocessBatcher(
             pipelines=config.pipelines,
-            schedule=functools.partial(self._ticket, count=0, window=LANE_WINDOW),
+            schedule=functools.partial(self._ticket, window=QUEUE_WINDOW),
             device=self.devices.kind,
             next_device=lambda: next(self._device_cycle),
-            draining=lambda: self.draining,
+            draining=lambda: self._draining,
             batch_size=config.preprocess_batch_size,
             max_delay=config.preprocess_max_delay_ms / 1000,
             max_images=config.max_batch_size,
@@ -151,7 +151,7 @@ class Engine:
         """The datasets served now, by name (a snapshot)."""
         return self.catalog.snapshot()
 
-    def list_datasets(self) -> list[DatasetSummary]:
+    def list_datasets(self) -> list[DatasetDescription]:
         summaries = []
         for name in self.catalog.names():
             try:
@@ -160,9 +160,9 @@ class Engine:
                 continue  # removed by a rescan meanwhile
         return summaries
 
-    def describe(self, name: str) -> DatasetSummary:
+    def describe(self, name: str) -> DatasetDescription:
         dataset = self.catalog.get(name)
-        return DatasetSummary(
+        return DatasetDescription(
             name=name,
             num_samples=dataset.num_samples,
             classes=dataset.classes,
@@ -180,22 +180,23 @@ class Engine:
         self,
         request: StreamSpec,
         *,
-        pull: bool = False,
-        encode: Callable[[Batch], Any] | None = None,
-    ) -> BatchStream:
-        """Validate ``request`` and start its stream. With ``pull``, the stream carries
-        the batches its client asks for (:meth:`BatchStream.want`), not a lane, and runs
-        on the server's pipelines whatever ``read_workers`` says. With ``encode``, the
-        stream yields ``encode(batch)`` for each batch, called while the images are still
-        in DALI's output buffer, so that they are copied once, into what it builds."""
-        if pull and request.lanes != 1:
-            raise InvalidRequest("a pulled stream names batches, not lanes: leave lanes unset")
-        if self.draining:
+        encode: Callable[[Batch], Any] = own,
+        batches: Callable[[Plan], Sequence[int]] | None = share_batches,
+    ) -> BatchStream[Any]:
+        """Validate ``request`` and start its stream.
+
+        ``batches(plan)`` are the batches it runs, asked for at open (by default its whole
+        share from its cursor; a ``StreamBatches`` call's are its lane's); with
+        ``read_workers`` they are read in worker processes. None: its client asks for them
+        as it goes (:meth:`BatchStream.want`). The stream hands out ``encode(batch)`` for
+        each batch, called while the images are still in DALI's output buffer, so that
+        they are copied once, into what it builds (by default Batches of their own)."""
+        if self._draining:
             raise Draining("the server is shutting down; resume the stream on another server")
         # The stream holds this Dataset to its end, whatever a rescan does meanwhile.
         dataset = self.catalog.acquire(request.dataset)
         try:
-            return self._open(request, dataset, pull, encode)
+            return self._open(request, dataset, encode, batches)
         except BaseException:
             self.catalog.release(dataset)
             raise
@@ -204,9 +205,9 @@ class Engine:
         self,
         request: StreamSpec,
         dataset: Dataset,
-        pull: bool,
-        encode: Callable[[Batch], Any] | None,
-    ) -> BatchStream:
+        encode: Callable[[Batch], Any],
+        batches: Callable[[Plan], Sequence[int]] | None,
+    ) -> BatchStream[Any]:
         _check_version(request, dataset)
         spec = pipeline_named(self.pipelines, request.pipeline)
         if request.batch_size > self.config.max_batch_size:
@@ -221,20 +222,27 @@ class Engine:
         self._reserve_stream()
         try:
             key = dataclasses.replace(key, device_id=next(self._device_cycle))
-            parallel = None
-            if self.config.read_workers and not pull:
-                parallel = functools.partial(self._build_parallel, key, dataset)
+            workers = None
+            if self.config.read_workers and batches is not None:
+                workers = functools.partial(self._build_parallel, key, dataset)
+            # A stream asks for a few batches beyond the pipelines' own prefetch, so that
+            # one stream alone keeps more than one pipeline busy.
+            window = self.config.prefetch + 2
+            setup = StreamSetup(
+                dataset=dataset,
+                plan=plan,
+                normalized=output.normalized,
+                layout=output.layout,
+                schedule=functools.partial(self._ticket, key, window=window),
+                release=functools.partial(self._release, dataset),
+                draining=lambda: self._draining,
+                window=window,
+            )
             stream = BatchStream(
-                functools.partial(self._release, dataset),
-                lambda: self.draining,
-                dataset,
-                plan,
-                functools.partial(self._stream_ticket, key),
-                output.normalized,
-                output.layout,
-                parallel,
-                pull,
-                None if encode is None else self.stages.timed("encode", encode),
+                setup,
+                self.stages.timed("encode", encode),
+                None if batches is None else batches(plan),
+                workers,
             )
             self._open_streams.add(stream)
             return stream
@@ -288,15 +296,8 @@ class Engine:
             self.health.failed(key, fault, batches=0)
             raise
 
-    def _ticket(
-        self, key: RunnerKey, read: Callable[[int], Job], *, count: int, window: int
-    ) -> Ticket:
-        return self.scheduler.ticket(key, count, self.stages.timed("read", read), window)
-
-    def _stream_ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job]) -> Ticket:
-        # A stream asks for a few batches beyond the pipelines' own prefetch, so that one
-        # stream alone keeps more than one pipeline busy.
-        return self._ticket(key, read, count=count, window=self.config.prefetch + 2)
+    def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:
+        return self.scheduler.ticket(key, 0, self.stages.timed("read", read), window)
 
     def _reserve_stream(self) -> None:
         """Count a new stream, or refuse it at the limit (``_uncount`` uncounts it)."""
@@ -338,7 +339,8 @@ class Engine:
         stream = self.open_stream(
             StreamSpec(
                 dataset=name, pipeline=pipeline, batch_size=2, shuffle=False, drop_last=False
-            )
+            ),
+            batches=lambda plan: share_batches(plan)[:1],
         )
         try:
             batch = next(stream, None)
@@ -352,6 +354,16 @@ class Engine:
     def preprocess(self, request: PreprocessRequest) -> Future[PreprocessResult]:
         """Validate and queue encoded images for a pipeline (see ``_preprocess``)."""
         return self.preprocessing.submit(request)
+
+    @property
+    def draining(self) -> bool:
+        """Whether the engine drains (:meth:`drain`)."""
+        return self._draining
+
+    def drain(self) -> None:
+        """Refuse new streams and preprocessing (Draining), and end the streams open at
+        their next batch, so that their clients resume elsewhere from their cursors."""
+        self._draining = True
 
     def close(self) -> None:
         self.preprocessing.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -20,9 +20,11 @@ __all__ = ["Job", "Result", "empty_result", "read_job"]
 
 log = logging.getLogger(__name__)
 
+P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's message)
+
 
 @dataclasses.dataclass
-class Job:
+class Job(Generic[P]):
     """A batch to run: ``ids[i]`` is encoded as ``images[i]`` with ``labels[i]``."""
 
     seq: int
@@ -35,7 +37,7 @@ class Job:
     # buffer (valid only until the pipeline's next run); what it returns becomes
     # ``Result.payload`` and the images are not kept. This is how a stream's messages are
     # built with the images copied once, from DALI's buffer into the message.
-    finish: Callable[[Result], Any] | None = None
+    finish: Callable[[Result[P]], P] | None = None
 
     def inputs(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """What ``fn.external_source`` hands DALI for this job: the encoded images, the
@@ -45,7 +47,7 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
-class Result:
+class Result(Generic[P]):
     """A job's output; ``images`` and ``labels`` own their memory (``images`` is empty when
     the job had a ``finish``, whose return value is ``payload``)."""
 
@@ -54,12 +56,12 @@ class Result:
     images: np.ndarray
     labels: np.ndarray
     skipped: tuple[int, ...]
-    payload: Any = None
+    payload: P | None = None
 
 
 def empty_result(
-    job: Job, sample_shape: tuple[int, ...] = (), dtype: np.dtype | type = np.uint8
-) -> Result:
+    job: Job[P], sample_shape: tuple[int, ...] = (), dtype: np.dtype | type = np.uint8
+) -> Result[P]:
     """The result of a job none of whose samples is left to run: no images, of shape
     ``(0, *sample_shape)``."""
     return Result(
@@ -71,7 +73,7 @@ def empty_result(
     )
 
 
-def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job:
+def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job[Any]:
     """The records of ``ids`` ready for a pipeline: read from LMDB, parsed, screened.
 
     This is the server's whole record path, run in the thread that feeds DALI.

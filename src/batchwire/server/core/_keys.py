@@ -14,7 +14,9 @@ __all__ = ["OutputRequest", "RunnerKey", "pipeline_named", "runner_key"]
 
 @dataclasses.dataclass(frozen=True)
 class RunnerKey:
-    """What makes two pipelines interchangeable."""
+    """A built pipeline's identity for sharing: the streams and Preprocess batches of one
+    key run on the same :class:`~batchwire.server.core._runner.Runner` (a pipeline, its
+    parameters, output format, batch size and device)."""
 
     pipeline: str
     params: tuple[tuple[str, float], ...]

@@ -1,17 +1,20 @@
 """A stream's pipeline whose records are read in DALI's worker processes.
 
 :class:`PlannedSource` holds the stream's batches and reads them, in each worker, through
-the engine's record path; :class:`ParallelRunner` runs the pipeline it feeds and hands the
-stream over to an inline :class:`~batchwire.server.core._runner.Runner` when a batch fails.
+the engine's record path; :class:`ParallelRunner` runs the pipeline it feeds, until a
+batch fails; :class:`WorkerFeed` runs it in a thread for the stream, and hands the stream
+over to the server's pipelines (its ticket) from the batch that failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import pickle
-from collections.abc import Callable, Generator, Iterator
-from typing import Any
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -19,10 +22,14 @@ from batchwire.server.core._dali import build_pipeline, error_line, to_numpy
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import BuildContext, PipelineSpec
+from batchwire.server.core._ticket import Ticket
 
-__all__ = ["ParallelRunner", "PlannedSource", "ReplacedDataset", "UnreadableBatch"]
+__all__ = ["ParallelRunner", "PlannedSource", "ReplacedDataset", "UnreadableBatch", "WorkerFeed"]
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P")
+_POLL_S = 0.1  # how often a feed waiting for its stream to take a batch checks for a close
 
 
 class UnreadableBatch(Exception):
@@ -96,12 +103,12 @@ class PlannedSource:
 
 
 class ParallelRunner:
-    """One stream's pipeline whose records are read by DALI worker processes.
+    """A built pipeline for one stream whose records are read by DALI worker processes.
 
-    It is built for its stream (the source holds the stream's batches) and shut
-    down after it. A batch that fails ends the parallel part: the stream goes on
-    from that batch through ``fallback``, an inline :class:`Runner` that finds
-    the culprits (by bisection) and skips them.
+    It is built for its stream (the source holds the stream's batches) and shut down
+    after it. A batch that fails ends it: the stream goes on from that batch on the
+    server's pipelines (:class:`WorkerFeed`), whose runner finds the culprits (by
+    bisection) and skips them.
     """
 
     def __init__(
@@ -117,7 +124,7 @@ class ParallelRunner:
     ) -> None:
         self.key = key
         self._name = spec.name
-        self._batches = source.batches
+        self.batches = source.batches
         self._pipe: Any = build_pipeline(
             spec,
             dict(key.params),
@@ -130,11 +137,11 @@ class ParallelRunner:
             read_workers=workers,
         )
 
-    def run(self, fallback: Callable[[int], Iterator[Result]]) -> Generator[Result, None, None]:
-        """Every batch's result in order; ``fallback(seq)`` yields from batch ``seq`` on."""
+    def run(self) -> Generator[Result[Any], None, None]:
+        """The batches' results in order, until one fails (logged): then it stops."""
         seq = 0
         try:
-            while seq < len(self._batches):
+            while seq < len(self.batches):
                 try:
                     outputs = self._pipe.run()
                 except Exception as exc:  # a worker's error comes back as its own type
@@ -145,21 +152,19 @@ class ParallelRunner:
                         seq,
                         error_line(exc),
                     )
-                    self.close()
-                    yield from fallback(seq)
                     return
                 yield self._result(seq, outputs)
                 seq += 1
         finally:
             self.close()
 
-    def _result(self, seq: int, outputs: Any) -> Result:
+    def _result(self, seq: int, outputs: Any) -> Result[Any]:
         images, labels, meta = (to_numpy(out) for out in outputs)
         if meta.shape[0] == 0 or np.any(meta[:, 0] != seq):
             raise RuntimeError(f"DALI's output does not match batch {seq} of the stream")
         ids = meta[:, 1].copy()
         read = set(ids.tolist())
-        skipped = tuple(int(i) for i in self._batches[seq] if int(i) not in read)
+        skipped = tuple(int(i) for i in self.batches[seq] if int(i) not in read)
         if skipped:
             # The workers log each record's reason.
             log.warning("skipping sample ids %s: unreadable records", list(skipped))
@@ -174,3 +179,64 @@ class ParallelRunner:
     def close(self) -> None:
         """Let the pipeline go: DALI stops its worker processes with it. Idempotent."""
         self._pipe = None
+
+
+class WorkerFeed(Generic[P]):
+    """Runs a stream's :class:`ParallelRunner` in a thread of its own and hands each batch,
+    built by ``finish(seq, result)``, to the stream's ticket, at most ``window`` batches
+    ahead of those the stream took (:meth:`took`). From a batch that fails on, the ticket
+    asks the server's pipelines instead (``Ticket.start``)."""
+
+    def __init__(
+        self,
+        runner: ParallelRunner,
+        ticket: Ticket,
+        finish: Callable[[int, Result[P]], P],
+        window: int,
+    ) -> None:
+        self._runner = runner
+        self._ticket = ticket
+        self._finish = finish
+        self._window = max(1, window)
+        self._taken = 0
+        self._room = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"batchwire-read-workers-{runner.key.pipeline}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        seq = 0
+        try:
+            for result in self._runner.run():
+                payload = self._finish(seq, result)
+                self._ticket.deliver(seq, dataclasses.replace(result, payload=payload))
+                seq += 1
+                with self._room:
+                    while seq - self._taken >= self._window and not self._stopped:
+                        self._room.wait(_POLL_S)
+                    if self._stopped:
+                        return
+        except Exception as exc:  # the stream fails, with the batch it waits for
+            log.exception("reading batch %d in worker processes failed", seq)
+            self._ticket.deliver(seq, exc)
+            return
+        finally:
+            self._runner.close()
+        if seq < len(self._runner.batches) and not self._stopped:
+            self._ticket.start(seq)
+
+    def took(self) -> None:
+        """The stream took a batch: room for one more."""
+        with self._room:
+            self._taken += 1
+            self._room.notify_all()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop reading, and wait (at most ``timeout`` seconds) for the batch in progress."""
+        with self._room:
+            self._stopped = True
+            self._room.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -37,7 +37,7 @@ __all__ = [
     "load_function",
 ]
 
-# ImageNet statistics in the 0..255 pixel scale (seed documents 000 and 002).
+# ImageNet statistics (torchvision's mean and std) in the 0..255 pixel scale.
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
@@ -158,7 +158,9 @@ PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], tuple[Any, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
-    """A named pipeline: its graph function, tunable parameters and statistics."""
+    """What to build for a named pipeline: its graph function, tunable parameters and
+    statistics. Built for a :class:`~batchwire.server.core._keys.RunnerKey`, it becomes a
+    :class:`~batchwire.server.core._runner.Runner`."""
 
     name: str
     function: PipelineFn

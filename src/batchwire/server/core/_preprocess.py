@@ -3,11 +3,11 @@
 ``PreprocessBatcher.submit`` validates a request (limits first, then every
 image's header through the same screen the streams use) and queues its
 images; it returns a ``concurrent.futures.Future`` of a
-:class:`PreprocessResult`. One thread per pipeline configuration (a *lane*:
+:class:`PreprocessResult`. One thread per pipeline configuration (a *queue*:
 pipeline, parameters, dtype, layout) collects queued images until it has
 ``batch_size`` of them or the oldest has waited ``max_delay`` seconds, and
-hands them as one DALI batch to the server's scheduler through the lane's
-:class:`Ticket`: preprocessing shares the pipelines with the streams, a lane
+hands them as one DALI batch to the server's scheduler through the queue's
+:class:`Ticket`: preprocessing shares the pipelines with the streams, a queue
 counting as one stream in the fair share. The output is split back to the
 requests as it comes. A request larger than ``batch_size`` is cut into parts
 that may travel in several DALI batches.
@@ -17,9 +17,9 @@ process on garbage behind a valid signature). An image that passes the screen
 but still fails in DALI is found by the runner's bisection of the batch. Either way
 the request gets a per-image reason and its other images come back.
 
-Bounded: at most ``max_queued`` images wait across all lanes (more is
-``OverCapacity``), at most ``MAX_LANES`` lanes exist at once, each has at most
-``LANE_WINDOW`` batches with the scheduler, and a lane idle for
+Bounded: at most ``max_queued`` images wait across all queues (more is
+``OverCapacity``), at most ``MAX_QUEUES`` queues exist at once, each has at most
+``QUEUE_WINDOW`` batches with the scheduler, and a queue idle for
 ``IDLE_SECONDS`` ends its thread and its ticket. Never imports grpc.
 """
 
@@ -48,15 +48,15 @@ from batchwire.server.core._preprocess_request import (
 from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._formats import unsupported_reason
 
-__all__ = ["IDLE_SECONDS", "LANE_WINDOW", "MAX_LANES", "PreprocessBatcher"]
+__all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher"]
 
 log = logging.getLogger(__name__)
 
-MAX_LANES = 16
+MAX_QUEUES = 16
 IDLE_SECONDS = 30.0
-LANE_WINDOW = 2  # a lane's DALI batches with the scheduler at once
+QUEUE_WINDOW = 2  # a queue's DALI batches with the scheduler at once
 _JOIN_SECONDS = 10.0
-_POLL_S = 0.1  # how often a lane waiting for room with the scheduler checks for a stop
+_POLL_S = 0.1  # how often a queue waiting for room with the scheduler checks for a stop
 _DALI_FAILED = (
     "DALI could not decode or process it (corrupt or truncated image data, or a size the "
     "pipeline cannot handle)"
@@ -73,7 +73,7 @@ class _Part:
     arrived: float
 
 
-class _Lane:
+class _Queue:
     """One pipeline configuration's queue, its thread and its ticket (guarded by the
     batcher's lock, but for ``jobs``, which the ticket's ``read`` takes from)."""
 
@@ -123,7 +123,7 @@ class PreprocessBatcher:
         self.max_bytes = max_bytes
         self.max_queued = max_queued
         self._lock = threading.Lock()
-        self._lanes: dict[tuple[object, ...], _Lane] = {}
+        self._queues: dict[tuple[object, ...], _Queue] = {}
         self._queued = 0
         self._stop = threading.Event()
         self._serial = 0
@@ -197,135 +197,135 @@ class PreprocessBatcher:
             else:
                 parts.append(_Part(pending, index, [array], now))
         pending.parts_left = len(parts)
-        lane_id = (key.pipeline, key.params, key.dtype, key.layout)
+        queue_id = (key.pipeline, key.params, key.dtype, key.layout)
         with self._lock:
             if self._queued + len(good) > self.max_queued:
                 raise OverCapacity(
                     f"the server's preprocessing queue is full ({self._queued} images waiting, "
                     f"limit {self.max_queued}); retry with backoff or add servers"
                 )
-            lane = self._lanes.get(lane_id)
-            if lane is None:
-                if len(self._lanes) >= MAX_LANES:
+            queue = self._queues.get(queue_id)
+            if queue is None:
+                if len(self._queues) >= MAX_QUEUES:
                     raise OverCapacity(
-                        f"the server already preprocesses with {MAX_LANES} different pipeline "
+                        f"the server already preprocesses with {MAX_QUEUES} different pipeline "
                         "settings at once; retry later, or use fewer parameter combinations"
                     )
-                lane = self._start_lane(lane_id, key)
-            lane.parts.extend(parts)
-            lane.queued += len(good)
+                queue = self._start_queue(queue_id, key)
+            queue.parts.extend(parts)
+            queue.queued += len(good)
             self._queued += len(good)
-            lane.wake.notify()
+            queue.wake.notify()
 
-    def _start_lane(self, lane_id: tuple[object, ...], key: RunnerKey) -> _Lane:
+    def _start_queue(self, queue_id: tuple[object, ...], key: RunnerKey) -> _Queue:
         key = dataclasses.replace(key, device_id=self._next_device())
         jobs: dict[int, Job] = {}
-        lane = _Lane(key, self._lock, self._schedule(key, jobs.pop))
-        lane.jobs = jobs
-        lane.ticket.start(0)
+        queue = _Queue(key, self._lock, self._schedule(key, jobs.pop))
+        queue.jobs = jobs
+        queue.ticket.start(0)
         self._serial += 1
-        lane.thread = threading.Thread(
+        queue.thread = threading.Thread(
             target=self._work,
-            args=(lane_id, lane),
+            args=(queue_id, queue),
             name=f"batchwire-preprocess-{key.pipeline}-{self._serial}",
             daemon=True,
         )
-        self._lanes[lane_id] = lane
-        lane.thread.start()
-        return lane
+        self._queues[queue_id] = queue
+        queue.thread.start()
+        return queue
 
-    # -- lanes -------------------------------------------------------------------------
+    # -- the queues' threads ------------------------------------------------------------
 
-    def _take(self, lane_id: tuple[object, ...], lane: _Lane) -> list[_Part] | None:
-        """The parts of the next DALI batch, or None when the lane should end."""
+    def _take(self, queue_id: tuple[object, ...], queue: _Queue) -> list[_Part] | None:
+        """The parts of the next DALI batch, or None when the queue should end."""
         with self._lock:
             idle_until = time.monotonic() + IDLE_SECONDS
-            while not lane.parts and not self._stop.is_set():
+            while not queue.parts and not self._stop.is_set():
                 remaining = idle_until - time.monotonic()
-                if remaining <= 0 and not lane.running:
-                    del self._lanes[lane_id]
+                if remaining <= 0 and not queue.running:
+                    del self._queues[queue_id]
                     return None
-                lane.wake.wait(max(remaining, _POLL_S))
-            # A batch goes to the scheduler only when the lane has room there.
-            while lane.running >= LANE_WINDOW and not self._stop.is_set():
-                lane.wake.wait(_POLL_S)
+                queue.wake.wait(max(remaining, _POLL_S))
+            # A batch goes to the scheduler only when the queue has room there.
+            while queue.running >= QUEUE_WINDOW and not self._stop.is_set():
+                queue.wake.wait(_POLL_S)
             if self._stop.is_set():
                 return None
             # Wait for company until the batch is full or the oldest waited enough.
-            deadline = lane.parts[0].arrived + self.max_delay
-            while lane.queued < self.batch_size and not self._stop.is_set():
+            deadline = queue.parts[0].arrived + self.max_delay
+            while queue.queued < self.batch_size and not self._stop.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                lane.wake.wait(remaining)
+                queue.wake.wait(remaining)
             if self._stop.is_set():
                 return None
             taken: list[_Part] = []
             size = 0
-            while lane.parts and size + len(lane.parts[0].images) <= self.batch_size:
-                part = lane.parts.popleft()
+            while queue.parts and size + len(queue.parts[0].images) <= self.batch_size:
+                part = queue.parts.popleft()
                 taken.append(part)
                 size += len(part.images)
-            lane.queued -= size
+            queue.queued -= size
             self._queued -= size
-            lane.running += 1  # until _done
+            queue.running += 1  # until _done
             return taken
 
-    def _work(self, lane_id: tuple[object, ...], lane: _Lane) -> None:
+    def _work(self, queue_id: tuple[object, ...], queue: _Queue) -> None:
         try:
             while True:
-                parts = self._take(lane_id, lane)
+                parts = self._take(queue_id, queue)
                 if parts is None:
                     return
-                self._send(lane, parts)
+                self._send(queue, parts)
         finally:
-            lane.ticket.close()  # batches still running come back as None: see _finish
-            self._fail_waiting(lane)
+            queue.ticket.close()  # batches still running come back as None: see _finish
+            self._fail_waiting(queue)
 
-    def _send(self, lane: _Lane, parts: list[_Part]) -> None:
-        """Hand one DALI batch of ``parts`` to the lane's ticket."""
+    def _send(self, queue: _Queue, parts: list[_Part]) -> None:
+        """Hand one DALI batch of ``parts`` to the queue's ticket."""
         parts = [p for p in parts if not p.pending.future.cancelled()]
         if not parts:
-            self._done(lane)
+            self._done(queue)
             return
         images = [image for part in parts for image in part.images]
-        seq = lane.sent
-        lane.sent += 1
-        lane.jobs[seq] = Job(
+        seq = queue.sent
+        queue.sent += 1
+        queue.jobs[seq] = Job(
             seq=seq,
             ids=np.arange(len(images), dtype=np.int64),
             images=images,
             labels=np.zeros(len(images), dtype=np.int64),
         )
-        lane.ticket.extend(1)
-        future = lane.ticket.future(seq)
-        future.add_done_callback(lambda done: self._finish(lane, parts, done))
+        queue.ticket.extend(1)
+        future = queue.ticket.future(seq)
+        future.add_done_callback(lambda done: self._finish(queue, parts, done))
 
     def _finish(
-        self, lane: _Lane, parts: list[_Part], done: concurrent.futures.Future[Result | None]
+        self, queue: _Queue, parts: list[_Part], done: concurrent.futures.Future[Result | None]
     ) -> None:
         """A batch came back (on the pipeline's thread): its rows go to their requests."""
         try:
             result = done.result()
         except Exception as exc:
             if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
-                log.error("preprocessing with pipeline %r failed: %s", lane.key.pipeline, exc)
+                log.error("preprocessing with pipeline %r failed: %s", queue.key.pipeline, exc)
             for part in parts:
                 settle(part.pending.future, exception=exc)
         else:
-            if result is None:  # the lane closed: the server is shutting down
+            if result is None:  # the queue closed: the server is shutting down
                 for part in parts:
                     settle(part.pending.future, exception=_draining())
             else:
                 self._split(parts, result)
         finally:
-            self._done(lane)
-            lane.ticket.more()
+            self._done(queue)
+            queue.ticket.more()
 
-    def _done(self, lane: _Lane) -> None:
+    def _done(self, queue: _Queue) -> None:
         with self._lock:
-            lane.running -= 1
-            lane.wake.notify_all()
+            queue.running -= 1
+            queue.wake.notify_all()
 
     def _split(self, parts: list[_Part], result: Result) -> None:
         with self._lock:
@@ -346,28 +346,28 @@ class PreprocessBatcher:
             start += len(part.images)
             part.pending.part_done()
 
-    def _fail_waiting(self, lane: _Lane) -> None:
-        """Requests still queued in an ending lane (only when closing) learn why."""
+    def _fail_waiting(self, queue: _Queue) -> None:
+        """Requests still queued in an ending queue (only when closing) learn why."""
         with self._lock:
-            parts = list(lane.parts)
-            lane.parts.clear()
-            self._queued -= lane.queued
-            lane.queued = 0
+            parts = list(queue.parts)
+            queue.parts.clear()
+            self._queued -= queue.queued
+            queue.queued = 0
         for part in parts:
             settle(part.pending.future, exception=_draining())
 
     # -- life cycle ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the lanes: queued requests fail with Draining; waits for batches running."""
+        """Stop the queues: queued requests fail with Draining; waits for batches running."""
         self._stop.set()
         with self._lock:
-            lanes = list(self._lanes.values())
-            for lane in lanes:
-                lane.wake.notify_all()
-        for lane in lanes:
-            if lane.thread is not None:
-                lane.thread.join(_JOIN_SECONDS)
+            queues = list(self._queues.values())
+            for queue in queues:
+                queue.wake.notify_all()
+        for queue in queues:
+            if queue.thread is not None:
+                queue.thread.join(_JOIN_SECONDS)
 
 
 def _draining() -> Draining:

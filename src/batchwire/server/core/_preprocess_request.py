@@ -1,6 +1,6 @@
 """A preprocessing request, its result, and the pending request that gathers the result.
 
-A request's images travel through the batcher's lanes in parts; :class:`Pending` collects
+A request's images travel through the batcher's queues in parts; :class:`Pending` collects
 each part's rows and failures and, once the last part is done, completes the request's
 future with a :class:`PreprocessResult`. Never imports grpc.
 """
@@ -72,7 +72,7 @@ def settle(
 
 
 class Pending:
-    """A submitted request whose parts are on their way through the lanes."""
+    """A submitted request whose parts are on their way through the queues."""
 
     def __init__(self, size: int, parts: int, output: OutputSpec, spec: PipelineSpec) -> None:
         self.future: concurrent.futures.Future[PreprocessResult] = concurrent.futures.Future()

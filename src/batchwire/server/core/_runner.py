@@ -73,7 +73,9 @@ class _Source:
 
 
 class Runner:
-    """A built pipeline for one :class:`RunnerKey`; used by one stream at a time."""
+    """A built pipeline for one :class:`RunnerKey` that runs jobs: those of any stream
+    (or Preprocess batch) of that key, as a scheduler slot hands them over; one
+    :meth:`run` at a time."""
 
     def __init__(
         self,
@@ -117,16 +119,16 @@ class Runner:
             synchronous=synchronous,
         )
 
-    def run(self, jobs: Iterator[Job], first: int = 0) -> Generator[Result, None, None]:
+    def run(self, jobs: Iterator[Job[Any]], first: int = 0) -> Generator[Result[Any], None, None]:
         """Run ``jobs`` (seq first, first + 1, …) and yield their results in seq order.
 
-        Closing the generator early drains what DALI still has in flight, so
-        the runner can serve the next stream. One stream at a time. Raises
-        PipelineFault when the pipeline fails for a reason other than a sample;
-        the runner is then not ``healthy`` and must be dropped.
+        Closing the generator early drains what DALI still has in flight, so the
+        runner can run the next jobs clean. One run at a time. Raises PipelineFault
+        when the pipeline fails for a reason other than a sample; the runner is then
+        not ``healthy`` and must be dropped.
         """
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError("a Runner serves one stream at a time")
+            raise RuntimeError("a Runner runs one sequence of jobs at a time")
         source = self._source
         source.jobs = jobs
         source.retries.clear()
@@ -181,13 +183,13 @@ class Runner:
             ran = time.perf_counter() - started - (source.seconds - fed)
             self._stages.add("pipeline", max(ran, 0.0))
 
-    def _result(self, job: Job, outputs: Any) -> Result:
+    def _result(self, job: Job[Any], outputs: Any) -> Result[Any]:
         images = to_numpy(outputs[0]) if job.finish is None else view(outputs[0])
         labels, meta = to_numpy(outputs[1]), to_numpy(outputs[2])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
         self._health.ran(self.key, images, job.images[0], int(job.labels[0]))
-        result = Result(
+        result: Result[Any] = Result(
             seq=job.seq,
             ids=job.ids,
             images=images,
@@ -199,12 +201,15 @@ class Runner:
         # Before the next run, while DALI's buffer holds these images.
         return dataclasses.replace(result, images=images[:0].copy(), payload=job.finish(result))
 
-    def _empty(self, job: Job) -> Result:
+    def _empty(self, job: Job[Any]) -> Result[Any]:
         """The result of a job none of whose samples is left: no images, shaped as this
         configuration's batches are once one has run (``(0,)`` before)."""
         known = self._health.output_shape(self.key)
         shape, dtype = known if known is not None else ((), np.dtype(self.key.dtype))
-        return empty_result(job, shape, dtype)
+        result = empty_result(job, shape, dtype)
+        if job.finish is None:
+            return result
+        return dataclasses.replace(result, payload=job.finish(result))
 
     def _repair(self, exc: Exception) -> None:
         """The oldest batch in flight failed with ``exc``: find its bad samples and queue
@@ -262,7 +267,7 @@ class Runner:
         self._health.failed(self.key, fault, batches)
 
     def _drain(self) -> None:
-        """Run out what DALI holds so the next stream starts clean."""
+        """Run out what DALI holds so the next run starts clean."""
         source = self._source
         source.jobs = iter(())
         source.retries.clear()

@@ -74,6 +74,9 @@ class SchedulerStats:
 
 @dataclasses.dataclass
 class _Slot:
+    """A thread of the scheduler's that runs requests on a device, and the runners it
+    built for the keys it ran (at most ``max_built``, least recently used first out)."""
+
     device_id: int | None
     runners: collections.OrderedDict[RunnerKey, Runner] = dataclasses.field(
         default_factory=collections.OrderedDict

@@ -1,40 +1,47 @@
 """The batches of one stream, computed by the server's pipelines.
 
-A stream runs its plan's batches in order on the scheduler's pipelines, or on a pipeline of
-its own whose records are read in worker processes (falling back to the scheduler's from
-the batch where that fails). A pulled stream runs the batches its client asks for instead,
-and is awaited on the event loop.
+A stream runs the batches it is asked for (:meth:`BatchStream.want`), in the order asked,
+on the scheduler's pipelines, and hands them out in that order: awaited on the event loop
+(:meth:`BatchStream.next_async`), or by iteration in a thread of the caller's. Who opened
+it says which batches: a pulling client asks as it goes; a ``StreamBatches`` call asks for
+its lane's at once, and in-process use for its whole share (:func:`share_batches`).
+Batches asked for when the stream opens may instead be read in DALI's worker processes
+(``read_workers``, :class:`~batchwire.server.core._parallel.WorkerFeed`), falling back to
+the scheduler's pipelines from the batch where that fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from batchwire.common.sampler import Plan
-from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
+from batchwire.common.sampler import Plan, PlannedBatch
+from batchwire.server.core._errors import Draining, InvalidRequest
 from batchwire.server.core._jobs import Job, Result, read_job
-from batchwire.server.core._parallel import ParallelRunner
+from batchwire.server.core._parallel import ParallelRunner, WorkerFeed
 from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._dataset import Dataset
 
-__all__ = ["MAX_PULL_AHEAD", "Batch", "BatchStream"]
+__all__ = ["Batch", "BatchStream", "share_batches"]
 
-# Batches a pulling client may have asked for and not yet received, per stream.
-MAX_PULL_AHEAD = 1024
-_WANT_POLL_S = 0.25  # how often a pulled stream waiting for requests checks for a drain
+P = TypeVar("P")  # what the stream hands out for each batch (its encode's return)
+
+_POLL_S = 0.25  # how often a stream waiting for requests or results checks for a drain
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One batch of a stream; arrays own their memory."""
+    """One batch of a stream, as a pipeline's output buffer holds it (``images`` may be a
+    view of DALI's buffer inside a stream's ``encode``; a stream without one hands out
+    Batches that own their memory)."""
 
     index: int
     ids: np.ndarray
@@ -47,123 +54,121 @@ class Batch:
     layout: str
 
 
-class BatchStream:
-    """The batches of one request, computed by the server's pipelines (``Scheduler``).
+def own(batch: Batch) -> Batch:
+    """``batch`` with images of its own: the encode of a stream that hands out Batches."""
+    return dataclasses.replace(batch, images=np.array(batch.images))
 
-    Iterate it from one thread; :meth:`close` may come from another thread and
-    waits for a batch in progress.
+
+def share_batches(plan: Plan) -> range:
+    """The indices of every batch of ``plan``'s share from its cursor on, in order
+    (all lanes)."""
+    if plan.start >= plan.share_size:
+        return range(0)
+    return range(plan.start // plan.batch_size, plan.num_batches)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamSetup:
+    """What the engine gives a stream: its plan and output format, how it asks the server's
+    pipelines (``schedule(read)``, a ticket), its end (``release``) and a drain's notice."""
+
+    dataset: Dataset
+    plan: Plan
+    normalized: bool
+    layout: str
+    schedule: Callable[[Callable[[int], Job[Any]]], Ticket]
+    release: Callable[[], None]
+    draining: Callable[[], bool]
+    window: int  # batches read ahead of those handed out, by worker processes
+
+
+class BatchStream(Generic[P]):
+    """The batches one client asks for, each handed out as ``encode(batch)``, called on
+    the pipeline's thread while the images are still in DALI's output buffer (so that
+    they are copied once, into what it builds).
+
+    Take its batches either with :meth:`next_async` on one event loop or by iteration
+    from one thread; :meth:`close` may come from any thread.
     """
 
     def __init__(
         self,
-        release: Callable[[], None],
-        draining: Callable[[], bool],
-        dataset: Dataset,
-        plan: Plan,
-        schedule: Callable[[int, Callable[[int], Job]], Ticket],
-        normalized: bool,
-        layout: str,
-        parallel: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
-        pull: bool = False,
-        encode: Callable[[Batch], Any] | None = None,
+        setup: StreamSetup,
+        encode: Callable[[Batch], P],
+        batches: Sequence[int] | None = None,
+        workers: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
     ) -> None:
-        self._release = release
-        self._draining = draining
-        self._dataset = dataset
-        self._plan = plan
-        self._schedule = schedule
-        self._normalized = normalized
-        self._layout = layout
-        # With ``encode``, the stream yields what it returns for each batch, built on the
-        # pipeline's thread while the images are still in DALI's buffer (Job.finish).
+        """``batches``: those asked for at open, with no more to come (else the client
+        asks, :meth:`want`); ``workers`` builds a pipeline that reads them in worker
+        processes (PipelineFault when it cannot)."""
+        self._setup = setup
         self._encode = encode
-        # A pulled stream's batches are those its client asks for (want), in that order.
-        self.pull = pull
-        self._planned = [] if pull else list(plan.batches())
-        self._wants_ended = not pull
-        self._wanted = asyncio.Event()  # set when a pulled stream gets more to do
+        self._planned: list[PlannedBatch] = []
+        self._wants_ended = False
+        self._wanted = asyncio.Event()  # set when the stream gets more to do
         self._failure: Exception | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
-        self.produced = 0  # batches handed to the servicer so far
-        # The requests to the server's pipelines: from the start, or from the batch where
-        # a pipeline reading in worker processes failed.
-        self._ticket: Ticket | None = None
-        self._next_seq = 0  # with next_async: the batch to hand out next
-        if parallel is None or pull:
-            self._ticket = self._schedule(len(self._planned), self._read)
-            self._ticket.start(0)
-            self._results = self._inline(0)
-        else:
-            self._results = parallel([p.ids for p in self._planned]).run(self._inline)
-        self.awaitable = self._ticket is not None
+        self.produced = 0  # batches handed out so far
+        self._next_seq = 0  # the batch to hand out next, in the order asked
+        self._ticket = setup.schedule(self._read)
+        self._feed: WorkerFeed[P] | None = None
+        try:
+            if batches is not None:
+                self.want(batches)
+                self.end_wants()
+            if workers is not None and self._planned:
+                runner = workers([planned.ids for planned in self._planned])
+                self._feed = WorkerFeed(runner, self._ticket, self._finish, setup.window)
+            else:
+                self._ticket.start(0)
+        except BaseException:
+            self._ticket.close()
+            raise
 
-    def _inline(self, first: int) -> Generator[Result, None, None]:
-        ticket = self._ticket
-        if ticket is None:  # the fallback of a stream read by worker processes
-            ticket = self._ticket = self._schedule(len(self._planned), self._read)
-            ticket.start(first)
-        for seq in range(first, len(self._planned)):
-            result = ticket.take(seq, self._stop)
-            if result is None:
-                return
-            yield result
-
-    def _read(self, seq: int) -> Job:
-        job = read_job(self._dataset, seq, self._planned[seq].ids)
-        if self._encode is not None:
-            job.finish = functools.partial(self._finish, seq)
+    def _read(self, seq: int) -> Job[P]:
+        job: Job[P] = read_job(self._setup.dataset, seq, self._planned[seq].ids)
+        job.finish = functools.partial(self._finish, seq)
         return job
 
-    def _finish(self, seq: int, result: Result) -> Any:
-        # The pipelines number their jobs their own way: the stream's is ``seq``.
-        assert self._encode is not None
-        return self._encode(self._batch(dataclasses.replace(result, seq=seq)))
-
-    def _output(self, result: Result) -> Any:
-        """What the stream yields for ``result``: its Batch, or that Batch encoded."""
-        if result.payload is not None:
-            return result.payload
-        batch = self._batch(result)
-        return batch if self._encode is None else self._encode(batch)
+    def _finish(self, seq: int, result: Result[P]) -> P:
+        planned = self._planned[seq]
+        plan = self._setup.plan
+        return self._encode(
+            Batch(
+                index=planned.index,
+                ids=result.ids,
+                images=result.images,
+                labels=result.labels,
+                cursor=planned.end,
+                skipped_ids=result.skipped,
+                normalized=self._setup.normalized,
+                num_batches=plan.num_batches,
+                layout=self._setup.layout,
+            )
+        )
 
     @property
     def plan(self) -> Plan:
-        return self._plan
+        return self._setup.plan
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def __iter__(self) -> BatchStream:
-        return self
-
-    def __next__(self) -> Any:
-        with self._lock:
-            if self._closed or self._stop.is_set():
-                raise StopIteration
-            if self._draining():
-                # End between batches, so the client resumes from its cursor elsewhere.
-                raise Draining("the server is shutting down; resume the stream on another server")
-            result = next(self._results)
-            self.produced += 1
-            return self._output(result)
+    @property
+    def waiting(self) -> int:
+        """Batches asked for and not yet handed out."""
+        return len(self._planned) - self._next_seq
 
     def want(self, indices: Sequence[int]) -> None:
-        """A pulling client asks for batches ``indices`` of the share, after those it asked
-        for before. Called on the event loop; InvalidRequest or OverCapacity refuse them."""
-        assert self.pull and self._ticket is not None
+        """Ask for batches ``indices`` of the share, after those asked for before.
+        InvalidRequest refuses them (after :meth:`end_wants`, or not in the share)."""
         if self._wants_ended:
             raise InvalidRequest("batches asked for after the request stream was closed")
-        waiting = len(self._planned) - self._next_seq + len(indices)
-        if waiting > MAX_PULL_AHEAD:
-            raise OverCapacity(
-                f"{waiting} batches asked for and not yet sent; a stream may hold at most "
-                f"{MAX_PULL_AHEAD}: ask for more as batches arrive"
-            )
         try:
-            planned = [self._plan.batch(index) for index in indices]
+            planned = self._setup.plan.batches_at(indices)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         self._planned += planned
@@ -171,54 +176,72 @@ class BatchStream:
         self._wanted.set()
 
     def end_wants(self, failure: Exception | None = None) -> None:
-        """The client asks for nothing more (the stream ends once what it asked for is
-        sent), or its requests failed with ``failure`` (raised by :meth:`next_async`)."""
+        """Nothing more will be asked for (the stream ends once what was asked for is
+        handed out), or the requests failed with ``failure`` (raised by
+        :meth:`next_async`)."""
         self._wants_ended = True
         self._failure = self._failure or failure
         self._wanted.set()
 
-    async def next_async(self) -> Any:
-        """The next batch, awaited on the event loop; None at the end or once closed.
-        Only for a stream whose ``awaitable`` is true (its batches come from the server's
-        pipelines, not from worker processes), and not mixed with iteration."""
-        ticket = self._ticket
-        assert ticket is not None and self.awaitable
-        while True:
-            if self._failure is not None:
-                raise self._failure
-            done = self._next_seq >= len(self._planned)
-            if self._closed or self._stop.is_set() or (done and self._wants_ended):
-                return None
-            if self._draining():
-                raise Draining("the server is shutting down; resume the stream on another server")
-            if not done:
-                break
-            # A pulling client asks for more, or ends; a drain or close is seen within
-            # the poll even while it asks for nothing.
-            self._wanted.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wanted.wait(), _WANT_POLL_S)
-        result = await asyncio.wrap_future(ticket.future(self._next_seq))
-        if result is None:
+    def _ready(self) -> bool | None:
+        """True: the next batch was asked for; None: the stream is over; False: it waits
+        for requests. Raises a drain or the requests' failure."""
+        if self._failure is not None:
+            raise self._failure
+        done = self._next_seq >= len(self._planned)
+        if self._closed or self._stop.is_set() or (done and self._wants_ended):
+            return None
+        if self._setup.draining():
+            # End between batches, so the client resumes from its cursor elsewhere.
+            raise Draining("the server is shutting down; resume the stream on another server")
+        return not done
+
+    def _took(self, result: Result[P] | None) -> P | None:
+        if result is None:  # closed
             return None
         self._next_seq += 1
         self.produced += 1
-        ticket.more()
-        return self._output(result)
+        if self._feed is not None:
+            self._feed.took()
+        self._ticket.more()
+        return result.payload
 
-    def _batch(self, result: Result) -> Batch:
-        planned = self._planned[result.seq]
-        return Batch(
-            index=planned.index,
-            ids=result.ids,
-            images=result.images,
-            labels=result.labels,
-            cursor=planned.end,
-            skipped_ids=result.skipped,
-            normalized=self._normalized,
-            num_batches=self._plan.num_batches,
-            layout=self._layout,
-        )
+    async def next_async(self) -> P | None:
+        """The next batch, awaited on the event loop; None at the end or once closed."""
+        while not (ready := self._ready()):
+            if ready is None:
+                return None
+            # More is asked for, or the asking ends; a drain or close is seen within the
+            # poll even while nothing is asked.
+            self._wanted.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wanted.wait(), _POLL_S)
+        return self._took(await asyncio.wrap_future(self._ticket.future(self._next_seq)))
+
+    def __iter__(self) -> BatchStream[P]:
+        return self
+
+    def __next__(self) -> P:
+        """The next batch, waited for in the calling thread (a stream whose batches were
+        all asked for)."""
+        with self._lock:
+            ready = self._ready()
+            if ready is None:
+                raise StopIteration
+            if not ready:
+                raise RuntimeError("iterate a stream whose batches were all asked for")
+            future = self._ticket.future(self._next_seq)
+            while True:
+                try:
+                    result = future.result(_POLL_S)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if self._stop.is_set():
+                        raise StopIteration from None
+            output = self._took(result)
+            if output is None:
+                raise StopIteration
+            return output
 
     def close(self) -> None:
         """Stop; what was asked of the pipelines and not yet run is dropped. Idempotent."""
@@ -227,7 +250,7 @@ class BatchStream:
             if self._closed:
                 return
             self._closed = True
-            self._results.close()
-            if self._ticket is not None:
-                self._ticket.close()
-            self._release()
+            if self._feed is not None:
+                self._feed.close()
+            self._ticket.close()
+            self._setup.release()

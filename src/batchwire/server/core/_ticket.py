@@ -1,6 +1,6 @@
 """A :class:`Ticket`: one stream's requests to the server's pipelines, and their results.
 
-A stream (or a Preprocess lane) asks for its batches through its ticket, at most
+A stream (or a Preprocess queue) asks for its batches through its ticket, at most
 ``window`` ahead of what it has taken, so a slow client never makes the server hold more;
 the scheduler takes the requests of every ticket in the order its fairness policy says
 (:mod:`batchwire.server.core._fair`) and hands each result back to its ticket.
@@ -33,7 +33,8 @@ class Ticket:
     """One stream's requests and results.
 
     ``read(seq)`` gives the job of the stream's batch ``seq`` (its records read); results
-    come back through :meth:`take` or :meth:`future`, each batch's once.
+    come back through :meth:`future`, each batch's once (:meth:`deliver` hands them in).
+    A ticket is not a pipeline: the scheduler's slots run its requests on theirs.
 
     The fairness policy's state lives here too, guarded by the scheduler's lock:
     ``pending`` holds the batches asked for and not yet taken by a pipeline, with when each
@@ -61,12 +62,14 @@ class Ticket:
         self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
         self._requested = 0  # batches before this one have been asked of the pipelines
         self._allowed = 0  # ... and those before this one may be
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()
+        self._started = False
         self.closed = False
 
     def start(self, first: int) -> None:
         """Ask for batches ``first``, ``first + 1``, … (``window`` of them to begin with)."""
         self._requested = self._allowed = first
+        self._started = True
         self._scheduler.request(self, self._window)
 
     def extend(self, count: int) -> None:
@@ -86,13 +89,12 @@ class Ticket:
         return seqs
 
     def deliver(self, seq: int, result: Result | BaseException) -> None:
-        with self._ready:
+        with self._lock:
             if self.closed:
                 return
             future = self._futures.pop(seq, None)
             if future is None:
                 self._results[seq] = result
-                self._ready.notify_all()
         if future is not None:
             _settle(future, result)
 
@@ -101,7 +103,7 @@ class Ticket:
         caller that awaits it instead of holding a thread. Ask for the next batch with
         :meth:`more` once it is taken."""
         future: concurrent.futures.Future[Result | None] = concurrent.futures.Future()
-        with self._ready:
+        with self._lock:
             if self.closed:
                 _settle(future, None)
                 return future
@@ -113,31 +115,17 @@ class Ticket:
         return future
 
     def more(self) -> None:
-        """One batch taken: ask for one more."""
-        self._scheduler.request(self, 1)
-
-    def take(self, seq: int, stop: threading.Event, poll: float = 0.1) -> Result | None:
-        """Batch ``seq``'s result, once a slot has run it, and asks for one more batch;
-        None once ``stop`` is set or the ticket closed."""
-        with self._ready:
-            while seq not in self._results:
-                if stop.is_set() or self.closed:
-                    return None
-                self._ready.wait(poll)
-            result = self._results.pop(seq)
-        if isinstance(result, BaseException):
-            raise result
-        self.more()
-        return result
+        """One batch taken: ask for one more (once :meth:`start` was called)."""
+        if self._started:
+            self._scheduler.request(self, 1)
 
     def close(self) -> None:
         """Drop what is asked for and not yet run; results still running are discarded."""
-        with self._ready:
+        with self._lock:
             self.closed = True
             self._results.clear()
             waiting = list(self._futures.values())
             self._futures.clear()
-            self._ready.notify_all()
         for future in waiting:
             _settle(future, None)
         self._scheduler.forget(self)

@@ -22,7 +22,7 @@ from batchwire.server.data._batches import Rejected
 from batchwire.server.data._dataset import MANIFEST, Manifest, Shard
 from batchwire.server.data._file_sources import SourceFile, Sources
 from batchwire.server.data._ingest_error import IngestError
-from batchwire.server.data._lmdb_sources import LmdbSource, LmdbSourceError, Record
+from batchwire.server.data._lmdb_sources import LmdbSource, LmdbSourceError, SourceRecord
 from batchwire.server.data._shard_writer import ShardWriter
 from batchwire.server.data._validate import Decoded, ImageValidator
 from batchwire.v1 import datum_pb2
@@ -59,7 +59,7 @@ class _Tally:
         self.counts[label] += 1
         self.total_bytes += size
 
-    def reject(self, item: SourceFile | Record, reason: str) -> None:
+    def reject(self, item: SourceFile | SourceRecord, reason: str) -> None:
         self.rejected.append(Rejected(item.relpath, reason))
         logger.debug("rejected %s: %s", item.relpath, reason)
 
@@ -134,7 +134,7 @@ def _write_shards(
 
 def _batches(
     sources: Sources | LmdbSource, batch_size: int
-) -> Iterator[tuple[Sequence[tuple[SourceFile | Record, bytes]], list[Rejected]]]:
+) -> Iterator[tuple[Sequence[tuple[SourceFile | SourceRecord, bytes]], list[Rejected]]]:
     try:
         yield from sources.batches(batch_size)
     except LmdbSourceError as exc:

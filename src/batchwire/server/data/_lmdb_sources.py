@@ -9,9 +9,9 @@ batchwire shards, keeping every image's original bytes:
   values Caffe ``Datum``. Encoded Datums keep their bytes. Raw-pixel Datums
   (``convert_imageset`` without ``--encoded``: BGR, CHW) are written as
   lossless PNG, the one case where bytes are made. Ids follow key order.
-- **Pickled** (the layout of the LMDB tutorial for PyTorch, source document
-  001): values ``pickle.dumps((image_bytes, label))``, plus ``__keys__`` (the
-  pickled list of record keys, which gives the id order) and ``__len__``.
+- **Pickled** (the layout common in LMDB tutorials for PyTorch): values
+  ``pickle.dumps((image_bytes, label))``, plus ``__keys__`` (the pickled list
+  of record keys, which gives the id order) and ``__len__``.
   Values are read with ``safe_loads``: a pickle that would import or call
   anything stops the ingest with ``LmdbSourceError`` naming the key, before
   any of it runs.
@@ -36,7 +36,7 @@ from batchwire.server.data._dataset import MAX_LABEL
 from batchwire.server.data._safe_pickle import UnsafePickle, safe_loads
 from batchwire.v1 import datum_pb2
 
-__all__ = ["LmdbSource", "LmdbSourceError", "Record", "is_lmdb", "open_lmdb_source"]
+__all__ = ["LmdbSource", "LmdbSourceError", "SourceRecord", "is_lmdb", "open_lmdb_source"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LmdbSourceError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Record:
+class SourceRecord:
     """One usable record: ``relpath`` is its key as text (for reports), ``label`` its class."""
 
     relpath: str
@@ -163,7 +163,7 @@ class LmdbSource:
 
     def batches(
         self, batch_size: int
-    ) -> Iterator[tuple[list[tuple[Record, bytes]], list[Rejected]]]:
+    ) -> Iterator[tuple[list[tuple[SourceRecord, bytes]], list[Rejected]]]:
         """Usable records with their encoded image, and those rejected, in id order.
 
         Batches hold at most ``batch_size`` records and about 8 MB of images.
@@ -171,7 +171,7 @@ class LmdbSource:
         """
         return bounded_batches(self._entries(), batch_size)
 
-    def _entries(self) -> Iterator[tuple[Record, bytes] | Rejected]:
+    def _entries(self) -> Iterator[tuple[SourceRecord, bytes] | Rejected]:
         for key, value in self._values():
             name = _text(key)
             if value is None:
@@ -183,7 +183,7 @@ class LmdbSource:
                 yield Rejected(name, str(reject))
                 continue
             label, data = item
-            yield Record(name, label), data
+            yield SourceRecord(name, label), data
 
     def _values(self) -> Iterator[tuple[bytes, bytes | None]]:
         with self._env.begin() as txn:

@@ -8,9 +8,9 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
 
 ================================================  =========  =====================================
 ``batchwire_streams_started_total``               counter    streams opened
-``batchwire_streams_ended_total``                 counter    streams ended, by ``status``: OK (the
-                                                             lane's share delivered), CANCELLED (the
-                                                             client left early), UNAVAILABLE, ...
+``batchwire_streams_ended_total``                 counter    streams ended, by ``status``: OK (every
+                                                             batch asked for delivered), CANCELLED
+                                                             (the client left early), UNAVAILABLE, ...
 ``batchwire_active_streams``                      gauge      streams open now
 ``batchwire_batches_sent_total``                  counter    batches handed to gRPC for clients
 ``batchwire_samples_sent_total``                  counter    samples in those batches
@@ -27,19 +27,12 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
                                                              screen), ``pipeline`` (DALI's run),
                                                              ``encode`` (message build)
 ``batchwire_pipeline_*``,                         (see       what the pipeline slots do, how long
-``batchwire_queue*``                              below)     batches wait for them, and pipeline
-                                                             faults, by ``pipeline``: see
-                                                             :mod:`._collectors`
+``batchwire_queue*``,                             below)     batches wait for them, pipeline
+``batchwire_batches_failed_total``,                          faults and broken devices, by
+``batchwire_device_healthy``                                 ``pipeline``: see :mod:`._collectors`
 ``batchwire_errors_total``                        counter    calls ended with a status other than
                                                              OK or CANCELLED (a client's choice),
                                                              by ``method`` and ``code``
-``batchwire_pipeline_faults_total``               counter    pipeline faults (not a sample's: the
-                                                             stream resumes on another server), by
-                                                             ``pipeline`` and ``kind``
-``batchwire_batches_failed_total``                counter    batches a pipeline held when a fault
-                                                             ended its run, by ``pipeline``
-``batchwire_device_healthy``                      gauge      0 while a device is broken, by
-                                                             ``device``
 ``batchwire_dataset_rescans_total``               counter    rescans of the data directory (every
                                                              ``rescan_interval`` seconds, SIGHUP)
 ``batchwire_dataset_rescan_errors_total``         counter    rescans that failed (data directory
@@ -139,14 +132,18 @@ class ServerMetrics:
     """The metrics of one server, in a registry of their own."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        # The per-stream metrics, all labelled by dataset and pipeline.
+        self.registry = CollectorRegistry()
+        self._add_stream_metrics(self.registry)
+        self._add_server_metrics(self.registry)
+
+    def _add_stream_metrics(self, r: CollectorRegistry) -> None:
+        """The per-stream metrics, all labelled by dataset and pipeline."""
         counter = functools.partial(Counter, labelnames=LABELS, registry=r)
         histogram = functools.partial(Histogram, labelnames=LABELS, registry=r)
         self.streams_started = counter("batchwire_streams_started", "Streams opened.")
         self.streams_ended = counter(
             "batchwire_streams_ended",
-            "Streams ended, by status: OK when the lane's whole share was delivered.",
+            "Streams ended, by status: OK when every batch asked for was delivered.",
             labelnames=(*LABELS, "status"),
         )
         self.active_streams = Gauge(
@@ -178,7 +175,9 @@ class ServerMetrics:
             "high values mean slow or busy trainers).",
             buckets=_WAIT_BUCKETS,
         )
-        # The server's own.
+
+    def _add_server_metrics(self, r: CollectorRegistry) -> None:
+        """The server's own metrics."""
         self.errors = Counter(
             "batchwire_errors",
             "Calls that ended with a status other than OK or CANCELLED.",

@@ -23,13 +23,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import importlib.metadata
 import logging
-import socket
 import threading
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,8 +34,11 @@ from grpc_reflection.v1alpha import reflection
 from batchwire.server._config import ServerConfig
 from batchwire.server.core._catalog import Change
 from batchwire.server.core._engine import Engine
-from batchwire.server.data._dataset import DatasetError
+from batchwire.server.core._engine_config import EngineConfig
+from batchwire.server.serving import _runtime
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
+from batchwire.server.serving._rescans import Rescans
+from batchwire.server.serving._runtime import Listening, ServerError
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
 from batchwire.server.serving._worker_states import State, WorkerSlot
@@ -68,30 +67,7 @@ _METHODS = tuple(
 )
 
 
-class ServerError(RuntimeError):
-    """The server could not start (port in use, bad data directory, ...)."""
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
-
-
-def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what is left on ``loop`` and run it to completion, then close async generators."""
-    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
-    for task in pending:
-        task.cancel()
-    if pending:
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.run_until_complete(loop.shutdown_asyncgens())
-
-
-class BatchwireServer:
+class BatchwireServer(Listening):
     def __init__(self, config: ServerConfig, *, slot: WorkerSlot | None = None) -> None:
         """Raises ``ConfigError`` when a TLS or token file is missing or malformed.
 
@@ -102,22 +78,22 @@ class BatchwireServer:
         self._slot = slot
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
-        self.engine = Engine(config)
+        self.engine = Engine(EngineConfig.of(config))
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
         self.metrics.watch_stages(self.engine.stages)
         self.metrics.watch_scheduler(self.engine.scheduler)
         self.metrics.watch_health(self.engine.health)
         self._metrics_http: MetricsHTTPServer | None = None
-        # Streams read by worker processes (read_workers) wait for each batch in a thread
-        # of this pool; other streams are awaited on the event loop and only open, close and
-        # build Preprocess replies here: a few threads, however many streams.
-        threads = config.max_streams + 4 if config.read_workers else _SHORT_TASK_THREADS
+        # Streams are awaited on the event loop and only open, close and build Preprocess
+        # replies here: a few threads, however many streams.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="batchwire-stream"
+            max_workers=_SHORT_TASK_THREADS, thread_name_prefix="batchwire-stream"
         )
         self._health = (
-            health.aio.HealthServicer() if slot is None else _UnitHealthServicer(self._report)
+            health.aio.HealthServicer()
+            if slot is None
+            else _runtime.UnitHealthServicer(self._report)
         )
         self._warm = False  # warmed up with datasets: SERVING unless a device is broken
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -127,28 +103,12 @@ class BatchwireServer:
         self._serving = threading.Event()
         self._start_error: BaseException | None = None
         self._stop_requested: asyncio.Event | None = None
-        self._rescan_wanted: asyncio.Event | None = None
-        self._rescan_lock: asyncio.Lock | None = None
+        self._rescans: Rescans | None = None
         self._warm_lock: asyncio.Lock | None = None
-        self._rescan_failing = False  # the last rescan failed (logged once, not each time)
         self._grace: float | None = None
         self._port = 0
 
     # -- public surface ----------------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def metrics_port(self) -> int | None:
-        """The port of ``/metrics`` once started, or ``None`` without ``metrics_port``."""
-        return None if self._metrics_http is None else self._metrics_http.port
-
-    @property
-    def target(self) -> str:
-        """An address clients on this host can use."""
-        return f"localhost:{self._port}"
 
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
@@ -183,17 +143,18 @@ class BatchwireServer:
         ``timeout`` seconds. The server also rescans every ``rescan_interval`` seconds.
         """
         loop = self._loop
-        if loop is None or loop.is_closed() or self._rescan_lock is None:
+        rescans = self._rescans
+        if loop is None or loop.is_closed() or rescans is None:
             raise ServerError("the server is not running")
-        return asyncio.run_coroutine_threadsafe(self._rescan(), loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(rescans.once(), loop).result(timeout)
 
     def request_rescan(self) -> None:
         """Ask for a rescan soon, without waiting for it (safe in a signal handler)."""
-        loop, wanted = self._loop, self._rescan_wanted
-        if loop is None or wanted is None:
+        loop, rescans = self._loop, self._rescans
+        if loop is None or rescans is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: the server has stopped
-            loop.call_soon_threadsafe(wanted.set)
+            loop.call_soon_threadsafe(rescans.wanted.set)
 
     def stop(self, grace: float | None = 10.0) -> None:
         """Drain and stop: health NOT_SERVING, new streams refused, in-flight ones
@@ -202,7 +163,7 @@ class BatchwireServer:
         if loop is None or requested is None or loop.is_closed():
             return
         self._grace = grace
-        self.engine.draining = True
+        self.engine.drain()
         loop.call_soon_threadsafe(requested.set)
         self.join((grace or 0) + _START_TIMEOUT)
 
@@ -223,7 +184,7 @@ class BatchwireServer:
     # -- event loop thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        loop = self._loop = _new_loop()
+        loop = self._loop = _runtime.new_loop()
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._main())
@@ -236,7 +197,7 @@ class BatchwireServer:
             self._listening.set()
             # Let handlers still closing their streams finish (as asyncio.run
             # does), so none is destroyed pending when the loop closes.
-            _finish_tasks(loop)
+            _runtime.finish_tasks(loop)
             # Wait for stream threads (each at most one batch away from done)
             # before the datasets they read from are closed.
             self._executor.shutdown(wait=True, cancel_futures=True)
@@ -247,10 +208,40 @@ class BatchwireServer:
 
     async def _main(self) -> None:
         self._stop_requested = asyncio.Event()
-        self._rescan_wanted = asyncio.Event()
-        self._rescan_lock = asyncio.Lock()
+        self._rescans = Rescans(
+            self.engine,
+            self.metrics,
+            self._executor,
+            interval=self.config.rescan_interval,
+            changed=self._datasets_changed,
+        )
         self._warm_lock = asyncio.Lock()
-        server = self._server = grpc.aio.server(
+        server = self._server = self._grpc_server()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, _NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        # Pipelines report a device broken or recovered from their own threads.
+        self.engine.health.listen(
+            lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
+        )
+        await self._listen(server)
+        self._listening.set()
+        warm = asyncio.ensure_future(self._warm_up())
+        rescans = asyncio.ensure_future(self._rescans.run())
+        follow = None
+        if self._slot is not None:
+            self._slot.publish(State.WARMING)
+            follow = asyncio.ensure_future(self._follow_unit())
+        await self._stop_requested.wait()
+        warm.cancel()
+        rescans.cancel()
+        if follow is not None:
+            follow.cancel()
+        await self._drain(server)
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """The gRPC server with its services (batchwire, health, reflection), not started."""
+        server = grpc.aio.server(
             options=[
                 # A unit's workers share the port; a lone server must find it free.
                 ("grpc.so_reuseport", 0 if self._slot is None else 1),
@@ -261,21 +252,24 @@ class BatchwireServer:
             # The metrics interceptor comes first, so it also counts the token check's refusals.
             interceptors=(self.metrics.interceptor(_METHODS), *self.security.interceptors()),
         )
-        add_to_server(BatchwireServicer(self.engine, self._executor, self.metrics), server)
+        servicer = BatchwireServicer(
+            self.engine,
+            self._executor,
+            self.metrics,
+            max_message_bytes=self.config.max_message_bytes,
+        )
+        add_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, _NOT_SERVING)
-        loop = asyncio.get_running_loop()
-        # Pipelines report a device broken or recovered from their own threads.
-        self.engine.health.listen(
-            lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
-        )
+        return server
+
+    async def _listen(self, server: grpc.aio.Server) -> None:
+        """Bind the port and start ``server``; ServerError when the port is taken."""
         address = f"{self.config.host}:{self.config.port}"
         if self._slot is None:  # a unit's parent checked it, and holds it reserved
-            _check_port_free(self.config.host, self.config.port)
+            _runtime.check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
         try:
             if credentials is None:
@@ -296,19 +290,6 @@ class BatchwireServer:
             log.info("pipelines on GPUs %s; new streams spread over them", list(devices.device_ids))
         if self.security.tokens and not self.security.tls:
             log.warning("bearer tokens without TLS: anyone on the network path can read them")
-        self._listening.set()
-        warm = asyncio.ensure_future(self._warm_up())
-        rescans = asyncio.ensure_future(self._rescans())
-        follow = None
-        if self._slot is not None:
-            self._slot.publish(State.WARMING)
-            follow = asyncio.ensure_future(self._follow_unit())
-        await self._stop_requested.wait()
-        warm.cancel()
-        rescans.cancel()
-        if follow is not None:
-            follow.cancel()
-        await self._drain(server)
 
     async def _warm_up(self) -> None:
         """Run the engine's warm-up unless warm already: SERVING once it passes with
@@ -340,46 +321,9 @@ class BatchwireServer:
         await self._report()
         log.info("SERVING %d datasets", len(self.engine.catalog))
 
-    async def _rescans(self) -> None:
-        """Rescan every ``rescan_interval`` seconds (0: never on a timer) and whenever
-        :meth:`request_rescan` asks; cancelled when the server stops."""
-        assert self._rescan_wanted is not None
-        interval = self.config.rescan_interval or None
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rescan_wanted.wait(), interval)
-            self._rescan_wanted.clear()
-            try:
-                await self._rescan()
-            except Exception:  # a bug; the next rescan may fare better
-                log.exception("rescan of %s failed", self.config.data_dir)
-
-    async def _rescan(self) -> list[Change]:
-        """One rescan, off the event loop; then warm up or report health as it changed."""
-        assert self._rescan_lock is not None
-        async with self._rescan_lock:
-            if self.engine.draining:
-                return []
-            loop = asyncio.get_running_loop()
-            self.metrics.rescans.inc()
-            try:
-                changes = await loop.run_in_executor(self._executor, self.engine.rescan)
-            except DatasetError as exc:
-                self.metrics.rescan_errors.inc()
-                if not self._rescan_failing:
-                    log.error("rescan failed, serving the datasets found before: %s", exc)
-                self._rescan_failing = True
-                return []
-            if self._rescan_failing:
-                log.info("rescan of %s works again", self.config.data_dir)
-                self._rescan_failing = False
-            for change in changes:
-                self.metrics.datasets_changed.labels(change=change.change).inc()
-            self.metrics.datasets.set(len(self.engine.catalog))
-        if changes:
-            await self._warm_up()
-            await self._report()
-        return changes
+    async def _datasets_changed(self) -> None:
+        await self._warm_up()
+        await self._report()
 
     async def _report(self) -> None:
         """Health as it stands: SERVING once warm, unless a device is broken (a CUDA
@@ -432,24 +376,6 @@ class BatchwireServer:
         log.info("stopped")
 
 
-class _UnitHealthServicer(health.aio.HealthServicer):
-    """A unit worker's health service: it brings the unit's state up to date before it
-    answers, so that every worker gives a probe the same answer (the siblings' states
-    change in other processes; between two polls, workers could answer apart)."""
-
-    def __init__(self, refresh: Callable[[], Awaitable[None]]) -> None:
-        super().__init__()
-        self._refresh = refresh
-
-    async def Check(self, request: Any, context: Any) -> Any:
-        await self._refresh()
-        return await super().Check(request, context)
-
-    async def Watch(self, request: Any, context: Any) -> None:
-        await self._refresh()
-        await super().Watch(request, context)
-
-
 def _server_info(engine: Engine) -> dict[str, str]:
     try:
         version = importlib.metadata.version("batchwire")
@@ -463,27 +389,3 @@ def _server_info(engine: Engine) -> dict[str, str]:
         "threads": str(engine.threads),
         "usable_cpus": str(engine.usable_cpus),
     }
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """ServerError if ``port`` is taken on ``host``: found before gRPC tries to bind, which
-    would print a C++ error line of its own."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return  # gRPC reports an unknown host itself
-    for family, kind, proto, _, sockaddr in infos[:1]:
-        with socket.socket(family, kind, proto) as probe:
-            # As gRPC binds: a port whose last server left connections in TIME_WAIT (a
-            # restart) is free; one another process listens on is not.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise ServerError(
-                        f"cannot listen on {host}:{port}: another process is using the port "
-                        "(stop it, or pick another port with --port)"
-                    ) from None

@@ -1,7 +1,10 @@
 """The gRPC face of the engine: the servicer, and its registration with a server.
 
-Each call's request is checked and converted (``_messages``), errors end the call
-with their status code, and an opened stream is served by ``_streaming``.
+Each call's request is checked and converted (``_messages``), an error ends the call
+with its status code (one decorator on every handler, ``_ends_with_status``), and an
+opened stream is served by ``_streaming``. Both streaming RPCs open the same kind of
+stream, which runs the batches asked of it: ``PullBatches`` hands it its client's
+requests as they come, ``StreamBatches`` asks for its lane's batches when it opens.
 
 No call ends UNKNOWN: a domain error ends it with its code (``STATUS_CODES``: a
 pipeline that fails or cannot be built is UNAVAILABLE, so that the client goes on
@@ -15,16 +18,18 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-from collections.abc import AsyncIterator
-from typing import NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core._engine import DatasetSummary, Engine
-from batchwire.server.core._errors import InvalidRequest, ServiceError
-from batchwire.server.core._stream import BatchStream
+from batchwire.server.core._engine import DatasetDescription, Engine
+from batchwire.server.core._errors import InvalidRequest, OverCapacity, ServiceError
+from batchwire.server.core._stream import BatchStream, share_batches
 from batchwire.server.serving._messages import (
+    EncodedBatch,
     Malformed,
     check_message,
     check_name,
@@ -40,9 +45,15 @@ from batchwire.server.serving._streaming import serve_stream
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
-__all__ = ["BatchwireServicer", "add_to_server"]
+__all__ = ["MAX_PULL_AHEAD", "BatchwireServicer", "add_to_server"]
 
 log = logging.getLogger(__name__)
+
+# Batches a pulling client may have asked for and not yet received, per stream.
+MAX_PULL_AHEAD = 1024
+
+_Reply = TypeVar("_Reply")
+_Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[_Reply]]
 
 
 def add_to_server(servicer: BatchwireServicer, server: grpc.aio.Server) -> None:
@@ -94,18 +105,63 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, doing: str) 
     raise AssertionError("unreachable: abort raises")
 
 
+def _ends_with_status(doing: str) -> Callable[[_Handler[_Reply]], _Handler[_Reply]]:
+    """A handler (unary or streaming) whose exceptions end its call with their status
+    (``STATUS_CODES``; anything else INTERNAL, "see the server log"); ``doing`` says
+    what the server was doing, for INTERNAL. A cancelled call stays cancelled."""
+
+    def decorate(handler: _Handler[_Reply]) -> _Handler[_Reply]:
+        @functools.wraps(handler)
+        async def handle(self: Any, request: Any, context: grpc.aio.ServicerContext) -> _Reply:
+            try:
+                return await handler(self, request, context)
+            except grpc.aio.AbortError:
+                raise  # the call is ended already
+            except Exception as exc:
+                await _abort(context, exc, doing)
+
+        return handle
+
+    return decorate
+
+
+def _lane(spec: StreamSpec) -> Callable[[Plan], Sequence[int]]:
+    """A ``StreamBatches`` call's batches: batch ``k`` of the share travels in lane
+    ``k % lanes``, in order."""
+
+    def batches(plan: Plan) -> Sequence[int]:
+        share = share_batches(plan)
+        return share[(spec.lane - share.start) % spec.lanes :: spec.lanes]
+
+    return batches
+
+
+def _want(stream: BatchStream[EncodedBatch], indices: Sequence[int]) -> None:
+    """A pulling client asks for ``indices``: OverCapacity beyond MAX_PULL_AHEAD waiting."""
+    waiting = stream.waiting + len(indices)
+    if waiting > MAX_PULL_AHEAD:
+        raise OverCapacity(
+            f"{waiting} batches asked for and not yet sent; a stream may hold at most "
+            f"{MAX_PULL_AHEAD}: ask for more as batches arrive"
+        )
+    stream.want(indices)
+
+
 class BatchwireServicer(pb_grpc.BatchwireServicer):
     def __init__(
         self,
         engine: Engine,
         executor: concurrent.futures.ThreadPoolExecutor,
         metrics: ServerMetrics | None = None,
+        *,
+        max_message_bytes: int,
     ) -> None:
         self._engine = engine
         self._executor = executor
         self._metrics = metrics or ServerMetrics()
+        self._encode = functools.partial(encode_parts, max_message_bytes=max_message_bytes)
 
-    def _info(self, summary: DatasetSummary) -> pb.DatasetInfo:
+    def _info(self, summary: DatasetDescription) -> pb.DatasetInfo:
         pipelines = [
             pb.PipelineInfo(
                 name=spec.name,
@@ -125,80 +181,66 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             version=summary.version,
         )
 
+    @_ends_with_status("listing its datasets")
     async def ListDatasets(
         self, request: pb.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListDatasetsResponse:
-        try:
-            check_message(request)
-            return pb.ListDatasetsResponse(
-                datasets=[self._info(s) for s in self._engine.list_datasets()]
-            )
-        except Exception as exc:
-            await _abort(context, exc, "listing its datasets")
+        check_message(request)
+        return pb.ListDatasetsResponse(
+            datasets=[self._info(s) for s in self._engine.list_datasets()]
+        )
 
+    @_ends_with_status("describing a dataset")
     async def DescribeDataset(
         self, request: pb.DescribeDatasetRequest, context: grpc.aio.ServicerContext
     ) -> pb.DatasetInfo:
-        try:
-            check_message(request)
-            check_name("dataset", request.dataset)
-            return self._info(self._engine.describe(request.dataset))
-        except Exception as exc:
-            await _abort(context, exc, "describing a dataset")
+        check_message(request)
+        check_name("dataset", request.dataset)
+        return self._info(self._engine.describe(request.dataset))
 
+    @_ends_with_status("preprocessing")
     async def Preprocess(
         self, request: pb.PreprocessRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreprocessResponse:
         loop = asyncio.get_running_loop()
-        try:
-            core = preprocess_request_from_proto(request)
-            # Screening the images' headers is CPU work: off the event loop.
-            future = await loop.run_in_executor(self._executor, self._engine.preprocess, core)
-            # Cancelling this await (the client went away) cancels the queued work.
-            result = await asyncio.wrap_future(future)
-            return await loop.run_in_executor(self._executor, preprocess_result_to_proto, result)
-        except Exception as exc:
-            await _abort(context, exc, "preprocessing")
+        core = preprocess_request_from_proto(request)
+        # Screening the images' headers is CPU work: off the event loop.
+        future = await loop.run_in_executor(self._executor, self._engine.preprocess, core)
+        # Cancelling this await (the client went away) cancels the queued work.
+        result = await asyncio.wrap_future(future)
+        return await loop.run_in_executor(self._executor, preprocess_result_to_proto, result)
 
-    def _close_opened(self, opening: asyncio.Future[BatchStream]) -> None:
-        if opening.cancelled() or opening.exception() is not None:
-            return
-        try:
-            self._executor.submit(opening.result().close)  # close drains: not on the loop
-        except RuntimeError:  # the executor is shut down: the server is stopping
-            opening.result().close()
-
+    @_ends_with_status("streaming")
     async def StreamBatches(
         self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        opened = await self._open(request, context, pull=False)
-        if opened is not None:
-            stream, stream_request = opened
-            await serve_stream(stream, stream_request, context, self._executor, self._metrics)
+        """A lane of a share: a stream that asks for the lane's batches, in order, as it
+        opens (and reads them in worker processes with ``read_workers``)."""
+        spec = request_from_proto(request)
+        stream = await self._open(spec, _lane(spec))
+        expected = stream.waiting
+        await serve_stream(stream, spec, context, self._executor, self._metrics, expected)
 
+    @_ends_with_status("streaming")
     async def PullBatches(
         self,
         requests: AsyncIterator[pb.PullRequest | Malformed],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        try:
-            first = await anext(aiter(requests), None)
-            if first is None:
-                raise InvalidRequest("the request stream ended before naming a stream")
-            check_message(first)
-            assert not isinstance(first, Malformed)
-            if not first.HasField("stream"):
-                raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
-        except ServiceError as exc:
-            await context.abort(status_for(exc), str(exc))
-            return
-        opened = await self._open(first.stream, context, pull=True)
-        if opened is None:
-            return
-        stream, stream_request = opened
+        first = await anext(aiter(requests), None)
+        if first is None:
+            raise InvalidRequest("the request stream ended before naming a stream")
+        check_message(first)
+        assert not isinstance(first, Malformed)
+        if not first.HasField("stream"):
+            raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
+        spec = request_from_proto(first.stream)
+        if spec.lanes != 1:
+            raise InvalidRequest("a pulled stream names batches, not lanes: leave lanes unset")
+        stream = await self._open(spec, None)
         reading = asyncio.create_task(self._read_wants(first, requests, stream))
         try:
-            await serve_stream(stream, stream_request, context, self._executor, self._metrics)
+            await serve_stream(stream, spec, context, self._executor, self._metrics, None)
         finally:
             reading.cancel()
 
@@ -206,53 +248,46 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
     async def _read_wants(
         first: pb.PullRequest,
         requests: AsyncIterator[pb.PullRequest | Malformed],
-        stream: BatchStream,
+        stream: BatchStream[EncodedBatch],
     ) -> None:
         """Hand a pulling client's requests to its stream until it half-closes; a bad one
         ends the stream with its status."""
         try:
-            stream.want(first.batches)
+            _want(stream, first.batches)
             async for message in requests:
                 check_message(message)
                 assert not isinstance(message, Malformed)
                 if message.HasField("stream"):
                     raise InvalidRequest("only the first PullRequest names the stream")
-                stream.want(message.batches)
+                _want(stream, message.batches)
             stream.end_wants()
         except ServiceError as exc:
             stream.end_wants(exc)
         except grpc.aio.AioRpcError:
             stream.end_wants()  # the call is over: the handler learns why from its writes
 
-    async def _open(
-        self,
-        request: pb.StreamBatchesRequest | Malformed,
-        context: grpc.aio.ServicerContext,
-        *,
-        pull: bool,
-    ) -> tuple[BatchStream, StreamSpec] | None:
-        """The request's stream, or None once the call was ended with the error's status."""
-        loop = asyncio.get_running_loop()
+    def _close_opened(self, opening: asyncio.Future[BatchStream[EncodedBatch]]) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
         try:
-            stream_request = request_from_proto(request)
-            opening = loop.run_in_executor(
-                self._executor,
-                functools.partial(
-                    self._engine.open_stream,
-                    pull=pull,
-                    encode=functools.partial(
-                        encode_parts, max_message_bytes=self._engine.config.max_message_bytes
-                    ),
-                ),
-                stream_request,
-            )
-            stream = await asyncio.shield(opening)
+            self._executor.submit(opening.result().close)  # close drains: not on the loop
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            opening.result().close()
+
+    async def _open(
+        self, spec: StreamSpec, batches: Callable[[Plan], Sequence[int]] | None
+    ) -> BatchStream[EncodedBatch]:
+        """``spec``'s stream, opened off the event loop (it may build a pipeline)."""
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(
+            self._executor,
+            functools.partial(self._engine.open_stream, spec, encode=self._encode, batches=batches),
+        )
+        try:
+            return await asyncio.shield(opening)
         except asyncio.CancelledError:
             # The client went away while its pipeline was being built: the stream
             # opens all the same, and must be closed or it holds a stream slot.
             log.info("client went away while its stream was opening; closing it when open")
             opening.add_done_callback(self._close_opened)
             raise
-        except Exception as exc:  # a pipeline that cannot be built, a damaged dataset, ...
-            await _abort(context, exc, "opening a stream")
-        return stream, stream_request

@@ -1,10 +1,9 @@
 """Serving one opened stream: writing its batches until its end, its end status, its
 start and end log lines, and its metrics.
 
-Blocking work (LMDB reads, DALI runs, building messages) runs on a bounded thread
-pool; the event loop only awaits it and writes to the wire, so a slow client holds
-back only its own stream (the next batch is not computed until the previous one is
-written).
+Blocking work (LMDB reads, DALI runs, building messages) runs on the server's pipelines;
+the event loop only awaits it and writes to the wire, so a slow client holds back only
+its own stream (it asks for a few batches ahead of those written, no more).
 
 A client that cancels its stream (or closes its channel, or exits) is normal
 operation: the stream ends with one INFO line, ``status=CANCELLED``.
@@ -22,9 +21,7 @@ from typing import Any
 import grpc
 
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core._errors import ServiceError
 from batchwire.server.core._stream import BatchStream
-from batchwire.server.data._dataset import DatasetError
 from batchwire.server.serving._messages import EncodedBatch, status_for
 from batchwire.server.serving._metrics import ServerMetrics, StreamMetrics
 
@@ -66,43 +63,39 @@ class _Progress:
 
 
 async def serve_stream(
-    stream: BatchStream,
+    stream: BatchStream[EncodedBatch],
     stream_request: StreamSpec,
     context: grpc.aio.ServicerContext,
     executor: concurrent.futures.ThreadPoolExecutor,
     server_metrics: ServerMetrics,
+    expected: int | None,
 ) -> None:
-    """Write the stream's batches until its end, and close it. Writes with
+    """Write the stream's batches until its end, and close it; ``expected`` batches in
+    all, or None for a pulled stream (its client asks as it goes, and half-closes when
+    done). An error is raised once the stream is closed and its end logged. Writes with
     context.write rather than yielding: a client's hang-up then reaches this handler
     (as CancelledError, see write) instead of gRPC's write loop, and this handler's
     cleanup runs in its own task rather than when an abandoned generator is
     garbage-collected."""
     loop = asyncio.get_running_loop()
-    fields = _log_start(stream, stream_request, context.peer())
+    pulled = expected is None
+    fields = _log_start(stream_request, context.peer(), pulled)
     metrics = server_metrics.stream(stream_request.dataset, stream_request.pipeline)
     metrics.opened()
-    # A pulled stream has no fixed length: its client half-closes when done.
-    expected = None if stream.pull else stream.plan.lane_batches
     progress = _Progress()
     status = "CANCELLED"  # unless the loop ends otherwise: the client went away
     started = time.monotonic()
     try:
-        if stream.pull:
+        if pulled:
             # Tells the client the stream is open, so it asks this server for batches
             # only now: a server that is down or refuses never holds any. Inside the
             # try: a client gone by now still gets its stream closed below.
             await context.send_initial_metadata(())
-        await _write_batches(stream, context, executor, metrics, expected, progress)
+        await _write_batches(stream, context, metrics, expected, progress)
         status = "OK"
-    except (ServiceError, DatasetError) as exc:
+    except Exception as exc:  # the handler's decorator ends the call with its status
         status = status_for(exc).name
-        await context.abort(status_for(exc), str(exc))
-    except Exception as exc:
-        status = grpc.StatusCode.INTERNAL.name
-        log.exception("stream failed: dataset=%s", stream_request.dataset)
-        await context.abort(
-            grpc.StatusCode.INTERNAL, f"the server failed while streaming ({exc}); see its log"
-        )
+        raise
     finally:
         if status == "CANCELLED" and progress.last_write:
             status = "OK"  # the client had every batch and hung up before the end
@@ -115,24 +108,18 @@ async def serve_stream(
 
 
 async def _write_batches(
-    stream: BatchStream,
+    stream: BatchStream[EncodedBatch],
     context: grpc.aio.ServicerContext,
-    executor: concurrent.futures.ThreadPoolExecutor,
     metrics: StreamMetrics,
     expected: int | None,
     progress: _Progress,
 ) -> None:
     """Compute and write the stream's batches until it has no more."""
-    loop = asyncio.get_running_loop()
     while True:
         computing = time.perf_counter()
-        # The stream yields its batches encoded (encode_parts, given when it was
+        # The stream hands out its batches encoded (encode_parts, given when it was
         # opened), their images copied once, from DALI's buffer into the messages.
-        encoded: EncodedBatch | None
-        if stream.awaitable:  # the server's pipelines: no thread waits for it
-            encoded = await stream.next_async()
-        else:
-            encoded = await loop.run_in_executor(executor, next, stream, None)
+        encoded = await stream.next_async()
         if encoded is None:
             return
         metrics.produced(time.perf_counter() - computing, encoded.skipped)
@@ -155,7 +142,7 @@ async def _write_batches(
             metrics.waited(waited)
 
 
-def _log_start(stream: BatchStream, stream_request: StreamSpec, peer: str) -> dict[str, Any]:
+def _log_start(stream_request: StreamSpec, peer: str, pulled: bool) -> dict[str, Any]:
     """Log the stream's start line; returns the fields its start and end lines share."""
     # Structured copies of the start and end lines (JSON logs: --log-format json).
     fields = {
@@ -166,7 +153,7 @@ def _log_start(stream: BatchStream, stream_request: StreamSpec, peer: str) -> di
         "world_size": stream_request.world_size,
         "lane": stream_request.lane,
         "lanes": stream_request.lanes,
-        "pull": stream.pull,
+        "pull": pulled,
         "epoch": stream_request.epoch,
         "start": stream_request.start,
     }
@@ -177,7 +164,7 @@ def _log_start(stream: BatchStream, stream_request: StreamSpec, peer: str) -> di
         stream_request.pipeline,
         stream_request.rank,
         stream_request.world_size,
-        "pull" if stream.pull else f"lane={stream_request.lane}/{stream_request.lanes}",
+        "pull" if pulled else f"lane={stream_request.lane}/{stream_request.lanes}",
         stream_request.epoch,
         stream_request.start,
         extra={"event": "stream_start", **fields},

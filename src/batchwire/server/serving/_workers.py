@@ -42,7 +42,7 @@ from batchwire.server._config import ServerConfig
 from batchwire.server.core import DevicePlan
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
-from batchwire.server.serving._server import ServerError, _check_port_free
+from batchwire.server.serving._runtime import Listening, ServerError, check_port_free
 from batchwire.server.serving._worker_metrics import WorkerMetricsCollector
 from batchwire.server.serving._worker_process import (
     LISTENING,
@@ -105,7 +105,7 @@ class _Given:
         return self.config
 
 
-class WorkerUnit:
+class WorkerUnit(Listening):
     """N worker processes serving ``config`` on one port; ``start()``, ``failed()``,
     ``stop(grace)``, with ``port``, ``metrics_port`` and ``target`` once started.
 
@@ -139,24 +139,12 @@ class WorkerUnit:
     def workers(self) -> int:
         return len(self._plans)
 
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def metrics_port(self) -> int | None:
-        return None if self._metrics_http is None else self._metrics_http.port
-
-    @property
-    def target(self) -> str:
-        return f"localhost:{self._port}"
-
     def start(self, timeout: float = _START_TIMEOUT) -> None:
         """Reserve the port, serve the unit's metrics, spawn the workers and return
         once every one listens (warm-up continues). ``ServerError`` when the port is
         taken or a worker cannot start (its message), with every worker stopped."""
         host = self.config.host
-        _check_port_free(host, self.config.port)
+        check_port_free(host, self.config.port)
         self._reserved, self._port = _reserve_port(host, self.config.port)
         try:
             if self.config.metrics_port is not None:
