@@ -111,8 +111,8 @@ class Book:
             expected = held[0] if held else None
             if delivery.index != expected:
                 raise BatchwireError(
-                    grpc.StatusCode.INTERNAL,
                     f"the server sent batch {delivery.index} where batch {expected} was asked for",
+                    code=grpc.StatusCode.INTERNAL,
                 )
             held.popleft()  # the call has room for another batch either way
             self._cond.notify_all()
@@ -178,9 +178,9 @@ class Book:
                     )
                 if now >= deadline:
                     raise UnavailableError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"no batch arrived within {timeout:.0f}s (timeout=); the server "
                         "may be overloaded or stuck",
+                        code=grpc.StatusCode.DEADLINE_EXCEEDED,
                     )
                 self._cond.wait(min(_POLL, deadline - now))
             delivery = self._arrived.pop(index)

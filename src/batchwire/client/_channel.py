@@ -38,17 +38,15 @@ def check_target(target: str) -> str:
     if scheme:
         bare = target[scheme.end() :].rstrip("/")
         raise InvalidArgumentError(
-            grpc.StatusCode.INVALID_ARGUMENT,
             f"address {target!r} is a URL: write HOST:PORT without {scheme.group()!r}, "
-            f"e.g. {bare or 'gpu-host:50051'}",
+            f"e.g. {bare or 'gpu-host:50051'}"
         )
     if ":/" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "unix-abstract:")):
         return target
     if not _HOST_PORT.fullmatch(target):
         raise InvalidArgumentError(
-            grpc.StatusCode.INVALID_ARGUMENT,
             f"address {target!r} has no port: write HOST:PORT, e.g. gpu-host:50051 "
-            "(batchwire serve's default port), or dns:///NAME:PORT",
+            "(batchwire serve's default port), or dns:///NAME:PORT"
         )
     return target
 

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, overload
 
 import grpc
 
@@ -30,42 +30,70 @@ __all__ = [
 
 
 class BatchwireError(Exception):
-    """A batchwire operation failed; ``code`` is the ``grpc.StatusCode``."""
+    """A batchwire operation failed; ``code`` is the ``grpc.StatusCode``.
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    Raise one as ``NotFoundError("no dataset 'x'")``: ``code`` defaults to the class's
+    ``default_code``; pass ``code=`` for another (``UnavailableError("...",
+    code=grpc.StatusCode.DEADLINE_EXCEEDED)``). The older form ``BatchwireError(code,
+    details)`` still works.
+    """
+
+    default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    @overload
+    def __init__(self, details: str, /, *, code: grpc.StatusCode | None = None) -> None: ...
+    @overload
+    def __init__(self, code: grpc.StatusCode, details: str, /) -> None: ...
+    def __init__(self, *args: grpc.StatusCode | str, code: grpc.StatusCode | None = None) -> None:
+        if len(args) == 2 and isinstance(args[0], grpc.StatusCode) and code is None:
+            code, details = args[0], str(args[1])
+        elif len(args) == 1 and isinstance(args[0], str):
+            details = args[0]
+        else:
+            raise TypeError(
+                f"{type(self).__name__}(details, *, code=None) or (code, details), got {args!r}"
+            )
+        code = code if code is not None else self.default_code
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles its args (the formatted message); rebuild from code and details.
+        return type(self), (self.code, self.details), self.__dict__
+
 
 class NotFoundError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.NOT_FOUND
 
 
 class InvalidArgumentError(BatchwireError, ValueError):
-    pass
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class BadImagesError(InvalidArgumentError):
     """Some images of a Preprocessor call failed; ``errors`` holds ``(index, reason)`` pairs."""
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, *, errors: tuple[Any, ...] = ()
+        self,
+        *args: grpc.StatusCode | str,
+        code: grpc.StatusCode | None = None,
+        errors: tuple[Any, ...] = (),
     ) -> None:
-        super().__init__(code, details)
+        super().__init__(*args, code=code)
         self.errors = errors
 
 
 class ResourceExhaustedError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class UnavailableError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.UNAVAILABLE
 
 
 class AuthenticationError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.UNAUTHENTICATED
 
 
 _BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
@@ -82,7 +110,7 @@ _BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
 
 def error_for(code: grpc.StatusCode, details: str) -> BatchwireError:
     """The exception class that fits ``code``, built with ``details``."""
-    return _BY_CODE.get(code, BatchwireError)(code, details)
+    return _BY_CODE.get(code, BatchwireError)(details, code=code)
 
 
 def from_rpc_error(exc: grpc.RpcError, address: str = "") -> BatchwireError:

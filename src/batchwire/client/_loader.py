@@ -59,7 +59,7 @@ _OPTION_ARGUMENTS = (
 
 
 def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return InvalidArgumentError(message)
 
 
 def _targets(address: str | Sequence[str]) -> tuple[str, ...]:

@@ -162,15 +162,15 @@ class StreamPass:
     def _raise_if_stopped(self) -> None:
         if self._superseded:
             raise BatchwireError(
-                grpc.StatusCode.FAILED_PRECONDITION,
                 "this iterator was replaced: a newer iter() of the same RemoteLoader started a "
                 "new pass, which stopped this one (each iter() is a pass; use one at a time)",
+                code=grpc.StatusCode.FAILED_PRECONDITION,
             )
         if self._stop.is_set():
             raise BatchwireError(
-                grpc.StatusCode.CANCELLED,
                 "this iterator's pass was stopped by RemoteLoader.close(); iterate the loader "
                 "again to start a new pass",
+                code=grpc.StatusCode.CANCELLED,
             )
 
     def supersede(self) -> None:

@@ -39,7 +39,7 @@ _REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return InvalidArgumentError(message)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +69,6 @@ class Preprocessed(NamedTuple):
             shown = "; ".join(f"image {e.index}: {e.reason}" for e in self.errors[:3])
             more = f" (and {len(self.errors) - 3} more)" if len(self.errors) > 3 else ""
             raise BadImagesError(
-                grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(self.errors)} of {len(self.errors) + len(self.indices)} images could "
                 f"not be preprocessed: {shown}{more}",
                 errors=tuple(self.errors),

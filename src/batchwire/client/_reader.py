@@ -145,7 +145,7 @@ class ServerPuller(threading.Thread):
             self._book.fail(exc)
         except Exception as exc:  # a bug or a malformed message: surface it, never hang
             log.exception("puller of %s failed", self.server.address)
-            error = BatchwireError(grpc.StatusCode.INTERNAL, f"client reader failed: {exc!r}")
+            error = BatchwireError(f"client reader failed: {exc!r}", code=grpc.StatusCode.INTERNAL)
             error.__cause__ = exc
             self._book.fail(error)
 
@@ -202,9 +202,9 @@ class ServerPuller(threading.Thread):
             part = decode_batch(raw)
             if part.header.part != len(parts):
                 raise BatchwireError(
-                    grpc.StatusCode.INTERNAL,
                     f"batch {part.header.index}: part {part.header.part} arrived "
                     f"after {len(parts)} parts",
+                    code=grpc.StatusCode.INTERNAL,
                 )
             parts.append(part)
             if len(parts) < (part.header.parts or 1):

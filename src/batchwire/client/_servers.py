@@ -61,20 +61,16 @@ def resolve(targets: Sequence[str]) -> list[Server]:
             continue
         host, _, port = target[len(_DNS) :].rpartition(":")
         if not host or not port.isdigit():
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{target!r} is not dns:///host:port"
-            )
+            raise InvalidArgumentError(f"{target!r} is not dns:///host:port")
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise UnavailableError(
-                grpc.StatusCode.UNAVAILABLE, f"cannot resolve {host!r} ({exc}); is the name right?"
-            ) from exc
+            raise UnavailableError(f"cannot resolve {host!r} ({exc}); is the name right?") from exc
         ips = sorted({str(info[4][0]) for info in infos})
         servers += [Server(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", host) for ip in ips]
     unique = list(dict.fromkeys(servers))
     if not unique:
-        raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no server address in {targets!r}")
+        raise UnavailableError(f"no server address in {targets!r}")
     return unique
 
 
