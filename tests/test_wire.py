@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from batchwire.client import RemoteLoader
-from batchwire.client._reader import TransferStats, assemble
+from batchwire.client._delivery import TransferStats, assemble
 from batchwire.common.batch_codec import decode_batch, encode_batch
 from batchwire.common.tensors import from_proto, to_proto
 from batchwire.server import BatchwireServer
@@ -36,7 +36,7 @@ def test_encoded_batches_are_plain_protobuf_and_decode_without_copying() -> None
     assert np.array_equal(decode_batch(parsed.SerializeToString()).images, images)
     stats = TransferStats()
     delivery = assemble([decoded], stats=stats)
-    assert np.array_equal(delivery.images, images)  # type: ignore[arg-type]
+    assert np.array_equal(delivery.images.numpy(), images)
     assert stats.received == stats.copied == images.nbytes
 
 

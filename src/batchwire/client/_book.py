@@ -27,14 +27,11 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 
+from batchwire.client._delivery import Delivery
 from batchwire.client._exceptions import BatchwireError, UnavailableError, error_for
-
-if TYPE_CHECKING:
-    from batchwire.client._reader import Delivery
 
 __all__ = ["HEDGE_FACTOR", "HEDGE_MIN_S", "Book", "Held"]
 

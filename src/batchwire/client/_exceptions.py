@@ -8,7 +8,10 @@
     ├── UnavailableError          UNAVAILABLE, DEADLINE_EXCEEDED: no server answered in time
     └── AuthenticationError       UNAUTHENTICATED, PERMISSION_DENIED: bad or missing credentials
 
-``from_rpc_error`` is the one place where a ``grpc.RpcError`` becomes one of these.
+Each class carries its ``default_code``: ``NotFoundError("no dataset 'x'")`` has
+``code == grpc.StatusCode.NOT_FOUND``. ``error_for`` picks the class for a status code;
+``batchwire.client._transport.map_rpc_errors`` is the one place where a
+``grpc.RpcError`` becomes one of these.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "UnavailableError",
-    "from_rpc_error",
+    "error_for",
 ]
 
 
@@ -111,20 +114,3 @@ _BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
 def error_for(code: grpc.StatusCode, details: str) -> BatchwireError:
     """The exception class that fits ``code``, built with ``details``."""
     return _BY_CODE.get(code, BatchwireError)(details, code=code)
-
-
-def from_rpc_error(exc: grpc.RpcError, address: str = "") -> BatchwireError:
-    """Turn a ``grpc.RpcError`` into the matching ``BatchwireError`` (raise it ``from exc``)."""
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    if code == grpc.StatusCode.UNAVAILABLE and address:
-        if "handshake" in details.lower():
-            details = (
-                f"TLS handshake with {address} failed ({details}); does tls_ca hold the CA "
-                "that signed the server's certificate, and does the address match a name in it?"
-            )
-        else:
-            details = (
-                f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
-            )
-    return error_for(code, details)

@@ -16,14 +16,15 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
 
 import grpc
 
 from batchwire.client._book import Book
+from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._exceptions import BatchwireError
-from batchwire.client._reader import Allocator, Delivery, OpenCall, ServerPuller, TransferStats
+from batchwire.client._reader import ServerPuller
 from batchwire.client._servers import Server, ServerSet
+from batchwire.client._transport import Transport
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["StreamPass", "close_at_exit"]
@@ -75,11 +76,9 @@ class StreamPass:
         num_batches: int,
         batch_size: int,
         spec: pb.StreamBatchesRequest,
-        open_call: OpenCall,
+        transport: Transport,
+        tensors: Tensors,
         servers: ServerSet,
-        convert: Callable[[Delivery], Delivery],
-        allocate: Allocator,
-        stats: TransferStats,
         credit: int,
         window: int,
         retry_timeout: float,
@@ -104,14 +103,12 @@ class StreamPass:
             return ServerPuller(
                 server=server,
                 spec=spec,
-                open_call=open_call,
+                transport=transport,
+                tensors=tensors,
                 book=self.book,
                 credit=credit,
                 servers=servers,
-                convert=convert,
                 stop=self._stop,
-                allocate=allocate,
-                stats=stats,
             )
 
         self._puller = puller
