@@ -62,6 +62,58 @@ def test_cli_uses_only_public_apis() -> None:
     assert not found, "the CLI imports private modules:\n" + "\n".join(found)
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports anywhere (under ``TYPE_CHECKING``
+    and inside functions too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found & modules
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import loop in ``graph`` (module -> the modules it imports), or []."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return []
+        for imported in sorted(graph[module]):
+            loop = visit(imported, [*path, module])
+            if loop:
+                return loop
+        done.add(module)
+        return []
+
+    return next((loop for module in sorted(graph) if (loop := visit(module, []))), [])
+
+
+def test_the_client_and_common_modules_import_no_cycle() -> None:
+    """No module of batchwire.client or batchwire.common imports itself around a loop, not
+    even for a type under ``TYPE_CHECKING``: a type that needs a loop sits in the wrong
+    module, and a reader has no place to start."""
+    paths = {
+        _module_name(path): path
+        for part in ("client", "common")
+        for path in sorted((PACKAGE / part).rglob("*.py"))
+    }
+    graph = {name: _package_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    assert any(graph.values()), "no imports found: the walk no longer reads the modules"
+    loop = _a_cycle(graph)
+    assert not loop, "an import loop: " + " -> ".join(loop)
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
 def test_one_package_is_installed_and_no_top_level_client_or_server(
     tmp_path: pathlib.Path,
 ) -> None:
