@@ -12,8 +12,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import types
 
 import mypy.api
+
+from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "batchwire"
@@ -195,3 +200,39 @@ def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
         "dict[str, Any]",
     ], stdout + stderr
     assert status == 0, stdout + stderr
+
+
+def test_a_batch_crosses_few_of_the_clients_files(server: BatchwireServer) -> None:
+    """The path of a steady-state batch, from the bytes a puller receives to the tensors
+    the loop gets, in every thread: the client's files it runs in, and the files of
+    ``batchwire.common`` they call. A new hop on that path shows up here."""
+    client = str(PACKAGE / "client")
+    seen: set[str] = set()
+    recording = threading.Event()
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        caller = frame.f_back
+        if event != "call" or not recording.is_set() or caller is None:
+            return
+        path, by = frame.f_code.co_filename, caller.f_code.co_filename
+        if path.startswith(client) or (by.startswith(client) and path.startswith(str(PACKAGE))):
+            seen.add(str(pathlib.Path(path).relative_to(PACKAGE)))
+
+    threading.setprofile(profile)  # the pullers start after this
+    sys.setprofile(profile)
+    try:
+        with RemoteLoader(server.target, dataset="shapes", pipeline="val", batch_size=8) as remote:
+            batches = iter(remote)
+            for _ in range(3):
+                next(batches)
+            recording.set()
+            for _ in range(10):
+                next(batches)
+            recording.clear()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    # The loop, the pass and its book, the puller, and _delivery (decoding, assembling,
+    # normalizing) with the two codec modules it calls.
+    assert "client/_delivery.py" in seen and "common/batch_codec.py" in seen, seen
+    assert len(seen) <= 7, sorted(seen)
