@@ -67,6 +67,37 @@ def test_cli_uses_only_public_apis() -> None:
     assert not found, "the CLI imports private modules:\n" + "\n".join(found)
 
 
+def test_one_package_is_installed_and_no_top_level_client_or_server(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Outside the checkout (``-I``: neither the working directory nor PYTHONPATH on
+    ``sys.path``), ``batchwire`` and its parts import, and nothing else of the checkout does."""
+    code = (
+        "import importlib.util\n"
+        "import batchwire, batchwire.client, batchwire.common, batchwire.server, batchwire.cli\n"
+        "import batchwire.v1.batchwire_pb2, batchwire.v1.batchwire_pb2_grpc\n"
+        "print(batchwire.__version__)\n"
+        "print(sorted(name for name in ('client', 'server', 'common', 'cli', 'v1', 'src',"
+        " 'proto', 'benchmarks') if importlib.util.find_spec(name) is not None))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,
+    )
+    version, found = out.stdout.split("\n")[:2]
+    assert version == importlib.metadata.version("batchwire")
+    assert found == "[]", f"top-level modules installed besides batchwire: {found}"
+
+
+def test_typed_markers_are_in_the_package() -> None:
+    assert (PACKAGE / "py.typed").is_file()
+    assert (PACKAGE / "client" / "py.typed").is_file()
+
+
 def _module_name(path: pathlib.Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -119,35 +150,40 @@ def test_the_client_and_common_modules_import_no_cycle() -> None:
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def test_one_package_is_installed_and_no_top_level_client_or_server(
-    tmp_path: pathlib.Path,
-) -> None:
-    """Outside the checkout (``-I``: neither the working directory nor PYTHONPATH on
-    ``sys.path``), ``batchwire`` and its parts import, and nothing else of the checkout does."""
-    code = (
-        "import importlib.util\n"
-        "import batchwire, batchwire.client, batchwire.common, batchwire.server, batchwire.cli\n"
-        "import batchwire.v1.batchwire_pb2, batchwire.v1.batchwire_pb2_grpc\n"
-        "print(batchwire.__version__)\n"
-        "print(sorted(name for name in ('client', 'server', 'common', 'cli', 'v1', 'src',"
-        " 'proto', 'benchmarks') if importlib.util.find_spec(name) is not None))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-I", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=tmp_path,
-    )
-    version, found = out.stdout.split("\n")[:2]
-    assert version == importlib.metadata.version("batchwire")
-    assert found == "[]", f"top-level modules installed besides batchwire: {found}"
+def test_a_batch_crosses_few_of_the_clients_files(server: BatchwireServer) -> None:
+    """The path of a steady-state batch, from the bytes a puller receives to the tensors
+    the loop gets, in every thread: the client's files it runs in, and the files of
+    ``batchwire.common`` they call. A new hop on that path shows up here."""
+    client = str(PACKAGE / "client")
+    seen: set[str] = set()
+    recording = threading.Event()
 
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        caller = frame.f_back
+        if event != "call" or not recording.is_set() or caller is None:
+            return
+        path, by = frame.f_code.co_filename, caller.f_code.co_filename
+        if path.startswith(client) or (by.startswith(client) and path.startswith(str(PACKAGE))):
+            seen.add(str(pathlib.Path(path).relative_to(PACKAGE)))
 
-def test_typed_markers_are_in_the_package() -> None:
-    assert (PACKAGE / "py.typed").is_file()
-    assert (PACKAGE / "client" / "py.typed").is_file()
+    threading.setprofile(profile)  # the pullers start after this
+    sys.setprofile(profile)
+    try:
+        with RemoteLoader(server.target, dataset="shapes", pipeline="val", batch_size=8) as remote:
+            batches = iter(remote)
+            for _ in range(3):
+                next(batches)
+            recording.set()
+            for _ in range(10):
+                next(batches)
+            recording.clear()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    # The loop, the pass and its book, the puller, and _delivery (decoding, assembling,
+    # normalizing) with the two codec modules it calls.
+    assert "client/_delivery.py" in seen and "common/batch_codec.py" in seen, seen
+    assert len(seen) <= 7, sorted(seen)
 
 
 def test_the_paths_the_docs_name_exist() -> None:
@@ -200,39 +236,3 @@ def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
         "dict[str, Any]",
     ], stdout + stderr
     assert status == 0, stdout + stderr
-
-
-def test_a_batch_crosses_few_of_the_clients_files(server: BatchwireServer) -> None:
-    """The path of a steady-state batch, from the bytes a puller receives to the tensors
-    the loop gets, in every thread: the client's files it runs in, and the files of
-    ``batchwire.common`` they call. A new hop on that path shows up here."""
-    client = str(PACKAGE / "client")
-    seen: set[str] = set()
-    recording = threading.Event()
-
-    def profile(frame: types.FrameType, event: str, arg: object) -> None:
-        caller = frame.f_back
-        if event != "call" or not recording.is_set() or caller is None:
-            return
-        path, by = frame.f_code.co_filename, caller.f_code.co_filename
-        if path.startswith(client) or (by.startswith(client) and path.startswith(str(PACKAGE))):
-            seen.add(str(pathlib.Path(path).relative_to(PACKAGE)))
-
-    threading.setprofile(profile)  # the pullers start after this
-    sys.setprofile(profile)
-    try:
-        with RemoteLoader(server.target, dataset="shapes", pipeline="val", batch_size=8) as remote:
-            batches = iter(remote)
-            for _ in range(3):
-                next(batches)
-            recording.set()
-            for _ in range(10):
-                next(batches)
-            recording.clear()
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
-    # The loop, the pass and its book, the puller, and _delivery (decoding, assembling,
-    # normalizing) with the two codec modules it calls.
-    assert "client/_delivery.py" in seen and "common/batch_codec.py" in seen, seen
-    assert len(seen) <= 7, sorted(seen)
