@@ -22,7 +22,7 @@ from batchwire.client._book import Book, Held
 from batchwire.client._delivery import Tensors
 from batchwire.client._exceptions import BatchwireError
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
-from batchwire.client._transport import Transport, map_rpc_errors
+from batchwire.client._transport import Transport, map_rpc_errors, rpc_details
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["ServerPuller"]
@@ -96,8 +96,8 @@ class ServerPuller(threading.Thread):
                     raise
                 if self.delivered > before:
                     attempt = 0  # it delivered since it last failed: a new outage
-                named = self.server.address in exc.details
-                failure = (exc.code, str(exc) if named else f"{self.server.address}: {exc}")
+                said = rpc_details(exc)
+                failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
                 over.set()  # before giving back, so the request stream claims no more
                 returned = self._book.give_back(held, failure)

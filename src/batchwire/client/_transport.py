@@ -37,6 +37,7 @@ __all__ = [
     "list_datasets",
     "map_rpc_errors",
     "open_channel",
+    "rpc_details",
 ]
 
 # A batch (e.g. 512 x 3 x 224 x 224 uint8 = 77 MB) is one message, far above
@@ -68,6 +69,13 @@ def map_rpc_errors(address: str = "") -> Iterator[None]:
         code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
         details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
         raise error_for(code, _advice(code, details, address)) from exc
+
+
+def rpc_details(error: BatchwireError) -> str:
+    """What gRPC or the server said, for an ``error`` from ``map_rpc_errors``, before it
+    was worded for a user (a retried failure is logged as it was)."""
+    cause = error.__cause__
+    return (cause.details() if isinstance(cause, grpc.Call) else None) or error.details
 
 
 def _advice(code: grpc.StatusCode, details: str, address: str) -> str:
