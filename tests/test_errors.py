@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client import (
+    BadImagesError,
     BatchwireError,
     InvalidArgumentError,
     NotFoundError,
@@ -155,3 +158,34 @@ def test_a_batch_larger_than_the_share_with_drop_last_is_an_error_not_an_empty_e
         server.target, dataset="shapes", batch_size=300, rank=0, world_size=2, drop_last=False
     )
     assert [len(labels) for _, labels in short] == [260]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (NotFoundError("no dataset 'x'"), grpc.StatusCode.NOT_FOUND),
+        (InvalidArgumentError("bad batch_size"), grpc.StatusCode.INVALID_ARGUMENT),
+        (UnavailableError("down"), grpc.StatusCode.UNAVAILABLE),
+        (UnavailableError("slow", code=grpc.StatusCode.DEADLINE_EXCEEDED), None),
+        (BatchwireError("odd"), grpc.StatusCode.UNKNOWN),
+        # The form of earlier releases, code first, still builds the same error.
+        (NotFoundError(grpc.StatusCode.NOT_FOUND, "no dataset 'x'"), grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_an_errors_code_defaults_from_its_class_and_survives_pickling(
+    error: BatchwireError, code: grpc.StatusCode | None
+) -> None:
+    # Users raise these in their own code (fakes of a loader, retry wrappers), and
+    # multiprocessing queues pickle them.
+    code = code or grpc.StatusCode.DEADLINE_EXCEEDED
+    assert error.code == code and str(error) == f"{code.name}: {error.details}"
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert (copy.code, copy.details, str(copy)) == (error.code, error.details, str(error))
+
+
+def test_bad_images_errors_keep_their_failures_through_pickling() -> None:
+    error = BadImagesError("1 of 2 images could not be preprocessed", errors=((1, "truncated"),))
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.code == grpc.StatusCode.INVALID_ARGUMENT and copy.errors == ((1, "truncated"),)
+    assert isinstance(copy, ValueError)

@@ -12,8 +12,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import types
 
 import mypy.api
+
+from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "batchwire"
@@ -101,6 +106,94 @@ def test_one_package_is_installed_and_no_top_level_client_or_server(
 def test_typed_markers_are_in_the_package() -> None:
     assert (PACKAGE / "py.typed").is_file()
     assert (PACKAGE / "client" / "py.typed").is_file()
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports anywhere (under ``TYPE_CHECKING``
+    and inside functions too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found & modules
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import loop in ``graph`` (module -> the modules it imports), or []."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return []
+        for imported in sorted(graph[module]):
+            loop = visit(imported, [*path, module])
+            if loop:
+                return loop
+        done.add(module)
+        return []
+
+    return next((loop for module in sorted(graph) if (loop := visit(module, []))), [])
+
+
+def test_the_client_and_common_modules_import_no_cycle() -> None:
+    """No module of batchwire.client or batchwire.common imports itself around a loop, not
+    even for a type under ``TYPE_CHECKING``: a type that needs a loop sits in the wrong
+    module, and a reader has no place to start."""
+    paths = {
+        _module_name(path): path
+        for part in ("client", "common")
+        for path in sorted((PACKAGE / part).rglob("*.py"))
+    }
+    graph = {name: _package_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    assert any(graph.values()), "no imports found: the walk no longer reads the modules"
+    loop = _a_cycle(graph)
+    assert not loop, "an import loop: " + " -> ".join(loop)
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_a_batch_crosses_few_of_the_clients_files(server: BatchwireServer) -> None:
+    """The path of a steady-state batch, from the bytes a puller receives to the tensors
+    the loop gets, in every thread: the client's files it runs in, and the files of
+    ``batchwire.common`` they call. A new hop on that path shows up here."""
+    client = str(PACKAGE / "client")
+    seen: set[str] = set()
+    recording = threading.Event()
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        caller = frame.f_back
+        if event != "call" or not recording.is_set() or caller is None:
+            return
+        path, by = frame.f_code.co_filename, caller.f_code.co_filename
+        if path.startswith(client) or (by.startswith(client) and path.startswith(str(PACKAGE))):
+            seen.add(str(pathlib.Path(path).relative_to(PACKAGE)))
+
+    threading.setprofile(profile)  # the pullers start after this
+    sys.setprofile(profile)
+    try:
+        with RemoteLoader(server.target, dataset="shapes", pipeline="val", batch_size=8) as remote:
+            batches = iter(remote)
+            for _ in range(3):
+                next(batches)
+            recording.set()
+            for _ in range(10):
+                next(batches)
+            recording.clear()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    # The loop, the pass and its book, the puller, and _delivery (decoding, assembling,
+    # normalizing) with the two codec modules it calls.
+    assert "client/_delivery.py" in seen and "common/batch_codec.py" in seen, seen
+    assert len(seen) <= 7, sorted(seen)
 
 
 def test_the_paths_the_docs_name_exist() -> None:

@@ -19,7 +19,7 @@ from test_corrupt import corrupt
 from test_resources import within
 
 from batchwire.bench import process_tree
-from batchwire.client._channel import CHANNEL_OPTIONS
+from batchwire.client._transport import CHANNEL_OPTIONS
 from batchwire.common.tensors import from_proto
 from batchwire.server import BatchwireServer
 from batchwire.v1 import batchwire_pb2 as pb

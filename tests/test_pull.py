@@ -15,13 +15,14 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
 from conftest import start_server
 from processes import serve_process
 
 from batchwire.client import BatchwireError, RemoteLoader, UnavailableError
 from batchwire.client._book import HEDGE_MIN_S, Book, Held
-from batchwire.client._channel import CHANNEL_OPTIONS
-from batchwire.client._reader import Delivery
+from batchwire.client._delivery import Delivery
+from batchwire.client._transport import CHANNEL_OPTIONS
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
 from batchwire.v1 import batchwire_pb2 as pb
@@ -32,12 +33,10 @@ def delivery(index: int) -> Delivery:
     return Delivery(
         index=index,
         ids=np.array([index]),
-        images=None,
-        labels=None,
+        images=torch.zeros((1,)),
+        labels=torch.zeros((1,), dtype=torch.int64),
         cursor=index + 1,
         skipped_ids=(),
-        normalized=False,
-        layout="NCHW",
     )
 
 

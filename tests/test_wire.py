@@ -10,9 +10,10 @@ import sys
 import grpc
 import numpy as np
 import pytest
+import torch
 
-from batchwire.client import RemoteLoader
-from batchwire.client._reader import TransferStats, assemble
+from batchwire.client import BatchwireError, RemoteLoader
+from batchwire.client._delivery import LoaderOptions, Tensors, TransferStats, assemble
 from batchwire.common.batch_codec import decode_batch, encode_batch
 from batchwire.common.tensors import from_proto, to_proto
 from batchwire.server import BatchwireServer
@@ -36,7 +37,7 @@ def test_encoded_batches_are_plain_protobuf_and_decode_without_copying() -> None
     assert np.array_equal(decode_batch(parsed.SerializeToString()).images, images)
     stats = TransferStats()
     delivery = assemble([decoded], stats=stats)
-    assert np.array_equal(delivery.images, images)  # type: ignore[arg-type]
+    assert np.array_equal(delivery.images.numpy(), images)
     assert stats.received == stats.copied == images.nbytes
 
 
@@ -45,6 +46,51 @@ def test_malformed_batches_are_errors_not_crashes() -> None:
     for broken in (raw[:-1], raw[:5], b"\xff" * 12):
         with pytest.raises(ValueError):
             decode_batch(broken)
+
+
+def _parts(images: np.ndarray, cut: int) -> list[bytes]:
+    """Batch 7 as the server sends one too large for a message: in two parts, the first
+    holding ``cut`` samples."""
+    parts = []
+    for part, (start, end) in enumerate(((0, cut), (cut, len(images)))):
+        header = pb.Batch(
+            index=7,
+            part=part,
+            parts=2,
+            ids=range(100 + start, 100 + end),
+            labels=to_proto("labels", np.arange(start, end), "N"),
+            cursor=40 + end,
+        )
+        parts.append(encode_batch(header, images[start:end], "NCHW"))
+    return parts
+
+
+def test_a_batch_in_parts_becomes_one_normalized_delivery_with_one_copy() -> None:
+    images = np.random.default_rng(1).integers(0, 255, (5, 3, 4, 4), dtype=np.uint8)
+    info = pb.PipelineInfo(name="val", mean=[10.0, 20.0, 30.0], std=[2.0, 4.0, 8.0])
+    stats = TransferStats()
+    options = LoaderOptions(device=torch.device("cpu"), return_ids=True)
+    tensors = Tensors(options, info, "NCHW", stats)
+    (delivery,) = tensors.deliveries(_parts(images, 2))
+    assert (delivery.index, delivery.cursor) == (7, 45)
+    assert stats.received == stats.copied == images.nbytes  # joined in the one copy
+    out, labels, ids = tensors.output(delivery)
+    mean = np.array([10.0, 20.0, 30.0]).reshape(1, 3, 1, 1)
+    std = np.array([2.0, 4.0, 8.0]).reshape(1, 3, 1, 1)
+    assert out.dtype == torch.float32
+    assert np.allclose(out.numpy(), (images - mean) / std)
+    assert labels.tolist() == [0, 1, 2, 3, 4] and ids.tolist() == [100, 101, 102, 103, 104]
+    plain = Tensors(LoaderOptions(device=torch.device("cpu"), normalize=False), info, "NCHW")
+    raw, _ = plain.output(next(plain.deliveries(_parts(images, 3))))
+    assert raw.dtype == torch.uint8 and np.array_equal(raw.numpy(), images)
+
+
+def test_parts_out_of_order_fail_the_call_with_a_clear_error() -> None:
+    images = np.zeros((4, 3, 2, 2), np.uint8)
+    tensors = Tensors(LoaderOptions(device=torch.device("cpu")), pb.PipelineInfo(), "NCHW")
+    with pytest.raises(BatchwireError, match="part 1 arrived after 0 parts") as caught:
+        list(tensors.deliveries(_parts(images, 2)[1:]))
+    assert caught.value.code == grpc.StatusCode.INTERNAL
 
 
 def test_large_batches_travel_in_parts_a_plain_client_can_join(server: BatchwireServer) -> None:

@@ -25,8 +25,8 @@ from batchwire.client._exceptions import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from batchwire.client._health import check_health, list_datasets
 from batchwire.client._security import ChannelSecurity
+from batchwire.client._transport import check_health, list_datasets
 from batchwire.common import __version__
 
 if TYPE_CHECKING:

@@ -27,14 +27,11 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 
+from batchwire.client._delivery import Delivery
 from batchwire.client._exceptions import BatchwireError, UnavailableError, error_for
-
-if TYPE_CHECKING:
-    from batchwire.client._reader import Delivery
 
 __all__ = ["HEDGE_FACTOR", "HEDGE_MIN_S", "Book", "Held"]
 
@@ -111,8 +108,8 @@ class Book:
             expected = held[0] if held else None
             if delivery.index != expected:
                 raise BatchwireError(
-                    grpc.StatusCode.INTERNAL,
                     f"the server sent batch {delivery.index} where batch {expected} was asked for",
+                    code=grpc.StatusCode.INTERNAL,
                 )
             held.popleft()  # the call has room for another batch either way
             self._cond.notify_all()
@@ -178,9 +175,9 @@ class Book:
                     )
                 if now >= deadline:
                     raise UnavailableError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"no batch arrived within {timeout:.0f}s (timeout=); the server "
                         "may be overloaded or stuck",
+                        code=grpc.StatusCode.DEADLINE_EXCEEDED,
                     )
                 self._cond.wait(min(_POLL, deadline - now))
             delivery = self._arrived.pop(index)

@@ -1,17 +1,40 @@
-"""How a loader delivers what it streams: its options, and received batches as tensors."""
+"""How a loader delivers what it streams: its options, and the path of a received batch
+to the tensors the loop yields, all of it here::
+
+    Tensors.deliveries(messages)      a puller thread, per call: the bytes received
+      decode_batch                    the header parsed, the images a view (no copy)
+      assemble                        a batch's parts joined: the one copy of the images,
+                                      into pinned memory when bound for a GPU
+      Tensors._finish                 CPU images normalized here, off the training loop
+    Book                              the Delivery waits, in order, for the loop
+    Tensors.output(delivery)          the loop: to the device, GPU images normalized there
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import grpc
 import numpy as np
 import torch
 
-from batchwire.client._normalize import channel_stats
-from batchwire.client._reader import Delivery
+from batchwire.client._exceptions import BatchwireError
+from batchwire.common.batch_codec import DecodedBatch, decode_batch
+from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["LoaderOptions", "Tensors"]
+__all__ = [
+    "Allocator",
+    "Delivery",
+    "LoaderOptions",
+    "Tensors",
+    "TransferStats",
+    "assemble",
+    "channel_stats",
+    "normalize",
+]
 
 _TORCH_DTYPES = {
     np.dtype("u1"): torch.uint8,
@@ -48,53 +71,156 @@ class LoaderOptions:
                 raise ValueError(message)
 
 
-class Tensors:
-    """A pass's batches as the tensors the loop yields, normalized with the pipeline's
-    mean and std (``info``) unless they come normalized or ``normalize`` is off."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """One received batch as tensors on the CPU. ``to_normalize``: the images are as
+    served and still to be normalized, on the device (``Tensors.output``)."""
 
-    def __init__(self, options: LoaderOptions, info: pb.PipelineInfo, layout: str) -> None:
+    index: int
+    ids: np.ndarray
+    images: torch.Tensor
+    labels: torch.Tensor
+    cursor: int
+    skipped_ids: tuple[int, ...]
+    to_normalize: bool = False
+
+
+@dataclasses.dataclass
+class TransferStats:
+    """Image payload bytes received, and bytes copied on their way to tensors.
+
+    ``copied == received`` means each payload byte was copied exactly once
+    between the bytes gRPC hands over and the tensor the user gets.
+    """
+
+    received: int = 0
+    copied: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, received: int, copied: int) -> None:
+        with self.lock:
+            self.received += received
+            self.copied += copied
+
+
+# allocate(shape, dtype) -> (the tensor, a writable NumPy view of its memory)
+Allocator = Callable[[tuple[int, ...], np.dtype], tuple[torch.Tensor, np.ndarray]]
+
+
+def _numpy_memory(shape: tuple[int, ...], dtype: np.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    # NumPy memory, which NumPy backs with huge pages: a fresh torch.empty of a batch
+    # costs page faults worth several times the copy.
+    array = np.empty(shape, dtype)
+    return torch.from_numpy(array), array
+
+
+def _pinned_memory(shape: tuple[int, ...], dtype: np.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    # torch's caching host allocator: the copy to the GPU can be asynchronous.
+    tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True)
+    return tensor, tensor.numpy()
+
+
+def assemble(
+    parts: list[DecodedBatch],
+    allocate: Allocator = _numpy_memory,
+    stats: TransferStats | None = None,
+) -> Delivery:
+    """One Delivery from a batch's parts: image data copied once, into ``allocate``'d
+    memory, so that the one copy from the received bytes is also the last."""
+    first, last = parts[0].header, parts[-1].header
+    views = [p.images for p in parts]
+    samples = sum(len(v) for v in views)
+    images, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
+    position = 0
+    for view in views:
+        out[position : position + len(view)] = view
+        position += len(view)
+    if stats is not None:
+        stats.add(sum(v.nbytes for v in views), out.nbytes)
+    labels = [from_proto(p.header.labels) for p in parts]
+    return Delivery(
+        index=first.index,
+        ids=np.concatenate([np.asarray(p.header.ids, dtype=np.int64) for p in parts]),
+        images=images,
+        labels=torch.from_numpy(np.concatenate(labels) if labels else np.zeros((0,), np.int64)),
+        cursor=last.cursor,
+        skipped_ids=tuple(last.skipped_ids),
+        to_normalize=not first.normalized,
+    )
+
+
+def channel_stats(
+    mean: Sequence[float], std: Sequence[float], layout: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``mean`` and ``std`` (0..255 pixel scale, as a server announces them) on
+    ``device``, shaped to broadcast over a batch in ``layout`` (NCHW or NHWC)."""
+    shape = (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)
+    m = torch.tensor(list(mean) or [0.0], dtype=torch.float32).reshape(shape)
+    s = torch.tensor(list(std) or [1.0], dtype=torch.float32).reshape(shape)
+    return m.to(device), s.to(device)
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """float32, less the mean, over the std (``channel_stats``); an empty batch (every
+    sample skipped) only becomes float32, whatever its shape."""
+    if not images.numel():
+        return images.float()
+    return images.float().sub_(mean).div_(std)
+
+
+class Tensors:
+    """A pass's batches, from the messages received to the tensors the loop yields:
+    normalized with the pipeline's mean and std (``info``) unless the server normalized
+    them or ``normalize`` is off."""
+
+    def __init__(
+        self,
+        options: LoaderOptions,
+        info: pb.PipelineInfo,
+        layout: str,
+        stats: TransferStats | None = None,
+    ) -> None:
         self.options = options
         self.mean, self.std = channel_stats(info.mean, info.std, layout, options.device)
+        self._cuda = options.device.type == "cuda"
+        self._allocate = _pinned_memory if self._cuda else _numpy_memory
+        self._stats = stats
 
-    def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[object, np.ndarray]:
-        """Where a batch's images are assembled, so that the one copy from the received
-        bytes is also the last: pinned memory (torch's caching host allocator) when
-        bound for a GPU; otherwise NumPy memory, which NumPy backs with huge pages:
-        a fresh torch.empty of a batch costs page faults worth several times the copy."""
-        if self.options.device.type == "cuda":
-            tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True)
-            return tensor, tensor.numpy()
-        array = np.empty(shape, dtype)
-        return torch.from_numpy(array), array
+    def deliveries(self, messages: Iterable[bytes]) -> Iterator[Delivery]:
+        """Runs in a puller thread: each batch of one call's ``messages`` (Batch message
+        bytes, a batch in one or more parts) once its last part arrived."""
+        parts: list[DecodedBatch] = []
+        for raw in messages:
+            part = decode_batch(raw)
+            if part.header.part != len(parts):
+                raise BatchwireError(
+                    f"batch {part.header.index}: part {part.header.part} arrived "
+                    f"after {len(parts)} parts",
+                    code=grpc.StatusCode.INTERNAL,
+                )
+            parts.append(part)
+            if len(parts) == (part.header.parts or 1):
+                yield self._finish(assemble(parts, self._allocate, self._stats))
+                parts = []
 
-    def convert(self, d: Delivery) -> Delivery:
-        """Runs in the reader thread: labels to tensors, CPU images normalized early."""
-        cuda, normalize = self.options.device.type == "cuda", self.options.normalize
-        images: torch.Tensor = d.images  # type: ignore[assignment]
-        labels = torch.from_numpy(d.labels)
-        if cuda:
-            labels = labels.pin_memory()
-        elif normalize and not d.normalized:
-            images = self._normalize(images)
-        normalized = d.normalized or (normalize and not cuda)
-        return dataclasses.replace(d, images=images, labels=labels, normalized=normalized)
-
-    def _normalize(self, images: torch.Tensor) -> torch.Tensor:
-        """float32, less the mean, over the std; an empty batch (every sample skipped) only
-        becomes float32, whatever its shape."""
-        if not images.numel():
-            return images.float()
-        return images.float().sub_(self.mean).div_(self.std)
+    def _finish(self, d: Delivery) -> Delivery:
+        """Labels pinned for a GPU, or CPU images normalized: work kept off the loop."""
+        if self._cuda:
+            to_normalize = self.options.normalize and d.to_normalize
+            return dataclasses.replace(d, labels=d.labels.pin_memory(), to_normalize=to_normalize)
+        if self.options.normalize and d.to_normalize:
+            images = normalize(d.images, self.mean, self.std)
+            return dataclasses.replace(d, images=images, to_normalize=False)
+        return dataclasses.replace(d, to_normalize=False)
 
     def output(self, d: Delivery) -> tuple[torch.Tensor, ...]:
         """What the loop yields for a delivery: on the loader's device, normalized."""
-        images: torch.Tensor = d.images  # type: ignore[assignment]
-        labels: torch.Tensor = d.labels  # type: ignore[assignment]
-        if self.options.device.type == "cuda":
+        images, labels = d.images, d.labels
+        if self._cuda:
             images = images.to(self.options.device, non_blocking=True)
             labels = labels.to(self.options.device, non_blocking=True)
-            if self.options.normalize and not d.normalized:
-                images = self._normalize(images)
+            if d.to_normalize:
+                images = normalize(images, self.mean, self.std)
         labels = labels.reshape(-1)
         if self.options.return_ids:
             return images, labels, torch.from_numpy(np.asarray(d.ids, dtype=np.int64))

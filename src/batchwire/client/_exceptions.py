@@ -8,12 +8,15 @@
     ├── UnavailableError          UNAVAILABLE, DEADLINE_EXCEEDED: no server answered in time
     └── AuthenticationError       UNAUTHENTICATED, PERMISSION_DENIED: bad or missing credentials
 
-``from_rpc_error`` is the one place where a ``grpc.RpcError`` becomes one of these.
+Each class carries its ``default_code``: ``NotFoundError("no dataset 'x'")`` has
+``code == grpc.StatusCode.NOT_FOUND``. ``error_for`` picks the class for a status code;
+``batchwire.client._transport.map_rpc_errors`` is the one place where a
+``grpc.RpcError`` becomes one of these.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, overload
 
 import grpc
 
@@ -25,47 +28,75 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "UnavailableError",
-    "from_rpc_error",
+    "error_for",
 ]
 
 
 class BatchwireError(Exception):
-    """A batchwire operation failed; ``code`` is the ``grpc.StatusCode``."""
+    """A batchwire operation failed; ``code`` is the ``grpc.StatusCode``.
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    Raise one as ``NotFoundError("no dataset 'x'")``: ``code`` defaults to the class's
+    ``default_code``; pass ``code=`` for another (``UnavailableError("...",
+    code=grpc.StatusCode.DEADLINE_EXCEEDED)``). The older form ``BatchwireError(code,
+    details)`` still works.
+    """
+
+    default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    @overload
+    def __init__(self, details: str, /, *, code: grpc.StatusCode | None = None) -> None: ...
+    @overload
+    def __init__(self, code: grpc.StatusCode, details: str, /) -> None: ...
+    def __init__(self, *args: grpc.StatusCode | str, code: grpc.StatusCode | None = None) -> None:
+        if len(args) == 2 and isinstance(args[0], grpc.StatusCode) and code is None:
+            code, details = args[0], str(args[1])
+        elif len(args) == 1 and isinstance(args[0], str):
+            details = args[0]
+        else:
+            raise TypeError(
+                f"{type(self).__name__}(details, *, code=None) or (code, details), got {args!r}"
+            )
+        code = code if code is not None else self.default_code
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles its args (the formatted message); rebuild from code and details.
+        return type(self), (self.code, self.details), self.__dict__
+
 
 class NotFoundError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.NOT_FOUND
 
 
 class InvalidArgumentError(BatchwireError, ValueError):
-    pass
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class BadImagesError(InvalidArgumentError):
     """Some images of a Preprocessor call failed; ``errors`` holds ``(index, reason)`` pairs."""
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, *, errors: tuple[Any, ...] = ()
+        self,
+        *args: grpc.StatusCode | str,
+        code: grpc.StatusCode | None = None,
+        errors: tuple[Any, ...] = (),
     ) -> None:
-        super().__init__(code, details)
+        super().__init__(*args, code=code)
         self.errors = errors
 
 
 class ResourceExhaustedError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class UnavailableError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.UNAVAILABLE
 
 
 class AuthenticationError(BatchwireError):
-    pass
+    default_code = grpc.StatusCode.UNAUTHENTICATED
 
 
 _BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
@@ -82,21 +113,4 @@ _BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
 
 def error_for(code: grpc.StatusCode, details: str) -> BatchwireError:
     """The exception class that fits ``code``, built with ``details``."""
-    return _BY_CODE.get(code, BatchwireError)(code, details)
-
-
-def from_rpc_error(exc: grpc.RpcError, address: str = "") -> BatchwireError:
-    """Turn a ``grpc.RpcError`` into the matching ``BatchwireError`` (raise it ``from exc``)."""
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    if code == grpc.StatusCode.UNAVAILABLE and address:
-        if "handshake" in details.lower():
-            details = (
-                f"TLS handshake with {address} failed ({details}); does tls_ca hold the CA "
-                "that signed the server's certificate, and does the address match a name in it?"
-            )
-        else:
-            details = (
-                f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
-            )
-    return error_for(code, details)
+    return _BY_CODE.get(code, BatchwireError)(details, code=code)

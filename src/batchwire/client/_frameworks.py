@@ -8,7 +8,6 @@ import sys
 import types
 from typing import Any
 
-import grpc
 import torch.distributed
 import torch.utils.data
 
@@ -47,11 +46,10 @@ def _refusal(wrapper: str) -> InvalidArgumentError:
             "expects one sample at a time and cuts the stream again by rank."
         )
     return InvalidArgumentError(
-        grpc.StatusCode.INVALID_ARGUMENT,
         f"{what} RemoteLoader already gives each rank its own share: do not pass it (or a "
         "DataLoader over it) to accelerator.prepare(). Iterate it directly, built with "
         "device=accelerator.device, and call accelerator.register_for_checkpointing(loader) "
-        "so that save_state()/load_state() resume it (README: Training frameworks).",
+        "so that save_state()/load_state() resume it (README: Training frameworks)."
     )
 
 

@@ -10,8 +10,7 @@ import grpc
 import torch
 import torch.utils.data
 
-from batchwire.client._channel import ChannelCache, check_target, stub
-from batchwire.client._delivery import LoaderOptions, Tensors
+from batchwire.client._delivery import LoaderOptions, Tensors, TransferStats
 from batchwire.client._exceptions import (
     BatchwireError,
     InvalidArgumentError,
@@ -23,18 +22,15 @@ from batchwire.client._frameworks import (
 )
 from batchwire.client._ledger import Ledger
 from batchwire.client._pass import StreamPass, close_at_exit
-from batchwire.client._reader import TransferStats
 from batchwire.client._security import ChannelSecurity, PemSource
-from batchwire.client._servers import Server, ServerSet, describe_dataset
+from batchwire.client._servers import ServerSet
 from batchwire.client._state import Rank, Resumable
+from batchwire.client._transport import Transport, check_target, describe_dataset
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["LoaderOptions", "RemoteLoader"]
-
-_PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
-
 
 # RemoteLoader's arguments that become its StreamSpec's and its LoaderOptions' fields as
 # they are (rank, world_size, params and device are converted first).
@@ -59,7 +55,7 @@ _OPTION_ARGUMENTS = (
 
 
 def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return InvalidArgumentError(message)
 
 
 def _targets(address: str | Sequence[str]) -> tuple[str, ...]:
@@ -172,7 +168,7 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         self._inherited: Rank | None = None
         self._info: pb.DatasetInfo | None = None
         self._servers = ServerSet(self._addresses)
-        self._channels = ChannelCache(self._security, on_open=close_at_exit)
+        self._transport = Transport(self._security, on_open=close_at_exit)
         self._ledger = Ledger()
         self._pass: StreamPass | None = None
         # load_state_dict ran in this DataLoader worker: see _begin.
@@ -205,18 +201,15 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
 
     # -- dataset facts -----------------------------------------------------------------
 
-    def _channel(self, server: Server) -> grpc.Channel:
-        return self._channels.get(server.address, server.tls_name)
-
     def _describe(self) -> pb.DatasetInfo:
         """The dataset as the first server that answers describes it (cached)."""
         if self._info is None:
             self._info = describe_dataset(
+                self._transport,
                 self._servers,
-                lambda server: stub(self._channel(server)),
-                self._spec,
+                self._spec.dataset,
+                self._spec.pipeline,
                 timeout=self.timeout,
-                metadata=self._security.metadata(),
             )
         return self._info
 
@@ -287,11 +280,9 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
                 num_batches=plan.num_batches,
                 batch_size=self.batch_size,
                 spec=spec.to_proto(),
-                open_call=self._open_call,
+                transport=self._transport,
+                tensors=tensors,
                 servers=self._servers,
-                convert=tensors.convert,
-                allocate=tensors.allocate,
-                stats=self.transfer,
                 credit=self.prefetch + 2,
                 # Twice the servers' credit: with one credit's worth of room, a server at
                 # half the others' speed held up the loop (bench --fleet: 0.75 of the sum
@@ -328,7 +319,7 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         if worker_id() not in (None, 0):
             return  # worker 0 streams the whole share, in order
         info = next(p for p in self._describe().pipelines if p.name == self.pipeline)
-        tensors = Tensors(self._options, info, self.layout)
+        tensors = Tensors(self._options, info, self.layout, self.transfer)
         stream_pass = self._begin(self._share(), tensors)
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):
@@ -348,16 +339,6 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         finally:
             stream_pass.stop()
 
-    def _open_call(self, server: Server, requests: Iterator[pb.PullRequest]) -> grpc.Call:
-        # Raw message bytes (no deserializer): the puller parses them without copying
-        # the image payload (batchwire.common.batch_codec).
-        pull = self._channel(server).stream_stream(
-            _PULL_METHOD,
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=None,
-        )
-        return pull(requests, metadata=self._security.metadata())
-
     # -- life cycle --------------------------------------------------------------------
 
     def close(self) -> None:
@@ -366,7 +347,7 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         current, self._pass = self._pass, None
         if current is not None:
             current.stop()
-        self._channels.close()
+        self._transport.close()
 
     def __enter__(self) -> RemoteLoader:
         return self

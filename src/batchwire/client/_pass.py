@@ -16,14 +16,15 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
 
 import grpc
 
 from batchwire.client._book import Book
+from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._exceptions import BatchwireError
-from batchwire.client._reader import Allocator, Delivery, OpenCall, ServerPuller, TransferStats
+from batchwire.client._reader import ServerPuller
 from batchwire.client._servers import Server, ServerSet
+from batchwire.client._transport import Transport
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["StreamPass", "close_at_exit"]
@@ -75,11 +76,9 @@ class StreamPass:
         num_batches: int,
         batch_size: int,
         spec: pb.StreamBatchesRequest,
-        open_call: OpenCall,
+        transport: Transport,
+        tensors: Tensors,
         servers: ServerSet,
-        convert: Callable[[Delivery], Delivery],
-        allocate: Allocator,
-        stats: TransferStats,
         credit: int,
         window: int,
         retry_timeout: float,
@@ -104,14 +103,12 @@ class StreamPass:
             return ServerPuller(
                 server=server,
                 spec=spec,
-                open_call=open_call,
+                transport=transport,
+                tensors=tensors,
                 book=self.book,
                 credit=credit,
                 servers=servers,
-                convert=convert,
                 stop=self._stop,
-                allocate=allocate,
-                stats=stats,
             )
 
         self._puller = puller
@@ -162,15 +159,15 @@ class StreamPass:
     def _raise_if_stopped(self) -> None:
         if self._superseded:
             raise BatchwireError(
-                grpc.StatusCode.FAILED_PRECONDITION,
                 "this iterator was replaced: a newer iter() of the same RemoteLoader started a "
                 "new pass, which stopped this one (each iter() is a pass; use one at a time)",
+                code=grpc.StatusCode.FAILED_PRECONDITION,
             )
         if self._stop.is_set():
             raise BatchwireError(
-                grpc.StatusCode.CANCELLED,
                 "this iterator's pass was stopped by RemoteLoader.close(); iterate the loader "
                 "again to start a new pass",
+                code=grpc.StatusCode.CANCELLED,
             )
 
     def supersede(self) -> None:

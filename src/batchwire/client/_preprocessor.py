@@ -18,14 +18,11 @@ import grpc
 import numpy as np
 import torch
 
-from batchwire.client._channel import ChannelCache, check_target, stub
-from batchwire.client._exceptions import (
-    BadImagesError,
-    InvalidArgumentError,
-    from_rpc_error,
-)
-from batchwire.client._normalize import channel_stats
+from batchwire.client._delivery import channel_stats, normalize
+from batchwire.client._exceptions import BadImagesError, InvalidArgumentError
 from batchwire.client._security import ChannelSecurity, PemSource
+from batchwire.client._servers import Server
+from batchwire.client._transport import Transport, check_target, map_rpc_errors
 from batchwire.common.stream import LAYOUTS, OUTPUT_DTYPES, check_name
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
@@ -39,7 +36,7 @@ _REQUEST_BYTES = 16 * 1024 * 1024
 
 
 def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return InvalidArgumentError(message)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +66,6 @@ class Preprocessed(NamedTuple):
             shown = "; ".join(f"image {e.index}: {e.reason}" for e in self.errors[:3])
             more = f" (and {len(self.errors) - 3} more)" if len(self.errors) > 3 else ""
             raise BadImagesError(
-                grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(self.errors)} of {len(self.errors) + len(self.indices)} images could "
                 f"not be preprocessed: {shown}{more}",
                 errors=tuple(self.errors),
@@ -156,7 +152,7 @@ class Preprocessor:
         self.params = dict(params or {})
         self.timeout = timeout
         self.max_in_flight = max_in_flight
-        self._channels = ChannelCache(self._security)
+        self._transport = Transport(self._security)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -185,8 +181,7 @@ class Preprocessor:
 
     def _responses(self, encoded: list[bytes]) -> Iterator[tuple[int, pb.PreprocessResponse]]:
         """(offset, response) per request, in order; at most max_in_flight outstanding."""
-        call = stub(self._open()).Preprocess
-        metadata = self._security.metadata()
+        server = Server(self.address)
         waiting: collections.deque[tuple[int, grpc.Future]] = collections.deque()
         try:
             for offset, chunk in _chunks(encoded):
@@ -197,9 +192,8 @@ class Preprocessor:
                     layout=LAYOUTS[self.layout],
                     params=self.params,
                 )
-                waiting.append(
-                    (offset, call.future(request, timeout=self.timeout, metadata=metadata))
-                )
+                future = self._transport.preprocess(server, request, timeout=self.timeout)
+                waiting.append((offset, future))
                 if len(waiting) >= self.max_in_flight:
                     yield self._result(*waiting.popleft())
             while waiting:
@@ -209,18 +203,8 @@ class Preprocessor:
                 future.cancel()
 
     def _result(self, offset: int, future: grpc.Future) -> tuple[int, pb.PreprocessResponse]:
-        try:
+        with map_rpc_errors(self.address):
             return offset, future.result()
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc, self.address)
-            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in str(exc):
-                error = type(error)(
-                    error.code,
-                    f"{error.details}: the request is larger than the server accepts (its "
-                    "max_request_bytes); an image this large cannot be sent, or ask the server's "
-                    "operator to raise the limit",
-                )
-            raise error from exc
 
     def _to_device(
         self,
@@ -233,18 +217,13 @@ class Preprocessor:
             images = images.pin_memory().to(self.device, non_blocking=True)
         if not self.normalize or normalized:
             return images
-        m, s = channel_stats(mean, std, self.layout, self.device)
-        return images.float().sub_(m).div_(s)
+        return normalize(images, *channel_stats(mean, std, self.layout, self.device))
 
     # -- life cycle --------------------------------------------------------------------
 
-    def _open(self) -> grpc.Channel:
-        # Opened lazily, and again in a forked child (a channel does not survive fork).
-        return self._channels.get(self.address)
-
     def close(self) -> None:
         """Close the channel; a later call opens a new one."""
-        self._channels.close()
+        self._transport.close()
 
     def __enter__(self) -> Preprocessor:
         return self

@@ -12,100 +12,24 @@ promptly when ``stop`` is set (the RPC is cancelled).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
-import numpy as np
 
 from batchwire.client._book import Book, Held
-from batchwire.client._exceptions import BatchwireError, from_rpc_error
+from batchwire.client._delivery import Tensors
+from batchwire.client._exceptions import BatchwireError
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
-from batchwire.common.batch_codec import DecodedBatch, decode_batch
-from batchwire.common.tensors import from_proto
+from batchwire.client._transport import Transport, map_rpc_errors, rpc_details
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["Allocator", "Delivery", "ServerPuller", "TransferStats", "assemble"]
+__all__ = ["ServerPuller"]
 
 log = logging.getLogger(__name__)
 
 _POLL = 0.1  # seconds between checks of `stop` while waiting
-
-
-@dataclasses.dataclass(frozen=True)
-class Delivery:
-    """One received batch, decoded to arrays (or to tensors by ``convert``)."""
-
-    index: int
-    ids: np.ndarray
-    images: object
-    labels: object
-    cursor: int
-    skipped_ids: tuple[int, ...]
-    normalized: bool
-    layout: str
-
-
-@dataclasses.dataclass
-class TransferStats:
-    """Image payload bytes received, and bytes copied on their way to tensors.
-
-    ``copied == received`` means each payload byte was copied exactly once
-    between the bytes gRPC hands over and the tensor the user gets.
-    """
-
-    received: int = 0
-    copied: int = 0
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def add(self, received: int, copied: int) -> None:
-        with self.lock:
-            self.received += received
-            self.copied += copied
-
-
-# allocate(shape, dtype) -> (owner, writable NumPy view of the owner's memory)
-Allocator = Callable[[tuple[int, ...], np.dtype], tuple[object, np.ndarray]]
-
-
-def _numpy_allocator(shape: tuple[int, ...], dtype: np.dtype) -> tuple[object, np.ndarray]:
-    array = np.empty(shape, dtype)
-    return array, array
-
-
-def assemble(
-    parts: list[DecodedBatch],
-    allocate: Allocator = _numpy_allocator,
-    stats: TransferStats | None = None,
-) -> Delivery:
-    """One Delivery from a batch's parts: image data copied once, into ``allocate``'d memory."""
-    first, last = parts[0].header, parts[-1].header
-    views = [p.images for p in parts]
-    samples = sum(len(v) for v in views)
-    owner, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
-    position = 0
-    for view in views:
-        out[position : position + len(view)] = view
-        position += len(view)
-    if stats is not None:
-        stats.add(sum(v.nbytes for v in views), out.nbytes)
-    labels = [from_proto(p.header.labels) for p in parts]
-    return Delivery(
-        index=first.index,
-        ids=np.concatenate([np.asarray(p.header.ids, dtype=np.int64) for p in parts]),
-        images=owner,
-        labels=np.concatenate(labels) if labels else np.zeros((0,), np.int64),
-        cursor=last.cursor,
-        skipped_ids=tuple(last.skipped_ids),
-        normalized=first.normalized,
-        layout=parts[0].layout,
-    )
-
-
-# Opens a PullBatches call on a server with a request stream.
-OpenCall = Callable[[Server, Iterator[pb.PullRequest]], grpc.Call]
 
 
 class ServerPuller(threading.Thread):
@@ -114,26 +38,22 @@ class ServerPuller(threading.Thread):
         *,
         server: Server,
         spec: pb.StreamBatchesRequest,
-        open_call: OpenCall,
+        transport: Transport,
+        tensors: Tensors,
         book: Book,
         credit: int,
         servers: ServerSet,
-        convert: Callable[[Delivery], Delivery],
         stop: threading.Event,
-        allocate: Allocator = _numpy_allocator,
-        stats: TransferStats | None = None,
     ) -> None:
         super().__init__(name=f"batchwire-pull-{server.address}", daemon=True)
         self.server = server
         self._spec = spec
-        self._open_call = open_call
+        self._transport = transport
+        self._tensors = tensors
         self._book = book
         self._credit = credit
         self._servers = servers
-        self._convert = convert
         self._halt = stop
-        self._allocate = allocate
-        self._stats = stats
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
         self.delivered = 0  # batches this server delivered in this pass
@@ -145,7 +65,7 @@ class ServerPuller(threading.Thread):
             self._book.fail(exc)
         except Exception as exc:  # a bug or a malformed message: surface it, never hang
             log.exception("puller of %s failed", self.server.address)
-            error = BatchwireError(grpc.StatusCode.INTERNAL, f"client reader failed: {exc!r}")
+            error = BatchwireError(f"client reader failed: {exc!r}", code=grpc.StatusCode.INTERNAL)
             error.__cause__ = exc
             self._book.fail(error)
 
@@ -158,26 +78,26 @@ class ServerPuller(threading.Thread):
             failure: tuple[grpc.StatusCode, str] | None = None
             before = self.delivered
             try:
-                with self._lock:
-                    if self._halt.is_set():
-                        return
-                    call = self._call = self._open_call(
-                        self.server, self._requests(held, over, accepted)
-                    )
-                call.initial_metadata()  # sent once it opened
-                accepted.set()
-                self._receive(call, held, recovering=attempt > 0)
+                with map_rpc_errors(self.server.address):
+                    with self._lock:
+                        if self._halt.is_set():
+                            return
+                        call = self._call = self._transport.open_pull(
+                            self.server, self._requests(held, over, accepted)
+                        )
+                    call.initial_metadata()  # sent once it opened
+                    accepted.set()
+                    self._receive(call, held, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
-            except grpc.RpcError as exc:
+            except BatchwireError as exc:
                 if self._halt.is_set():
                     return
+                if exc.code not in RETRIABLE:
+                    raise
                 if self.delivered > before:
                     attempt = 0  # it delivered since it last failed: a new outage
-                code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-                if code not in RETRIABLE:
-                    raise from_rpc_error(exc, self.server.address) from exc
-                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-                failure = (code, f"{self.server.address}: {code.name}: {details}")
+                said = rpc_details(exc)
+                failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
                 over.set()  # before giving back, so the request stream claims no more
                 returned = self._book.give_back(held, failure)
@@ -197,20 +117,8 @@ class ServerPuller(threading.Thread):
 
     def _receive(self, call: Iterable[bytes], held: Held, *, recovering: bool) -> None:
         """Hand the call's batches to the book as their last parts arrive, until it ends."""
-        parts: list[DecodedBatch] = []
-        for raw in call:
-            part = decode_batch(raw)
-            if part.header.part != len(parts):
-                raise BatchwireError(
-                    grpc.StatusCode.INTERNAL,
-                    f"batch {part.header.index}: part {part.header.part} arrived "
-                    f"after {len(parts)} parts",
-                )
-            parts.append(part)
-            if len(parts) < (part.header.parts or 1):
-                continue
-            self._book.deliver(held, self._convert(assemble(parts, self._allocate, self._stats)))
-            parts = []
+        for delivery in self._tensors.deliveries(call):
+            self._book.deliver(held, delivery)
             self.delivered += 1
             if recovering:
                 recovering = False

@@ -31,26 +31,18 @@ def _read_pem(name: str, source: PemSource | None) -> bytes | None:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise InvalidArgumentError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{name}: cannot read {path}: {exc.strerror}"
-        ) from exc
+        raise InvalidArgumentError(f"{name}: cannot read {path}: {exc.strerror}") from exc
 
 
 def _first_token(path: pathlib.Path) -> str:
     try:
         tokens = parse_tokens(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise InvalidArgumentError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"token_file: cannot read {path}: {exc.strerror}"
-        ) from exc
+        raise InvalidArgumentError(f"token_file: cannot read {path}: {exc.strerror}") from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgumentError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"token_file {path}: {exc}"
-        ) from exc
+        raise InvalidArgumentError(f"token_file {path}: {exc}") from exc
     if not tokens:
-        raise InvalidArgumentError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"token_file {path} holds no token"
-        )
+        raise InvalidArgumentError(f"token_file {path} holds no token")
     return tokens[0]
 
 
@@ -82,16 +74,14 @@ class ChannelSecurity:
         """
         if (tls_cert is None) != (tls_key is None):
             raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "tls_cert and tls_key go together: give both for mutual TLS, or neither",
+                "tls_cert and tls_key go together: give both for mutual TLS, or neither"
             )
         if token is None and token_file is not None:
             token = _first_token(pathlib.Path(token_file))
         token = token if token is not None else os.environ.get("BATCHWIRE_TOKEN") or None
         if token is not None and not valid_token(token):
             raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "token must be a non-empty string of printable ASCII without spaces",
+                "token must be a non-empty string of printable ASCII without spaces"
             )
         return cls(
             token=token,

@@ -5,7 +5,7 @@ here to one server per address so that a pass pulls from every server behind
 the name (gRPC's own DNS resolver would send a channel to one of them), and
 again during a pass (``refresh``) so that servers that join are used. A server
 that fails is avoided for ``cooldown`` seconds by the calls that pick one
-(``pick``: dataset descriptions).
+(``pick``: dataset descriptions). This module makes no calls: ``_transport`` does.
 """
 
 from __future__ import annotations
@@ -15,22 +15,13 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import grpc
 
-from batchwire.client._exceptions import (
-    BatchwireError,
-    InvalidArgumentError,
-    UnavailableError,
-    error_for,
-    from_rpc_error,
-)
-from batchwire.common.stream import StreamSpec
-from batchwire.v1 import batchwire_pb2 as pb
-from batchwire.v1 import batchwire_pb2_grpc
+from batchwire.client._exceptions import InvalidArgumentError, UnavailableError
 
-__all__ = ["RETRIABLE", "Server", "ServerSet", "backoff", "describe_dataset", "resolve"]
+__all__ = ["RETRIABLE", "Server", "ServerSet", "backoff", "resolve"]
 
 # Codes after which the same stream may continue elsewhere from its cursor.
 RETRIABLE = frozenset(
@@ -61,20 +52,16 @@ def resolve(targets: Sequence[str]) -> list[Server]:
             continue
         host, _, port = target[len(_DNS) :].rpartition(":")
         if not host or not port.isdigit():
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{target!r} is not dns:///host:port"
-            )
+            raise InvalidArgumentError(f"{target!r} is not dns:///host:port")
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise UnavailableError(
-                grpc.StatusCode.UNAVAILABLE, f"cannot resolve {host!r} ({exc}); is the name right?"
-            ) from exc
+            raise UnavailableError(f"cannot resolve {host!r} ({exc}); is the name right?") from exc
         ips = sorted({str(info[4][0]) for info in infos})
         servers += [Server(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", host) for ip in ips]
     unique = list(dict.fromkeys(servers))
     if not unique:
-        raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no server address in {targets!r}")
+        raise UnavailableError(f"no server address in {targets!r}")
     return unique
 
 
@@ -134,38 +121,3 @@ class ServerSet:
     def mark_ok(self, server: Server) -> None:
         with self._lock:
             self._failed_at.pop(server, None)
-
-
-def describe_dataset(
-    servers: ServerSet,
-    stub_for: Callable[[Server], batchwire_pb2_grpc.BatchwireStub],
-    spec: StreamSpec,
-    *,
-    timeout: float,
-    metadata: Sequence[tuple[str, str]],
-) -> pb.DatasetInfo:
-    """``spec``'s dataset as the first server that answers describes it; NOT_FOUND if that
-    server has no such dataset or no pipeline ``spec.pipeline``."""
-    error: BatchwireError | None = None
-    for lane in range(len(servers.servers())):
-        server = servers.pick(lane)
-        try:
-            info: pb.DatasetInfo = stub_for(server).DescribeDataset(
-                pb.DescribeDatasetRequest(dataset=spec.dataset), timeout=timeout, metadata=metadata
-            )
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc, server.address)
-            error.__cause__ = exc
-            if error.code not in RETRIABLE:
-                raise error from exc
-            servers.mark_failed(server)
-            continue
-        if not any(p.name == spec.pipeline for p in info.pipelines):
-            known = ", ".join(p.name for p in info.pipelines)
-            raise error_for(
-                grpc.StatusCode.NOT_FOUND,
-                f"server {server.address} has no pipeline {spec.pipeline!r} (it has: {known})",
-            )
-        return info
-    assert error is not None
-    raise error
