@@ -23,7 +23,8 @@ from batchwire.server.core._errors import (
     PipelineFault,
     ServiceError,
 )
-from batchwire.server.core._health import FAULTS_IN_A_ROW, PipelineHealth
+from batchwire.server.core._fair import Ticket
+from batchwire.server.core._health import FAULTS_IN_A_ROW, STAGES, PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._parallel import PlannedSource
@@ -36,9 +37,7 @@ from batchwire.server.core._pipelines import (
 )
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
-from batchwire.server.core._stages import STAGES, StageTimes
 from batchwire.server.core._stream import Batch, BatchStream, share_batches
-from batchwire.server.core._ticket import Ticket
 
 __all__ = [
     "FAULTS_IN_A_ROW",

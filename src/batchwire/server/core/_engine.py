@@ -34,7 +34,8 @@ from batchwire.server.core._errors import (
     PipelineFault,
     VersionMismatch,
 )
-from batchwire.server.core._health import PipelineHealth
+from batchwire.server.core._fair import Ticket
+from batchwire.server.core._health import PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job, read_job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
@@ -43,9 +44,7 @@ from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
-from batchwire.server.core._stages import StageTimes
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
-from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._dataset import Dataset
 
 __all__ = ["DatasetDescription", "Engine"]
@@ -98,13 +97,13 @@ class Engine:
         self._streams_lock = threading.Lock()
         self._device_cycle = itertools.cycle(self.devices.device_ids)
         self._open_streams: weakref.WeakSet[BatchStream] = weakref.WeakSet()
-        self._draining = False
+        self._drain = threading.Event()  # set by drain(); streams poll it between batches
         self.preprocessing = PreprocessBatcher(
             pipelines=config.pipelines,
             schedule=functools.partial(self._ticket, window=QUEUE_WINDOW),
             device=self.devices.kind,
             next_device=lambda: next(self._device_cycle),
-            draining=lambda: self._draining,
+            draining=self._drain.is_set,
             batch_size=config.preprocess_batch_size,
             max_delay=config.preprocess_max_delay_ms / 1000,
             max_images=config.max_batch_size,
@@ -191,7 +190,7 @@ class Engine:
         as it goes (:meth:`BatchStream.want`). The stream hands out ``encode(batch)`` for
         each batch, called while the images are still in DALI's output buffer, so that
         they are copied once, into what it builds (by default Batches of their own)."""
-        if self._draining:
+        if self._drain.is_set():
             raise Draining("the server is shutting down; resume the stream on another server")
         # The stream holds this Dataset to its end, whatever a rescan does meanwhile.
         dataset = self.catalog.acquire(request.dataset)
@@ -235,7 +234,7 @@ class Engine:
                 layout=output.layout,
                 schedule=functools.partial(self._ticket, key, window=window),
                 release=functools.partial(self._release, dataset),
-                draining=lambda: self._draining,
+                draining=self._drain.is_set,
                 window=window,
             )
             stream = BatchStream(
@@ -358,12 +357,12 @@ class Engine:
     @property
     def draining(self) -> bool:
         """Whether the engine drains (:meth:`drain`)."""
-        return self._draining
+        return self._drain.is_set()
 
     def drain(self) -> None:
         """Refuse new streams and preprocessing (Draining), and end the streams open at
         their next batch, so that their clients resume elsewhere from their cursors."""
-        self._draining = True
+        self._drain.set()
 
     def close(self) -> None:
         self.preprocessing.close()

@@ -19,10 +19,10 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from batchwire.server.core._dali import build_pipeline, error_line, to_numpy
+from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._pipelines import BuildContext, PipelineSpec
-from batchwire.server.core._ticket import Ticket
 
 __all__ = ["ParallelRunner", "PlannedSource", "ReplacedDataset", "UnreadableBatch", "WorkerFeed"]
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
+from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._pipelines import PipelineSpec
@@ -45,7 +46,6 @@ from batchwire.server.core._preprocess_request import (
     PreprocessResult,
     settle,
 )
-from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._formats import unsupported_reason
 
 __all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher"]

@@ -4,8 +4,8 @@ the unit of worker processes behind one port (``batchwire serve --workers N``)."
 from __future__ import annotations
 
 from batchwire.server.serving._malloc import tune_for_large_buffers
-from batchwire.server.serving._messages import EncodedBatch, encode_parts
 from batchwire.server.serving._server import BatchwireServer, ServerError
+from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.server.serving._workers import WorkerUnit, plan_workers
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""The service's messages: checking and converting requests, encoding batches, and
-mapping domain errors to status codes.
+"""The service's messages: checking and converting requests, and mapping domain errors to
+status codes (a stream's batches are encoded in :mod:`._streaming`).
 
 A request that does not parse as its message arrives as :class:`Malformed` (see
 :func:`tolerant`) and is refused like any other invalid request: INVALID_ARGUMENT.
@@ -7,14 +7,12 @@ A request that does not parse as its message arrives as :class:`Malformed` (see
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from batchwire.common.batch_codec import encode_batch
 from batchwire.common.stream import StreamSpec, output_format
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
@@ -27,17 +25,14 @@ from batchwire.server.core._errors import (
     VersionMismatch,
 )
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
-from batchwire.server.core._stream import Batch
 from batchwire.server.data._dataset import DatasetError
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
     "STATUS_CODES",
-    "EncodedBatch",
     "Malformed",
     "check_message",
     "check_name",
-    "encode_parts",
     "preprocess_request_from_proto",
     "preprocess_result_to_proto",
     "request_from_proto",
@@ -141,43 +136,4 @@ def preprocess_result_to_proto(result: PreprocessResult) -> pb.PreprocessRespons
         normalized=result.normalized,
         mean=result.mean,
         std=result.std,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class EncodedBatch:
-    """One batch as the Batch messages that carry it (several parts if large)."""
-
-    messages: list[bytes]
-    samples: int
-    nbytes: int
-    skipped: int = 0  # samples left out of the batch (undecodable)
-
-
-def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
-    """Batch message bytes, split into parts of at most ``max_message_bytes`` of
-    images each (at least one sample per part); each image byte is copied once."""
-    total = len(batch.ids)
-    per_sample = max(1, batch.images[:1].nbytes)
-    step = max(1, max_message_bytes // per_sample)
-    parts = max(1, -(-total // step))
-    messages = []
-    for part in range(parts):
-        lo, hi = part * step, min(total, (part + 1) * step)
-        last = part == parts - 1
-        header = pb.Batch(
-            index=batch.index,
-            ids=batch.ids[lo:hi].tolist(),
-            labels=to_proto("labels", batch.labels[lo:hi], "N"),
-            cursor=batch.cursor if last else 0,
-            skipped_ids=batch.skipped_ids if last else (),
-            normalized=batch.normalized,
-            num_batches=batch.num_batches,
-            part=part,
-            parts=parts,
-            samples=total,
-        )
-        messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
-    return EncodedBatch(
-        messages, total, sum(len(m) for m in messages), skipped=len(batch.skipped_ids)
     )

@@ -29,11 +29,9 @@ from batchwire.server.core._engine import DatasetDescription, Engine
 from batchwire.server.core._errors import InvalidRequest, OverCapacity, ServiceError
 from batchwire.server.core._stream import BatchStream, share_batches
 from batchwire.server.serving._messages import (
-    EncodedBatch,
     Malformed,
     check_message,
     check_name,
-    encode_parts,
     preprocess_request_from_proto,
     preprocess_result_to_proto,
     request_from_proto,
@@ -41,7 +39,7 @@ from batchwire.server.serving._messages import (
     tolerant,
 )
 from batchwire.server.serving._metrics import ServerMetrics
-from batchwire.server.serving._streaming import serve_stream
+from batchwire.server.serving._streaming import EncodedBatch, encode_parts, serve_stream
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 

@@ -1,5 +1,5 @@
-"""Serving one opened stream: writing its batches until its end, its end status, its
-start and end log lines, and its metrics.
+"""Serving one opened stream: its batches encoded into messages (:func:`encode_parts`) and
+written until its end, its end status, its start and end log lines, and its metrics.
 
 Blocking work (LMDB reads, DALI runs, building messages) runs on the server's pipelines;
 the event loop only awaits it and writes to the wire, so a slow client holds back only
@@ -20,12 +20,15 @@ from typing import Any
 
 import grpc
 
+from batchwire.common.batch_codec import encode_batch
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core._stream import BatchStream
-from batchwire.server.serving._messages import EncodedBatch, status_for
+from batchwire.common.tensors import to_proto
+from batchwire.server.core._stream import Batch, BatchStream
+from batchwire.server.serving._messages import status_for
 from batchwire.server.serving._metrics import ServerMetrics, StreamMetrics
+from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["serve_stream", "write"]
+__all__ = ["EncodedBatch", "encode_parts", "serve_stream", "write"]
 
 # The stream start and end lines are the servicer's: operators find and filter them
 # under this logger name (it is in the JSON log lines, see the README).
@@ -33,6 +36,45 @@ log = logging.getLogger("batchwire.server.serving._servicer")
 
 # How long a stream whose write failed waits for gRPC to report the client gone (see write).
 _HANGUP_NOTICE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedBatch:
+    """One batch as the Batch messages that carry it (several parts if large)."""
+
+    messages: list[bytes]
+    samples: int
+    nbytes: int
+    skipped: int = 0  # samples left out of the batch (undecodable)
+
+
+def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
+    """Batch message bytes, split into parts of at most ``max_message_bytes`` of
+    images each (at least one sample per part); each image byte is copied once."""
+    total = len(batch.ids)
+    per_sample = max(1, batch.images[:1].nbytes)
+    step = max(1, max_message_bytes // per_sample)
+    parts = max(1, -(-total // step))
+    messages = []
+    for part in range(parts):
+        lo, hi = part * step, min(total, (part + 1) * step)
+        last = part == parts - 1
+        header = pb.Batch(
+            index=batch.index,
+            ids=batch.ids[lo:hi].tolist(),
+            labels=to_proto("labels", batch.labels[lo:hi], "N"),
+            cursor=batch.cursor if last else 0,
+            skipped_ids=batch.skipped_ids if last else (),
+            normalized=batch.normalized,
+            num_batches=batch.num_batches,
+            part=part,
+            parts=parts,
+            samples=total,
+        )
+        messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
+    return EncodedBatch(
+        messages, total, sum(len(m) for m in messages), skipped=len(batch.skipped_ids)
+    )
 
 
 async def write(context: grpc.aio.ServicerContext, message: bytes) -> None:
