@@ -16,14 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from batchwire.common.stream import StreamSpec, output_format
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
-from batchwire.server.core._errors import (
-    Draining,
-    InvalidRequest,
-    NotFound,
-    OverCapacity,
-    PipelineFault,
-    VersionMismatch,
-)
+from batchwire.server.core import _errors as errors
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.data._dataset import DatasetError
 from batchwire.v1 import batchwire_pb2 as pb
@@ -44,12 +37,12 @@ __all__ = [
 # a client to go on elsewhere (RemoteLoader resumes from its cursor on another server);
 # anything not listed is a bug: INTERNAL, with the server's log to say more.
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Draining: grpc.StatusCode.UNAVAILABLE,
-    VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
-    PipelineFault: grpc.StatusCode.UNAVAILABLE,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Draining: grpc.StatusCode.UNAVAILABLE,
+    errors.VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.PipelineFault: grpc.StatusCode.UNAVAILABLE,
     DatasetError: grpc.StatusCode.DATA_LOSS,
 }
 
@@ -83,10 +76,12 @@ def tolerant(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | M
 def check_message(request: Message | Malformed) -> None:
     """A request must parse and carry only fields this server knows."""
     if isinstance(request, Malformed):
-        raise InvalidRequest(f"the request is not a valid protobuf message: {request.reason}")
+        raise errors.InvalidRequest(
+            f"the request is not a valid protobuf message: {request.reason}"
+        )
     unknown = sorted({field.field_number for field in UnknownFieldSet(request)})
     if unknown:
-        raise InvalidRequest(
+        raise errors.InvalidRequest(
             f"the request has fields this server does not know (numbers {unknown}); "
             "the client speaks a newer protocol: upgrade the server or drop those fields"
         )
@@ -97,7 +92,7 @@ def check_name(kind: str, name: str) -> None:
     try:
         check_spec_name(kind, name)
     except ValueError as exc:
-        raise InvalidRequest(str(exc)) from exc
+        raise errors.InvalidRequest(str(exc)) from exc
 
 
 def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSpec:
@@ -107,7 +102,7 @@ def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSp
     try:
         return StreamSpec.from_proto(request)
     except ValueError as exc:
-        raise InvalidRequest(str(exc)) from exc
+        raise errors.InvalidRequest(str(exc)) from exc
 
 
 def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> PreprocessRequest:
@@ -118,7 +113,7 @@ def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> 
     try:
         dtype, layout = output_format(request.dtype, request.layout)
     except ValueError as exc:
-        raise InvalidRequest(str(exc)) from exc
+        raise errors.InvalidRequest(str(exc)) from exc
     return PreprocessRequest(
         pipeline=request.pipeline,
         images=request.images,
