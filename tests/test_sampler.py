@@ -173,6 +173,7 @@ def test_a_batch_planned_alone_is_the_batch_of_the_whole_plan(
     """What a pulling client asks for by index is what the lane plan streams."""
     rank = data.draw(st.integers(0, world - 1))
     whole = Plan(num_samples=n, batch_size=batch, world_size=world, rank=rank, drop_last=drop_last)
+    whole = dataclasses.replace(whole, origin=data.draw(st.integers(0, n)))
     start = data.draw(st.integers(0, whole.share_size))
     plan = dataclasses.replace(whole, start=start, shuffle=shuffle, seed=3, epoch=2)
     planned = list(plan.batches())
@@ -190,6 +191,69 @@ def test_a_batch_planned_alone_is_the_batch_of_the_whole_plan(
     }:
         with pytest.raises(ValueError, match=f"batch {index} is not in this share"):
             plan.batch(index)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, world=worlds, batch=batch_sizes, drop_last=st.booleans(), data=st.data())
+def test_ranks_split_the_rest_of_an_epoch_from_an_origin_as_a_whole_epoch(
+    n: int, world: int, batch: int, drop_last: bool, data: st.DataObject
+) -> None:
+    """A job resumed after ``origin`` samples on ``world`` ranks: the rest of the order
+    once (padding fewer than ``world`` repeats), every rank the same number of batches."""
+    origin = data.draw(st.integers(0, n))
+    plans = [
+        Plan(
+            num_samples=n,
+            batch_size=batch,
+            world_size=world,
+            rank=r,
+            drop_last=drop_last,
+            seed=4,
+            origin=origin,
+        )
+        for r in range(world)
+    ]
+    rest = epoch_order(4, 0, n)[origin:].tolist()
+    shares = [all_ids(plan) for plan in plans]
+    assert len({len(list(plan.batches())) for plan in plans}) == 1
+    # Global step k is the k-th batch of every rank: elements [k·W·B, (k+1)·W·B) of the rest.
+    steps = [
+        sorted(i for plan in plans for i in list(plan.batches())[k].ids.tolist())
+        for k in range(plans[0].num_batches)
+    ]
+    full = (len(rest) // world // batch) * world * batch
+    for k, step in enumerate(steps):
+        if (k + 1) * world * batch <= full:
+            assert step == sorted(rest[k * world * batch : (k + 1) * world * batch])
+    counts = collections.Counter(i for share in shares for i in share)
+    if drop_last:
+        assert sorted(counts) == sorted(rest[:full]) and set(counts.values()) <= {1}
+    else:
+        assert sorted(counts) == sorted(rest)
+        assert sum(counts.values()) - len(rest) < world
+
+
+@pytest.mark.parametrize(("world", "batch"), [(1, 12), (3, 4), (4, 3), (2, 6)])
+def test_with_world_times_batch_constant_a_resumed_epoch_has_the_same_global_batches(
+    world: int, batch: int
+) -> None:
+    """2 ranks of 6 stop after 3 global steps; the job resumes on ``world`` ranks of
+    ``batch`` at origin 3·2·6: its global steps are the undisturbed job's steps 3, 4, ..."""
+    undisturbed = [
+        Plan(num_samples=107, batch_size=6, world_size=2, rank=r, seed=9) for r in (0, 1)
+    ]
+    resumed = [
+        Plan(num_samples=107, batch_size=batch, world_size=world, rank=r, seed=9, origin=36)
+        for r in range(world)
+    ]
+
+    def steps(plans: list[Plan]) -> list[list[int]]:
+        batches = [list(plan.batches()) for plan in plans]
+        return [
+            sorted(i for b in step for i in b.ids.tolist()) for step in zip(*batches, strict=True)
+        ]
+
+    assert steps(resumed) == steps(undisturbed)[3:]
 
 
 def test_cursor_of_each_batch_resumes_after_it() -> None:
@@ -231,6 +295,7 @@ def test_rank_share_matches_torch_distributed_sampler() -> None:
         ({"lane": 3, "lanes": 2}, "lane"),
         ({"start": 1000}, "start"),
         ({"seed": -1}, ">= 0"),
+        ({"origin": 101}, "origin"),
     ],
 )
 def test_bad_plans_are_refused_with_a_clear_message(kwargs: dict[str, int], message: str) -> None:

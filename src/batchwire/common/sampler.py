@@ -18,6 +18,11 @@ Every server and client computes the same thing from the same numbers:
 * A cursor is a position in the rank's share: the number of share positions
   before the next sample to deliver. Resuming from a cursor yields exactly the
   rest of the share, whatever the batch boundaries.
+* An ``origin`` is a position in the epoch order: the ranks split the rest of
+  the order, ``order[origin:]``, as they split a whole epoch (padding wraps to
+  ``order[origin]``). Global step ``k`` of world ``W`` and batch ``B`` covers
+  ``order[origin + k·W·B : origin + (k+1)·W·B]``, so a job that stopped after
+  ``G`` samples of an epoch resumes on any world size at ``origin = G``.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def epoch_order(seed: int, epoch: int, num_samples: int, shuffle: bool = True) -
 
 
 def rank_share(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """The ids rank ``rank`` takes from an epoch order, in delivery order."""
+    """The ids rank ``rank`` takes from an epoch order (or the rest of one, from an
+    origin on), in delivery order."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
             f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}"
@@ -101,6 +107,7 @@ class ShareFields(TypedDict):
     lanes: int
     lane: int
     start: int
+    origin: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +115,8 @@ class Share:
     """Which share of which epoch: every number that fixes a rank's batches but the
     dataset's size. ``start`` is a cursor: batches (or the tail of a batch, when
     ``start`` falls inside one) before it are not planned. Batch ``k`` travels in lane
-    ``k % lanes``."""
+    ``k % lanes``. ``origin`` is where in the epoch order the ranks' split begins (0:
+    the whole epoch; see the module)."""
 
     batch_size: int
     seed: int = 0
@@ -120,6 +128,7 @@ class Share:
     lanes: int = 1
     lane: int = 0
     start: int = 0
+    origin: int = 0
 
     def __post_init__(self) -> None:
         checks = (
@@ -134,6 +143,7 @@ class Share:
             ),
             (self.seed >= 0 and self.epoch >= 0, "seed and epoch must be >= 0"),
             (self.start >= 0, f"start must be >= 0, got {self.start}"),
+            (self.origin >= 0, f"origin must be >= 0, got {self.origin}"),
         )
         for ok, message in checks:
             if not ok:
@@ -152,6 +162,7 @@ class Share:
             lanes=self.lanes,
             lane=self.lane,
             start=self.start,
+            origin=self.origin,
         )
 
     def plan(self, num_samples: int) -> Plan:
@@ -171,6 +182,11 @@ class Plan(Share):
         super().__post_init__()
         if self.num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {self.num_samples}")
+        if self.origin > self.num_samples:
+            raise ValueError(
+                f"origin must be a position in [0, {self.num_samples}] of the epoch, "
+                f"got {self.origin}"
+            )
         if self.start > self.share_size:
             raise ValueError(
                 f"start must be a cursor in [0, {self.share_size}] for this share, got {self.start}"
@@ -181,12 +197,17 @@ class Plan(Share):
         """Positions in this rank's share that are delivered (after drop_last)."""
         if self.drop_last:
             return self.num_batches * self.batch_size
-        return math.ceil(self.num_samples / self.world_size)
+        return math.ceil(self.remaining / self.world_size)
+
+    @property
+    def remaining(self) -> int:
+        """Samples of the epoch order from ``origin`` on: what the ranks split."""
+        return self.num_samples - self.origin
 
     @property
     def num_batches(self) -> int:
         """Batches in this rank's share of the epoch, over all lanes."""
-        return num_batches(self.num_samples, self.batch_size, self.world_size, self.drop_last)
+        return num_batches(self.remaining, self.batch_size, self.world_size, self.drop_last)
 
     @property
     def lane_batches(self) -> int:
@@ -198,7 +219,8 @@ class Plan(Share):
 
     def share(self) -> np.ndarray:
         order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
-        return rank_share(order, self.rank, self.world_size, self.drop_last)[: self.share_size]
+        rest = order[self.origin :]
+        return rank_share(rest, self.rank, self.world_size, self.drop_last)[: self.share_size]
 
     def batches(self) -> Iterator[PlannedBatch]:
         """This lane's batches from ``start`` on, in order."""
@@ -228,12 +250,13 @@ class Plan(Share):
         if not bounds:
             return []
         order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
-        # Share position p is element rank + p * world_size of the order, wrapped around
-        # when ranks are padded (rank_share's tiling).
+        # Share position p is element rank + p * world_size of the rest of the order,
+        # wrapped around when ranks are padded (rank_share's tiling).
+        rest = order[self.origin :]
         planned = []
         for index, begin, end in bounds:
             positions = self.rank + np.arange(begin, end, dtype=np.int64) * self.world_size
-            ids = order[positions % len(order)]
+            ids = rest[positions % len(rest)]
             planned.append(PlannedBatch(index=index, begin=begin, end=end, ids=ids))
         return planned
 
