@@ -106,8 +106,8 @@ def test_a_state_saved_on_one_rank_loads_on_every_rank(server: BatchwireServer) 
     [
         ({"dataset": "other"}, "dataset='other'"),
         ({"seed": 8}, "seed=8"),
-        ({"batch_size": 20}, "batch_size=20"),
-        ({"world_size": 4}, "world_size=4"),
+        ({"batch_size": 20}, "batch_size=20.*elastic_batch_size=True"),
+        ({"drop_last": False}, "drop_last=False"),
         ({"shuffle": False}, "shuffle=False"),
         ({"version": 99}, "state version 99"),
     ],

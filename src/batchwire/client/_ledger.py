@@ -30,7 +30,7 @@ import torch.utils.data
 
 __all__ = ["Ledger", "Record"]
 
-_FORMAT = struct.Struct("<6q")
+_FORMAT = struct.Struct("<9q")
 _DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
@@ -43,7 +43,10 @@ class Record:
     ``fresh`` clear: a pass of ``epoch`` began; the next one starts the epoch
     after it. ``pass_id`` names the pass that began last (0: none since a
     directive). ``in_workers``: that pass ran in a DataLoader worker, so this
-    process cannot know how far training got.
+    process cannot know how far training got. ``origin`` is where in the epoch order
+    the split of that pass begins; ``world`` and ``batch``, where not 0, are the world
+    and batch size ``cursor`` counts in (a loaded state of a job of another shape: the
+    next pass starts at its global position, see ``batchwire.client._state``).
     """
 
     epoch: int = 0
@@ -52,16 +55,27 @@ class Record:
     pass_id: int = 0
     in_workers: bool = False
     version: int = 1
+    origin: int = 0
+    world: int = 0
+    batch: int = 0
 
     def pack(self) -> bytes:
         return _FORMAT.pack(
-            self.version, self.epoch, self.cursor, self.fresh, self.pass_id, self.in_workers
+            self.version,
+            self.epoch,
+            self.cursor,
+            self.fresh,
+            self.pass_id,
+            self.in_workers,
+            self.origin,
+            self.world,
+            self.batch,
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> Record:
-        version, epoch, cursor, fresh, pass_id, in_workers = _FORMAT.unpack(data)
-        return cls(epoch, cursor, bool(fresh), pass_id, bool(in_workers), version)
+        version, epoch, cursor, fresh, pass_id, in_workers, *place = _FORMAT.unpack(data)
+        return cls(epoch, cursor, bool(fresh), pass_id, bool(in_workers), version, *place)
 
 
 _ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()

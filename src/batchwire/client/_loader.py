@@ -15,16 +15,11 @@ from batchwire.client._exceptions import (
     BatchwireError,
     InvalidArgumentError,
 )
-from batchwire.client._frameworks import (
-    distributed_rank_world,
-    refuse_accelerate_wrappers,
-    worker_id,
-)
-from batchwire.client._ledger import Ledger
+from batchwire.client._frameworks import refuse_accelerate_wrappers, worker_id
 from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import ServerSet
-from batchwire.client._state import Rank, Resumable
+from batchwire.client._state import Place, Position, Rank, Sharing
 from batchwire.client._transport import Transport, check_target, describe_dataset
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
@@ -74,7 +69,7 @@ def _warn_if_lanes(lanes: int | None) -> None:
         )
 
 
-class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """Batches of one dataset, preprocessed by a named pipeline on remote servers.
 
     ``for images, labels in loader`` yields ``batch_size`` samples at a time
@@ -87,7 +82,9 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
 
     Each ``iter()`` is a pass: it resumes a loaded state, or starts the epoch given to
     ``set_epoch``, or else the epoch after the previous pass's. ``state_dict()`` counts
-    only batches handed out and loads on every rank of the same job. In ``DataLoader``
+    only batches handed out and loads on every rank of the same job, or of the job
+    restarted on another world size (``elastic_batch_size=True``: and another batch
+    size), at the same global position in the epoch. In ``DataLoader``
     workers, worker 0 streams the whole share (so order and ``StatefulDataLoader``'s
     state stay exact) and the others end at once.
 
@@ -130,6 +127,7 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         tls_cert: PemSource | None = None,
         tls_key: PemSource | None = None,
         process_group: Any = None,
+        elastic_batch_size: bool = False,
     ) -> None:
         super().__init__()
         self._addresses = _targets(address)
@@ -153,8 +151,9 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
             token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
         )
         explicit = rank is not None or world_size is not None
-        self._explicit = Rank(self._spec.rank, self._spec.world_size) if explicit else None
-        self._group = process_group
+        given_rank = Rank(self._spec.rank, self._spec.world_size) if explicit else None
+        self._sharing = Sharing(given_rank, process_group)
+        self._elastic_batch_size = elastic_batch_size
         _warn_if_lanes(lanes)
         self._start_fresh()
 
@@ -163,16 +162,11 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         self.skipped_ids: list[int] = []
         # Image payload bytes received and copied: one copy each, by design.
         self.transfer = TransferStats()
-        # The share torch.distributed gave when this loader was pickled: spawned
-        # DataLoader workers have no process group of their own.
-        self._inherited: Rank | None = None
         self._info: pb.DatasetInfo | None = None
         self._servers = ServerSet(self._addresses)
         self._transport = Transport(self._security, on_open=close_at_exit)
-        self._ledger = Ledger()
+        self._position = Position(self._spec, elastic_batch_size=self._elastic_batch_size)
         self._pass: StreamPass | None = None
-        # load_state_dict ran in this DataLoader worker: see _begin.
-        self._loaded_in_worker = False
 
     # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
 
@@ -201,9 +195,9 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
 
     # -- dataset facts -----------------------------------------------------------------
 
-    def _describe(self) -> pb.DatasetInfo:
+    def _describe(self, again: bool = False) -> pb.DatasetInfo:
         """The dataset as the first server that answers describes it (cached)."""
-        if self._info is None:
+        if self._info is None or again:
             self._info = describe_dataset(
                 self._transport,
                 self._servers,
@@ -223,33 +217,47 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         """Class names by label, from the dataset's manifest."""
         return list(self._describe().classes)
 
-    def _plan(self, share: Rank, epoch: int, start: int = 0) -> tuple[StreamSpec, Plan]:
-        """The stream of ``share`` in ``epoch`` from cursor ``start``, and its plan."""
-        try:
-            # The version the share is planned on: a server that serves another one
-            # refuses the stream (FAILED_PRECONDITION) rather than mix versions.
-            spec = self._spec.replace(
-                rank=share.rank,
-                world_size=share.world_size,
-                epoch=epoch,
-                start=start,
-                dataset_version=self._describe().version,
-            )
-            plan = spec.plan(self.num_samples)
-        except ValueError as exc:
-            raise _invalid(str(exc)) from exc
-        if plan.num_batches == 0:
-            raise _invalid(
-                f"batch_size {spec.batch_size} is larger than this rank's share of the "
-                f"dataset ({plan.num_samples} samples over {spec.world_size} ranks) and "
-                "drop_last=True leaves no batch: every epoch would be empty. Lower batch_size "
-                "or pass drop_last=False"
-            )
-        return spec, plan
+    def _plan(self, share: Rank, place: Place) -> tuple[StreamSpec, Plan]:
+        """The stream of ``share`` from ``place`` (in this loader's units), and its plan."""
+        return self._position.plan(share, place, self._describe())
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (equal on every rank)."""
-        return self._plan(self._share(), 0)[1].num_batches
+        return self._plan(self._sharing.resolve(), Place(0))[1].num_batches
+
+    # -- position (batchwire.client._state) ----------------------------------------------
+
+    rank = property(
+        lambda self: self._sharing.resolve().rank, doc="This process's rank, as of now."
+    )
+    world_size = property(lambda self: self._sharing.resolve().world_size, doc="Ranks, as of now.")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next pass if none is."""
+        return self._position.place(self._pass).epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next pass starts ``epoch`` (at the loaded position if a loaded state is
+        about to resume ``epoch``, as after ``load_state_dict``)."""
+        refuse_accelerate_wrappers()
+        self._position.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: after the last batch handed out (prefetched ones
+        don't count), or where the next pass starts. It loads on any rank, also of a job
+        of another world size (the client guide: Elastic resume)."""
+        return self._position.state_dict(self._pass, self._sharing.resolve(), self._info)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The next pass continues from ``state``: exactly the rest of its epoch, split
+        over this job's ranks from the state's global position if the world size (or,
+        with ``elastic_batch_size=True``, the batch size) changed. Refuses a state of
+        another dataset, seed, shuffle or drop_last, or of another version of the dataset
+        than the server serves (which it asks, for a state saved mid-epoch)."""
+        # The dataset's version as the server serves it now, not as it served it before.
+        if self._position.load_state_dict(state, lambda: self._describe(again=True)):
+            self.skipped_ids = []
 
     # -- passes -------------------------------------------------------------------------
 
@@ -258,24 +266,23 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
         previous, self._pass = self._pass, None
         if previous is not None:
             previous.supersede()
-        worker = worker_id()
         # A state that StatefulDataLoader loaded in this worker is for the pass made right
         # after it here, which uses it up only by running to its end: torchdata primes
         # the prefetch of a restored iterator before it finds the state was of a finished
-        # pass and starts another, and that discarded pass must not count.
-        tentative, self._loaded_in_worker = self._loaded_in_worker, False
-        with self._ledger.update() as record:
-            epoch, start = (record.epoch, record.cursor) if record.fresh else (record.epoch + 1, 0)
-            spec, plan = self._plan(share, epoch, start)  # validates a loaded cursor
-            if 0 < plan.share_size == start:
+        # pass and starts another, and that discarded pass must not count (Position.begin).
+        with self._position.ledger.update() as record:
+            place = self._position.next_place(record, share, self.num_samples)
+            spec, plan = self._plan(share, place)  # validates a loaded cursor
+            if plan.num_batches == 0 or 0 < plan.share_size == place.cursor:
                 # The end of an epoch is the start of the next: frameworks that count
                 # batches by len() (Lightning) never ask past the last one, so their
                 # checkpoint at an epoch's end is this, and the next pass is a new epoch.
-                epoch, start = epoch + 1, 0
-                spec, plan = self._plan(share, epoch, start)
+                # So is a rest of an epoch that drop_last leaves no batch of.
+                place = Place(place.epoch + 1)
+                spec, plan = self._plan(share, place)
             stream_pass = StreamPass(
-                epoch=epoch,
-                start=start,
+                epoch=place.epoch,
+                start=place.cursor,
                 share_size=plan.share_size,
                 num_batches=plan.num_batches,
                 batch_size=self.batch_size,
@@ -292,10 +299,8 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
                 timeout=self.timeout,
                 resolve_every=self.resolve_every,
             )
-            if not tentative:
-                record.epoch, record.cursor, record.fresh = epoch, start, False
-            record.pass_id, record.in_workers = stream_pass.id, worker is not None
-        if start == 0:
+            self._position.begin(record, stream_pass.id, place, share.world_size)
+        if place.cursor == 0:
             self.skipped_ids = []
         self._pass = stream_pass
         stream_pass.start_readers()
@@ -303,9 +308,8 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
 
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
-        with self._ledger.update() as record:
-            if record.pass_id == stream_pass.id:
-                record.epoch, record.cursor, record.fresh = stream_pass.epoch + 1, 0, True
+        with self._position.ledger.update() as record:
+            self._position.end(record, stream_pass)
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -320,7 +324,7 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
             return  # worker 0 streams the whole share, in order
         info = next(p for p in self._describe().pipelines if p.name == self.pipeline)
         tensors = Tensors(self._options, info, self.layout, self.transfer)
-        stream_pass = self._begin(self._share(), tensors)
+        stream_pass = self._begin(self._sharing.resolve(), tensors)
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):
                 try:
@@ -357,16 +361,10 @@ class RemoteLoader(Resumable, torch.utils.data.IterableDataset):  # type: ignore
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy without threads, channels or locks (spawned DataLoader workers,
-        ``ddp_spawn``); it carries the share torch.distributed gives here."""
+        ``ddp_spawn``); it carries the share torch.distributed gives here (Sharing)."""
         state = self.__dict__.copy()
-        live = distributed_rank_world(self._group)
-        state["_inherited"] = Rank(*live) if live is not None else self._inherited
-        state["_group"] = None  # process groups don't pickle; the share above stands in
-        if self._group is not None and self._explicit is None and live is not None:
-            state["_explicit"] = Rank(*live)
         for key in ("_servers", "transfer", "_pass"):
             state[key] = None
-        state["_loaded_in_worker"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

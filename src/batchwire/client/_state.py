@@ -1,35 +1,45 @@
-"""Where a loader stands: its rank (resolved when a pass starts) and its position, saved
-and restored (``state_dict``, ``load_state_dict``, ``set_epoch``) in the loader's ledger,
-which it shares with its own DataLoader workers."""
+"""Where a loader stands in its epochs: its rank (resolved when a pass starts) and its
+:class:`Position`, which :class:`~batchwire.client.RemoteLoader` holds and asks to save
+(``state_dict``), restore (``load_state_dict``) and place each pass. The position lives
+in the loader's ledger, which it shares with its own DataLoader workers.
+
+A state records the job's global position in the epoch besides the rank's cursor. The
+ranks of a job move in lockstep: global step ``k`` is the ``k``-th batch of every rank,
+and a DDP step is a collective, so at a checkpoint every rank holds the same cursor
+``c``. A pass whose split began at ``origin`` (0 for a whole epoch) has then consumed
+elements ``[origin, origin + c·W)`` of the epoch order, all ranks together: the global
+position ``G = min(origin + c·W, N)``. A state thus loads on every rank of the job, and
+on a job of another world size ``W'`` (or, with ``elastic_batch_size``, another batch
+size): its next pass starts the split at ``origin = G``, and the ranks split the rest of
+the order as the contract splits an epoch (``batchwire.common.sampler``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from batchwire.client._exceptions import InvalidArgumentError
-from batchwire.client._frameworks import (
-    distributed_rank_world,
-    refuse_accelerate_wrappers,
-    worker_id,
-)
+from batchwire.client._frameworks import distributed_rank_world, worker_id
 from batchwire.client._ledger import Ledger, Record
 
 if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
+    from batchwire.common.sampler import Plan
     from batchwire.common.stream import StreamSpec
     from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["Rank", "Resumable"]
+__all__ = ["Place", "Position", "Rank", "Sharing"]
 
-_STATE_VERSION = 2
-_READABLE_STATES = (1, 2)  # version 1: saved by batchwire 0.1, same fields and meaning
-# A state loads into a loader only if these match (the rank may differ: ranks move in
-# lockstep, and frameworks save rank 0's state and load it on every rank).
-_IDENTITY = ("dataset", "batch_size", "seed", "shuffle", "drop_last", "world_size")
+_STATE_VERSION = 3
+# 1: batchwire 0.1, 2: the release after it. Same fields and meaning, without origin (0).
+_READABLE_STATES = (1, 2, 3)
+# A state loads into a loader only if these match. The rank may differ (frameworks save
+# rank 0's state and load it on every rank), and so may the world size (see the module).
+_IDENTITY = ("dataset", "seed", "shuffle", "drop_last")
 # The version of the dataset's content a state was saved on (DatasetInfo.version): a
 # state loads only where the server serves that version. Absent in states saved by
 # earlier releases, or before the loader described its dataset: not checked.
@@ -48,83 +58,164 @@ class Rank:
     world_size: int
 
 
-class Resumable:
-    """The state methods of :class:`~batchwire.client.RemoteLoader` (a mixin: it reads
-    the loader's ledger, pass, spec and share)."""
+class Sharing:
+    """Which rank of which world a loader streams for, resolved when asked (a pass
+    starts): ``explicit`` (given to the loader), else torch.distributed's (``group``'s),
+    else what the loader carried when it was pickled, else rank 0 of 1."""
 
-    _ledger: Ledger
-    _pass: StreamPass | None
-    _info: pb.DatasetInfo | None
-    _spec: StreamSpec
-    _group: Any
-    _explicit: Rank | None
-    _inherited: Rank | None
-    _loaded_in_worker: bool
-    skipped_ids: list[int]
+    def __init__(self, explicit: Rank | None, group: Any) -> None:
+        self.explicit, self.group = explicit, group
+        # The share torch.distributed gave when the loader was pickled: spawned
+        # DataLoader workers have no process group of their own.
+        self.inherited: Rank | None = None
 
-    def _share(self) -> Rank:
-        """This process's rank and world size, as of now (explicit, else torch.distributed's, else
-        what the loader carried when it was pickled, else rank 0 of 1)."""
-        live = distributed_rank_world(self._group)
-        if self._explicit is not None:
-            if live is not None and live != (self._explicit.rank, self._explicit.world_size):
+    def resolve(self) -> Rank:
+        live = distributed_rank_world(self.group)
+        explicit = self.explicit
+        if explicit is not None:
+            if live is not None and live != (explicit.rank, explicit.world_size):
                 raise _invalid(
-                    f"rank={self._explicit.rank}, world_size={self._explicit.world_size} were "
-                    f"given, but torch.distributed is initialized with rank {live[0]} of "
-                    f"{live[1]}: this process would train on another share than its rank's. "
-                    "Leave rank and world_size unset to take them from torch.distributed, or "
-                    "pass process_group= to shard over a subgroup"
+                    f"rank={explicit.rank}, world_size={explicit.world_size} were given, but "
+                    f"torch.distributed is initialized with rank {live[0]} of {live[1]}: this "
+                    "process would train on another share than its rank's. Leave rank and "
+                    "world_size unset to take them from torch.distributed, or pass "
+                    "process_group= to shard over a subgroup"
                 )
-            return self._explicit
+            return explicit
         if live is not None:
             return Rank(*live)
-        return self._inherited or Rank(0, 1)
+        return self.inherited or Rank(0, 1)
 
-    @property
-    def rank(self) -> int:
-        return self._share().rank
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy carries the share torch.distributed gives here; process groups don't
+        # pickle, so a subgroup's share becomes the copy's explicit one.
+        live = distributed_rank_world(self.group)
+        explicit = self.explicit
+        if self.group is not None and explicit is None and live is not None:
+            explicit = Rank(*live)
+        inherited = Rank(*live) if live is not None else self.inherited
+        return {"explicit": explicit, "group": None, "inherited": inherited}
 
-    @property
-    def world_size(self) -> int:
-        return self._share().world_size
 
-    @property
-    def epoch(self) -> int:
-        """The epoch of the pass in progress, or of the next pass if none is."""
-        return int(self._position(self._ledger.read())[0])
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a pass of ``epoch`` starts or stands: ``cursor`` positions into each rank's
+    share of the split that begins at ``origin``. ``world`` and ``batch`` are the world
+    and batch size the cursor counts in (0: the loader's own)."""
+
+    epoch: int
+    origin: int = 0
+    cursor: int = 0
+    world: int = 0
+    batch: int = 0
+
+    def write(self, record: Record, *, directive: bool = True) -> None:
+        """Make this the place the next pass starts at; a ``directive`` (set_epoch,
+        load_state_dict) also forgets the passes before it."""
+        record.epoch, record.origin, record.cursor = self.epoch, self.origin, self.cursor
+        record.world, record.batch, record.fresh = self.world, self.batch, True
+        if directive:
+            record.pass_id, record.in_workers = 0, False
+
+
+class Position:
+    """A loader's position in its epochs (see the module): kept in ``ledger``.
+
+    The loader passes in what the position depends on (the pass running, the share,
+    the dataset's description); ``spec`` gives the loader's settings.
+    """
+
+    def __init__(self, spec: StreamSpec, *, elastic_batch_size: bool = False) -> None:
+        self.ledger = Ledger()
+        self._spec = spec
+        self._elastic_batch_size = elastic_batch_size
+        # load_state_dict ran in this DataLoader worker: see RemoteLoader._begin.
+        self.loaded_in_worker = False
+        # The pass started here last: its id, the origin of its split and its world size.
+        self._running = (0, 0, 0)
+
+    def place(self, current: StreamPass | None) -> Place:
+        """After the last batch handed out, or where the next pass starts."""
+        record = self.ledger.read()
+        if current is not None and record.pass_id == current.id:
+            if current.cursor == current.share_size:
+                return Place(current.epoch + 1)  # after the last batch: see RemoteLoader._begin
+            _, origin, world = self._running
+            return Place(current.epoch, origin, current.cursor, world)
+        if record.fresh:
+            return Place(record.epoch, record.origin, record.cursor, record.world, record.batch)
+        return Place(record.epoch + 1)
+
+    def next_place(self, record: Record, share: Rank, num_samples: int) -> Place:
+        """Where the next pass of ``share`` starts, in its own units: a place counted in
+        another world or batch size starts the split at its global position."""
+        if not record.fresh:
+            return Place(record.epoch + 1)
+        world, batch = record.world or share.world_size, record.batch or self._spec.batch_size
+        if (world, batch) == (share.world_size, self._spec.batch_size):
+            return Place(record.epoch, record.origin, record.cursor)
+        return Place(record.epoch, min(record.origin + record.cursor * world, num_samples))
+
+    def begin(self, record: Record, pass_id: int, place: Place, world: int) -> None:
+        """Pass ``pass_id`` of ``world`` ranks starts at ``place``; unless it only tries
+        a state loaded in a DataLoader worker (see RemoteLoader._begin), it uses it up."""
+        if not self.loaded_in_worker:
+            Place(place.epoch, place.origin, place.cursor).write(record, directive=False)
+            record.fresh = False
+        self.loaded_in_worker = False
+        record.pass_id, record.in_workers = pass_id, worker_id() is not None
+        self._running = (pass_id, place.origin, world)
+
+    def end(self, record: Record, stream_pass: StreamPass) -> None:
+        """A pass that ran to its end: the next one starts the following epoch."""
+        if record.pass_id == stream_pass.id:
+            Place(stream_pass.epoch + 1).write(record, directive=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "loaded_in_worker": False, "_running": (0, 0, 0)}
+
+    def plan(self, share: Rank, place: Place, info: pb.DatasetInfo) -> tuple[StreamSpec, Plan]:
+        """The stream of ``share`` from ``place`` (in the loader's units) of the dataset
+        ``info`` describes, and its plan."""
+        try:
+            # The version the share is planned on: a server that serves another one
+            # refuses the stream (FAILED_PRECONDITION) rather than mix versions.
+            spec = self._spec.replace(
+                rank=share.rank,
+                world_size=share.world_size,
+                epoch=place.epoch,
+                origin=place.origin,
+                start=place.cursor,
+                dataset_version=info.version,
+            )
+            plan = spec.plan(info.num_samples)
+        except ValueError as exc:
+            raise _invalid(str(exc)) from exc
+        if plan.num_batches == 0 and place.origin == 0:
+            raise _invalid(
+                f"batch_size {spec.batch_size} is larger than this rank's share of the "
+                f"dataset ({plan.num_samples} samples over {spec.world_size} ranks) and "
+                "drop_last=True leaves no batch: every epoch would be empty. Lower batch_size "
+                "or pass drop_last=False"
+            )
+        return spec, plan
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass starts ``epoch`` (at the loaded position if a loaded state is
-        about to resume ``epoch``, as after ``load_state_dict``)."""
-        refuse_accelerate_wrappers()
+        about to resume ``epoch``)."""
         if epoch < 0:
             raise _invalid(f"epoch must be >= 0, got {epoch}")
-        with self._ledger.update() as record:
-            if record.fresh and record.epoch == epoch:
-                return
-            record.epoch, record.cursor, record.fresh = epoch, 0, True
-            record.pass_id, record.in_workers = 0, False
+        with self.ledger.update() as record:
+            if not (record.fresh and record.epoch == epoch):
+                Place(epoch).write(record)
 
-    def _position(self, record: Record) -> tuple[int, int]:
-        """(epoch, cursor) after the last batch handed out, or where the next pass starts."""
-        current = self._pass
-        if current is not None and record.pass_id == current.id:
-            if current.cursor == current.share_size:
-                return current.epoch + 1, 0  # after the last batch: see _begin
-            return current.epoch, current.cursor
-        if record.fresh:
-            return record.epoch, record.cursor
-        return record.epoch + 1, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: the position after the last batch handed out
-        (prefetched ones don't count), or where the next pass starts.
-
-        ``cursor`` is a position in a rank's share of ``epoch``; it is the same on
-        every rank, so the state loads on any rank of the job.
-        """
-        record = self._ledger.read()
-        if worker_id() is None and record.in_workers:
+    def state_dict(
+        self, current: StreamPass | None, share: Rank, info: pb.DatasetInfo | None
+    ) -> dict[str, Any]:
+        """The state of RemoteLoader.state_dict: ``epoch``, ``origin``, ``cursor`` in
+        shares of ``world_size`` ranks of ``batch_size``, and ``position``, the samples of
+        the epoch the job consumed (all ranks together)."""
+        if worker_id() is None and self.ledger.read().in_workers:
             raise _invalid(
                 "this loader's last pass ran in DataLoader worker processes, so this process "
                 "cannot tell how many of its batches training has used. Checkpoint through "
@@ -132,83 +223,79 @@ class Resumable:
                 "saves its state_dict() itself), or use num_workers=0, where the server does the "
                 "work all the same"
             )
-        epoch, cursor = self._position(record)
-        share = self._share()
+        place = self.place(current)
+        world = place.world or share.world_size
+        position = place.origin + place.cursor * world
         state = {
             "version": _STATE_VERSION,
-            **self._identity(share),
+            **{key: getattr(self._spec, key) for key in _IDENTITY},
+            "batch_size": place.batch or self._spec.batch_size,
+            "world_size": world,
             "pipeline": self._spec.pipeline,
             "rank": share.rank,
-            "epoch": epoch,
-            "cursor": cursor,
+            "epoch": place.epoch,
+            "origin": place.origin,
+            "cursor": place.cursor,
+            "position": min(position, info.num_samples) if info is not None else position,
         }
         # Known once the loader described its dataset, which every pass does first.
-        if self._info is not None and self._info.version:
-            state[_DATASET_VERSION] = self._info.version
+        if info is not None and info.version:
+            state[_DATASET_VERSION] = info.version
         return state
 
-    def _check_dataset_version(self, saved: object) -> None:
-        """Refuse a state saved on another version of the dataset than the server's."""
-        if not saved:
-            return
-        self._info = None  # what the server serves now, not what it served before
-        serving = self._describe().version
-        if serving and saved != serving:
-            raise _invalid(
-                f"state was saved on version {saved} of dataset {self._spec.dataset!r} but "
-                f"the server now serves version {serving}: the dataset was replaced "
-                "(re-ingested). Start the epoch again (load no state, or call set_epoch) or "
-                "serve the old version"
-            )
-
-    def _describe(self) -> pb.DatasetInfo:
-        raise NotImplementedError  # RemoteLoader's
-
-    def _identity(self, share: Rank) -> dict[str, Any]:
-        """The settings a state must share with a loader to load into it (_IDENTITY)."""
-        return {
-            "dataset": self._spec.dataset,
-            "batch_size": self._spec.batch_size,
-            "seed": self._spec.seed,
-            "shuffle": self._spec.shuffle,
-            "drop_last": self._spec.drop_last,
-            "world_size": share.world_size,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The next pass continues from ``state``: exactly the rest of its epoch.
-
-        Refuses a state of another dataset, seed, batch size, shuffle, drop_last or
-        world size, with a message; and a state saved on another version of the dataset
-        than the server serves now (the dataset was replaced: the rest of its epoch no
-        longer exists). That check describes the dataset, so the server must answer;
-        a state without ``dataset_version`` (earlier releases), or at an epoch's start
-        (``cursor`` 0), is not checked.
-        """
+    def load_state_dict(
+        self, state: Mapping[str, Any], describe: Callable[[], pb.DatasetInfo]
+    ) -> bool:
+        """Check ``state`` (see RemoteLoader.load_state_dict) and make it the place the
+        next pass starts at; False in a DataLoader worker that streams nothing.
+        ``describe`` asks a server for the dataset as it is served now."""
         if state.get("version") not in _READABLE_STATES:
             raise _invalid(
                 f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
             )
-        mine = self._identity(self._share())
         for key in _IDENTITY:
-            if state.get(key) != mine[key]:
-                hint = "create the loader with the same settings to resume"
-                if key == "world_size" and distributed_rank_world(self._group) is None:
-                    hint = "load it after torch.distributed is initialized"
+            if state.get(key) != getattr(self._spec, key):
                 raise _invalid(
                     f"state was saved with {key}={state.get(key)!r} but this loader has "
-                    f"{key}={mine[key]!r}; {hint}"
+                    f"{key}={getattr(self._spec, key)!r}; create the loader with the same "
+                    "settings to resume"
                 )
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if epoch < 0 or cursor < 0:
-            raise _invalid(f"state has epoch={epoch}, cursor={cursor}; both must be >= 0")
+        if state.get("batch_size") != self._spec.batch_size and not self._elastic_batch_size:
+            raise _invalid(
+                f"state was saved with batch_size={state.get('batch_size')!r} but this loader "
+                f"has batch_size={self._spec.batch_size}; create the loader with the same "
+                "batch_size, or pass elastic_batch_size=True to resume at the same global "
+                "position with batches of the new size"
+            )
+        epoch, origin, cursor = (int(state.get(key, 0)) for key in ("epoch", "origin", "cursor"))
+        place = Place(epoch, origin, cursor, int(state["world_size"]), int(state["batch_size"]))
+        if min(place.epoch, place.origin, place.cursor) < 0 or min(place.world, place.batch) < 1:
+            raise _invalid(
+                f"state has epoch={place.epoch}, origin={place.origin}, cursor={place.cursor} "
+                f"(each must be >= 0), world_size={place.world}, batch_size={place.batch} "
+                "(each must be >= 1): it was not saved by a RemoteLoader"
+            )
         worker = worker_id()
         if worker not in (None, 0):
-            return  # workers other than 0 stream nothing (see the class docstring)
-        if cursor > 0:  # at an epoch's start nothing of the old version is left to finish
-            self._check_dataset_version(state.get(_DATASET_VERSION))
-        with self._ledger.update() as record:
-            record.epoch, record.cursor, record.fresh = epoch, cursor, True
-            record.pass_id, record.in_workers = 0, False
-        self._loaded_in_worker = worker is not None
-        self.skipped_ids = []
+            return False  # workers other than 0 stream nothing (see RemoteLoader)
+        if place.cursor > 0 or place.origin > 0:  # at an epoch's start nothing is left over
+            _check_dataset_version(self._spec.dataset, state.get(_DATASET_VERSION), describe)
+        with self.ledger.update() as record:
+            place.write(record)
+        self.loaded_in_worker = worker is not None
+        return True
+
+
+def _check_dataset_version(
+    dataset: str, saved: object, describe: Callable[[], pb.DatasetInfo]
+) -> None:
+    """Refuse a state saved on another version of the dataset than the server's."""
+    if not saved:
+        return
+    serving = describe().version
+    if serving and saved != serving:
+        raise _invalid(
+            f"state was saved on version {saved} of dataset {dataset!r} but the server now "
+            f"serves version {serving}: the dataset was replaced (re-ingested). Start the "
+            "epoch again (load no state, or call set_epoch) or serve the old version"
+        )
