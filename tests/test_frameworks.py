@@ -12,7 +12,8 @@ The contract checked everywhere:
   resumes its epoch at its position. So Lightning's sanity check takes 2 batches of val data
   epoch 0 and every real validation run gets a whole share.
 * A state saved on rank 0 (as Lightning and accelerate save it) resumes every rank exactly;
-  one from another dataset, seed, batch size or world size is refused.
+  one from another dataset, seed or batch size is refused; one from a job of another world
+  size resumes the epoch at the same global position (the client guide: Elastic resume).
 
 Each job rank appends what it saw to JSON lines (frameworks/recording.py); the checks here
 collect every mismatch of a launch before failing, and describe what was received instead
@@ -221,8 +222,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def torchrun(script: str, out: pathlib.Path, *args: str, timeout: float = LAUNCH_TIMEOUT) -> Launch:
-    """Run ``frameworks/script`` on WORLD gloo ranks with torchrun (--standalone: a free
+def torchrun(
+    script: str,
+    out: pathlib.Path,
+    *args: str,
+    timeout: float = LAUNCH_TIMEOUT,
+    world: int = WORLD,
+) -> Launch:
+    """Run ``frameworks/script`` on ``world`` gloo ranks with torchrun (--standalone: a free
     port); kill torchrun, its ranks and their DataLoader workers if it runs past
     ``timeout`` seconds.
 
@@ -234,7 +241,7 @@ def torchrun(script: str, out: pathlib.Path, *args: str, timeout: float = LAUNCH
         "torch.distributed.run",
         "--standalone",
         "--nnodes=1",
-        f"--nproc-per-node={WORLD}",
+        f"--nproc-per-node={world}",
         str(JOBS / script),
         "--out",
         str(out),
@@ -300,8 +307,10 @@ def event(out: pathlib.Path, run: str, rank: int, name: str) -> dict[str, Any] |
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def check_finished(checks: Checks, out: pathlib.Path, run: str, launch: Launch) -> None:
-    missing = [r for r in range(WORLD) if event(out, run, r, "finished") is None]
+def check_finished(
+    checks: Checks, out: pathlib.Path, run: str, launch: Launch, world: int = WORLD
+) -> None:
+    missing = [r for r in range(world) if event(out, run, r, "finished") is None]
     checks.launch(
         launch,
         launch.returncode == 0 and not missing,
@@ -309,8 +318,10 @@ def check_finished(checks: Checks, out: pathlib.Path, run: str, launch: Launch) 
     )
 
 
-def check_killed(checks: Checks, out: pathlib.Path, run: str, launch: Launch) -> None:
-    missing = [r for r in range(WORLD) if event(out, run, r, "killed") is None]
+def check_killed(
+    checks: Checks, out: pathlib.Path, run: str, launch: Launch, world: int = WORLD
+) -> None:
+    missing = [r for r in range(world) if event(out, run, r, "killed") is None]
     checks.launch(
         launch,
         launch.returncode != 0 and not missing,

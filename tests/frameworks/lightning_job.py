@@ -8,12 +8,14 @@ torch.distributed. ``train_dataloader``/``val_dataloader`` return them as they a
 (``--wrap none``) or wrapped in a torch ``DataLoader`` or torchdata ``StatefulDataLoader``
 with ``--workers`` workers. Every rank records the ids of each batch it trains or validates
 on (recording.py); ``--checkpoint-every`` and ``--kill-at-step`` make the run that a second
-one (``--resume CHECKPOINT``) continues.
+one (``--resume CHECKPOINT``) continues, on as many devices as torchrun starts processes
+(``--elastic-batch-size``: with another batch size too).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 from typing import Any
 
@@ -41,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="train steps; 0: none")
     parser.add_argument("--kill-at-step", type=int, default=0, help="global step; 0: never")
     parser.add_argument("--resume", type=pathlib.Path, help="a checkpoint to fit from")
+    parser.add_argument("--elastic-batch-size", action="store_true", help="see RemoteLoader")
     return parser.parse_args()
 
 
@@ -58,7 +61,13 @@ class RemoteData(pl.LightningDataModule):
         }
         # Made here, before torch.distributed exists: rank and world size must still come
         # from it when iteration starts.
-        self.train = RemoteLoader(args.target, pipeline="train", shuffle=True, **common)
+        self.train = RemoteLoader(
+            args.target,
+            pipeline="train",
+            shuffle=True,
+            elastic_batch_size=args.elastic_batch_size,
+            **common,
+        )
         self.val = RemoteLoader(args.target, pipeline="val", shuffle=False, **common)
         self.wrap = args.wrap
         self.workers = args.workers
@@ -141,7 +150,7 @@ def main() -> None:
         callbacks.append(KillAtStep(args.kill_at_step, recorder))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),  # torchrun's --nproc-per-node
         strategy="ddp",
         max_epochs=args.epochs,
         enable_progress_bar=False,

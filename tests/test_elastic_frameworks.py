@@ -1,0 +1,136 @@
+"""Elastic resume through the jobs users run: a job killed mid-epoch on 2 gloo ranks and
+restarted from its last checkpoint on 3 (torchrun ``--nproc-per-node 3``) finishes the
+epoch with no sample lost or repeated. The launching and checking helpers are
+test_frameworks.py's.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+
+import pytest
+import torch
+from test_frameworks import (
+    NUM_SAMPLES,
+    SEED,
+    Checks,
+    check_finished,
+    check_killed,
+    flat,
+    latest_checkpoint,
+    plan_batches,
+    records,
+    torchrun,
+)
+
+from batchwire.common.sampler import epoch_order
+from batchwire.server import BatchwireServer
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def check_once(checks: Checks, what: str, ids: list[int], expected: list[int]) -> None:
+    counts = collections.Counter(ids)
+    repeated = sorted(i for i, n in counts.items() if n > 1)
+    lost = sorted(set(expected) - set(counts))
+    checks.true(not repeated, f"{what}: {len(repeated)} ids repeated, e.g. {repeated[:5]}")
+    checks.true(not lost, f"{what}: {len(lost)} ids lost, e.g. {lost[:5]}")
+    extra = sorted(set(counts) - set(expected))
+    checks.true(not extra, f"{what}: {len(extra)} ids not expected, e.g. {extra[:5]}")
+
+
+def test_a_plain_torchrun_loop_killed_on_2_ranks_finishes_its_epoch_on_3(
+    server: BatchwireServer, tmp_path: pathlib.Path
+) -> None:
+    """drop_last=False, 16 a batch: the checkpoint after step 5 holds 160 samples; the 360
+    left split evenly over 3 ranks, so the epoch is every sample exactly once."""
+    args = ["--target", server.target, "--batch-size", "16", "--seed", str(SEED)]
+    first = torchrun(
+        "elastic_job.py", tmp_path, *args, "--checkpoint-every", "5", "--kill-at-step", "7"
+    )
+    checks = Checks()
+    check_killed(checks, tmp_path, "first", first)
+    checks.verify()
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+    assert checkpoint["step"] == 5
+    assert (checkpoint["loader"]["position"], checkpoint["loader"]["world_size"]) == (160, 2)
+    second = torchrun(
+        "elastic_job.py",
+        tmp_path,
+        *args,
+        "--records",
+        "resumed",
+        "--resume",
+        str(tmp_path / "checkpoint.pt"),
+        world=3,
+    )
+    check_finished(checks, tmp_path, "resumed", second, world=3)
+    head = [r.ids for rank in range(2) for r in records(tmp_path, "first", rank) if r.step < 5]
+    tails = [[r.ids for r in records(tmp_path, "resumed", rank)] for rank in range(3)]
+    checks.true(
+        len({len(tail) for tail in tails}) == 1,
+        f"the 3 ranks got {[len(t) for t in tails]} batches, not the same number",
+    )
+    after = [batch for tail in tails for batch in tail]
+    check_once(checks, "epoch 0 over both runs", flat(head + after), list(range(NUM_SAMPLES)))
+    checks.verify()
+
+
+def test_lightning_fitted_on_3_devices_from_a_checkpoint_of_2_continues_the_epoch(
+    server: BatchwireServer, tmp_path: pathlib.Path
+) -> None:
+    """2 devices of 24 and 3 of 16 (the global batch held, so Lightning's count of the
+    epoch's batches holds too): after the resume every global step is the undisturbed
+    job's, epoch 0 is trained once over both runs, and epoch 1 is 3 ranks' plan."""
+    common = ["--target", server.target, "--seed", str(SEED), "--elastic-batch-size"]
+    first = torchrun(
+        "lightning_job.py",
+        tmp_path,
+        *common,
+        "--batch-size",
+        "24",
+        "--checkpoint-every",
+        "3",
+        "--kill-at-step",
+        "4",
+    )
+    checks = Checks()
+    check_killed(checks, tmp_path, "first", first)
+    found = latest_checkpoint(tmp_path / "checkpoints")
+    assert found is not None, f"no checkpoint{first.tail()}"
+    checkpoint, step = found
+    assert step == 3, checkpoint.name
+    second = torchrun(
+        "lightning_job.py",
+        tmp_path,
+        *common,
+        "--batch-size",
+        "16",
+        "--records",
+        "resumed",
+        "--resume",
+        str(checkpoint),
+        world=3,
+    )
+    check_finished(checks, tmp_path, "resumed", second, world=3)
+    before = [r for rank in range(2) for r in records(tmp_path, "first", rank)]
+    after = [r for rank in range(3) for r in records(tmp_path, "resumed", rank)]
+    head = [r.ids for r in before if r.kind == "train" and r.step < step]
+    resumed = [r for r in after if r.kind == "train" and r.epoch == 0]
+    undisturbed = [plan_batches(0, rank, world=2, batch=24) for rank in range(2)]
+    steps = sorted({r.step for r in resumed})
+    checks.true(steps == list(range(step, 10)), f"epoch 0 resumed at steps {steps}")
+    for s in steps:
+        got = sorted(flat(r.ids for r in resumed if r.step == s))
+        checks.true(
+            got == sorted(undisturbed[0][s] + undisturbed[1][s]),
+            f"global step {s} after the resume is not the undisturbed job's",
+        )
+    kept = epoch_order(SEED, 0, NUM_SAMPLES)[:480].tolist()  # 10 global steps of 48
+    check_once(checks, "epoch 0 over both runs", flat(head + [r.ids for r in resumed]), kept)
+    for rank in range(3):
+        rows = records(tmp_path, "resumed", rank)
+        epoch1 = [r.ids for r in rows if r.kind == "train" and r.epoch == 1]
+        checks.batches(f"rank {rank} in epoch 1", epoch1, plan_batches(1, rank, world=3, batch=16))
+    checks.verify()
