@@ -8,26 +8,32 @@ iterates them: global step k is the k-th batch of every rank.
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
+from concurrent import futures
 
+import grpc
 import pytest
 
-from batchwire.client import InvalidArgumentError, RemoteLoader
+from batchwire.client import BatchwireError, InvalidArgumentError, RemoteLoader
 from batchwire.common.sampler import epoch_order
 from batchwire.server import BatchwireServer
+from batchwire.v1 import batchwire_pb2 as pb
 
 SAMPLES, SEED, EPOCH = 520, 5, 1
 
 
+OPTIONS: dict[str, object] = {
+    "dataset": "shapes",
+    "pipeline": "val",
+    "return_ids": True,
+    "params": {"size": 32},
+    "seed": SEED,
+}
+
+
 def make(server: BatchwireServer, **kwargs: object) -> RemoteLoader:
-    options: dict[str, object] = {
-        "dataset": "shapes",
-        "pipeline": "val",
-        "return_ids": True,
-        "params": {"size": 32},
-        "seed": SEED,
-    }
-    options.update(kwargs)
-    return RemoteLoader(server.target, **options)  # type: ignore[arg-type]
+    return RemoteLoader(server.target, **{**OPTIONS, **kwargs})  # type: ignore[arg-type]
 
 
 def job(server: BatchwireServer, world: int, **kwargs: object) -> list[RemoteLoader]:
@@ -167,3 +173,64 @@ def test_a_state_resumed_on_another_world_saves_its_own_position(
     tail = resumed(server, 2, again, batch_size=40, drop_last=False)
     counts = collections.Counter(i for step in head + middle + tail for i in step)
     assert set(counts) == set(range(SAMPLES)) and sum(counts.values()) == SAMPLES
+
+
+@contextlib.contextmanager
+def origin_blind(server: BatchwireServer) -> Iterator[str]:
+    """A server of the release before origins, as its clients see it: the real server
+    behind a proxy that drops ``origin`` from every stream request, as a parser that does
+    not know the field does. Yields the proxy's target."""
+    channel = grpc.insecure_channel(server.target)
+    describe = channel.unary_unary("/batchwire.v1.Batchwire/DescribeDataset")
+    pull = channel.stream_stream("/batchwire.v1.Batchwire/PullBatches")
+
+    def blind(raw: bytes) -> bytes:
+        request = pb.PullRequest.FromString(raw)
+        if not request.HasField("stream"):
+            return raw
+        request.stream.ClearField("origin")
+        return request.SerializeToString()
+
+    def forward(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        call = pull(blind(raw) for raw in requests)
+        context.send_initial_metadata(call.initial_metadata())  # the client waits for it
+        return call
+
+    handlers = {
+        "DescribeDataset": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: describe(request)
+        ),
+        "PullBatches": grpc.stream_stream_rpc_method_handler(forward),
+    }
+    proxy = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="proxy"))
+    proxy.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("batchwire.v1.Batchwire", handlers)]
+    )
+    port = proxy.add_insecure_port("localhost:0")
+    proxy.start()
+    try:
+        yield f"localhost:{port}"
+    finally:
+        proxy.stop(grace=None)
+        channel.close()
+
+
+def test_a_server_of_the_release_before_origins_is_caught_not_trusted(
+    server: BatchwireServer,
+) -> None:
+    """Resuming on another world size needs servers that split the rest of the epoch; one
+    that splits the whole epoch instead is refused at the first batch, not streamed."""
+    _, state = interrupted(server, 2, 2, batch_size=40)
+    with origin_blind(server) as target:
+        loader = RemoteLoader(target, **{**OPTIONS, "batch_size": 40, "rank": 0, "world_size": 3})
+        loader.load_state_dict(state)
+        with pytest.raises(BatchwireError, match="Upgrade the servers") as caught:
+            next(iter(loader))
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        loader.close()
+        same_shape = RemoteLoader(
+            target, **{**OPTIONS, "batch_size": 40, "rank": 0, "world_size": 2}
+        )
+        same_shape.load_state_dict(state)  # no origin: what such a server always served
+        assert len(steps([same_shape])) == 6 - 2
+        same_shape.close()

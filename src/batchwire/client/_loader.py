@@ -299,7 +299,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 timeout=self.timeout,
                 resolve_every=self.resolve_every,
             )
-            self._position.begin(record, stream_pass.id, place, share.world_size)
+            self._position.begin(record, stream_pass.id, plan)
         if place.cursor == 0:
             self.skipped_ids = []
         self._pass = stream_pass
@@ -334,6 +334,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                         # The dataset was replaced: the next pass describes it again.
                         self._info = None
                     raise
+                self._position.check_served(stream_pass.id, index, delivery.ids)
                 stream_pass.cursor = delivery.cursor
                 self.skipped_ids.extend(delivery.skipped_ids)
                 # Also a batch whose every sample was unreadable (empty): every rank takes

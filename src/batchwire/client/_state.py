@@ -17,12 +17,12 @@ the order as the contract splits an epoch (``batchwire.common.sampler``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.client._exceptions import BatchwireError, InvalidArgumentError
 from batchwire.client._frameworks import distributed_rank_world, worker_id
 from batchwire.client._ledger import Ledger, Record
 
@@ -133,6 +133,8 @@ class Position:
         self.loaded_in_worker = False
         # The pass started here last: its id, the origin of its split and its world size.
         self._running = (0, 0, 0)
+        # The pass, index and ids of a first batch to check (check_served).
+        self._probe: tuple[int, int, set[int]] | None = None
 
     def place(self, current: StreamPass | None) -> Place:
         """After the last batch handed out, or where the next pass starts."""
@@ -156,15 +158,35 @@ class Position:
             return Place(record.epoch, record.origin, record.cursor)
         return Place(record.epoch, min(record.origin + record.cursor * world, num_samples))
 
-    def begin(self, record: Record, pass_id: int, place: Place, world: int) -> None:
-        """Pass ``pass_id`` of ``world`` ranks starts at ``place``; unless it only tries
-        a state loaded in a DataLoader worker (see RemoteLoader._begin), it uses it up."""
+    def begin(self, record: Record, pass_id: int, plan: Plan) -> None:
+        """Pass ``pass_id`` starts as ``plan`` plans it; unless it only tries a state
+        loaded in a DataLoader worker (see RemoteLoader._begin), it uses the place up."""
         if not self.loaded_in_worker:
-            Place(place.epoch, place.origin, place.cursor).write(record, directive=False)
+            Place(plan.epoch, plan.origin, plan.start).write(record, directive=False)
             record.fresh = False
         self.loaded_in_worker = False
         record.pass_id, record.in_workers = pass_id, worker_id() is not None
-        self._running = (pass_id, place.origin, world)
+        self._running = (pass_id, plan.origin, plan.world_size)
+        # A server of a release before origins serves the split of the whole epoch instead
+        # of the rest's: the first batch of a pass with an origin shows which one it is.
+        first = plan.start // plan.batch_size
+        self._probe = (pass_id, first, set(plan.batch(first).ids.tolist())) if plan.origin else None
+
+    def check_served(self, pass_id: int, index: int, ids: Iterable[int]) -> None:
+        """FAILED_PRECONDITION if batch ``index`` of pass ``pass_id``, the first of a
+        pass with an origin, is not the planned one (see ``begin``)."""
+        probe = self._probe
+        if probe is None or probe[:2] != (pass_id, index):
+            return
+        self._probe = None
+        if not probe[2].issuperset(int(i) for i in ids):
+            raise BatchwireError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the server sent batch {index} of its split of the whole epoch, not of the "
+                "rest of the epoch that this resumed job splits: it is of a release before "
+                "elastic resume (StreamBatchesRequest.origin). Upgrade the servers, or resume "
+                "on the world size and batch size the state was saved with",
+            )
 
     def end(self, record: Record, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
@@ -172,7 +194,7 @@ class Position:
             Place(stream_pass.epoch + 1).write(record, directive=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "loaded_in_worker": False, "_running": (0, 0, 0)}
+        return {**self.__dict__, "loaded_in_worker": False, "_running": (0, 0, 0), "_probe": None}
 
     def plan(self, share: Rank, place: Place, info: pb.DatasetInfo) -> tuple[StreamSpec, Plan]:
         """The stream of ``share`` from ``place`` (in the loader's units) of the dataset
