@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +22,12 @@ from test_frameworks import (
     latest_checkpoint,
     plan_batches,
     records,
+    roundtrip,
     torchrun,
 )
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from batchwire.client import RemoteLoader
 from batchwire.common.sampler import epoch_order
 from batchwire.server import BatchwireServer
 
@@ -133,4 +137,48 @@ def test_lightning_fitted_on_3_devices_from_a_checkpoint_of_2_continues_the_epoc
         rows = records(tmp_path, "resumed", rank)
         epoch1 = [r.ids for r in rows if r.kind == "train" and r.epoch == 1]
         checks.batches(f"rank {rank} in epoch 1", epoch1, plan_batches(1, rank, world=3, batch=16))
+    checks.verify()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=lambda n: f"workers-{n}")
+def test_stateful_dataloaders_of_2_ranks_resume_on_3(server: BatchwireServer, workers: int) -> None:
+    """torchdata's StatefulDataLoader over each rank's loader: rank 0's state after 3 steps
+    resumes 3 ranks, each its own StatefulDataLoader, on the rest of the epoch."""
+    options: dict[str, Any] = {
+        "dataset": "shapes",
+        "pipeline": "val",
+        "batch_size": 16,
+        "seed": SEED,
+        "params": {"size": 32},
+        "return_ids": True,
+        "drop_last": False,
+    }
+
+    def ranks(world: int) -> list[tuple[RemoteLoader, StatefulDataLoader]]:
+        made = []
+        for rank in range(world):
+            remote = RemoteLoader(server.target, rank=rank, world_size=world, **options)
+            made.append((remote, StatefulDataLoader(remote, batch_size=None, num_workers=workers)))
+        return made
+
+    two = ranks(2)
+    iterators = [iter(data) for _, data in two]
+    head = [next(it)[2].tolist() for _ in range(3) for it in iterators]
+    state = roundtrip(two[0][1].state_dict())
+    for remote, data in two:
+        del data
+        remote.close()
+    del iterators, two
+    three = ranks(3)
+    tails = []
+    for remote, data in three:
+        data.load_state_dict(state)
+        tails.append([ids.tolist() for _, _, ids in data])
+        remote.close()
+    checks = Checks()
+    checks.true(len({len(t) for t in tails}) == 1, f"ranks got {[len(t) for t in tails]} batches")
+    counts = collections.Counter(flat(head + [b for tail in tails for b in tail]))
+    checks.true(set(counts) == set(range(NUM_SAMPLES)), "samples of the epoch lost")
+    repeats = sum(counts.values()) - NUM_SAMPLES
+    checks.true(repeats == 2, f"{repeats} repeats; the 424 left over 3 ranks pad 2")
     checks.verify()
