@@ -1,7 +1,8 @@
 """Elastic resume through the jobs users run: a job killed mid-epoch on 2 gloo ranks and
 restarted from its last checkpoint on 3 (torchrun ``--nproc-per-node 3``) finishes the
-epoch with no sample lost or repeated. The launching and checking helpers are
-test_frameworks.py's.
+epoch with no sample lost or repeated: a plain loop, Lightning DDP (``fit(ckpt_path=...)``),
+accelerate (``save_state``/``load_state``), and torchdata's StatefulDataLoader in this
+process. The launching and checking helpers are test_frameworks.py's.
 """
 
 from __future__ import annotations
@@ -181,4 +182,36 @@ def test_stateful_dataloaders_of_2_ranks_resume_on_3(server: BatchwireServer, wo
     checks.true(set(counts) == set(range(NUM_SAMPLES)), "samples of the epoch lost")
     repeats = sum(counts.values()) - NUM_SAMPLES
     checks.true(repeats == 2, f"{repeats} repeats; the 424 left over 3 ranks pad 2")
+    checks.verify()
+
+
+def test_accelerate_save_state_of_2_processes_loads_on_3(
+    server: BatchwireServer, tmp_path: pathlib.Path
+) -> None:
+    """accelerate's recipe (register_for_checkpointing, save_state, load_state) with 16 a
+    batch: saved after 5 batches of epoch 1 on 2 processes (160 samples), resumed on 3, the
+    epoch is trained once; drop_last drops only the tail of the 360 left smaller than 3·16."""
+    args = ["--target", server.target, "--batch-size", "16", "--seed", str(SEED)]
+    first = torchrun("accelerate_job.py", tmp_path, *args, "--save-after", "5", "--kill-after", "7")
+    checks = Checks()
+    check_killed(checks, tmp_path, "first", first)
+    assert (tmp_path / "state").is_dir(), f"no saved state{first.tail()}"
+    second = torchrun(
+        "accelerate_job.py", tmp_path, *args, "--records", "resumed", "--resume", world=3
+    )
+    check_finished(checks, tmp_path, "resumed", second, world=3)
+    head = [
+        r.ids
+        for rank in range(2)
+        for r in records(tmp_path, "first", rank)
+        if r.epoch == 1 and r.step < 5
+    ]
+    tails = [[r.ids for r in records(tmp_path, "resumed", rank)] for rank in range(3)]
+    checks.true(
+        [len(tail) for tail in tails] == [7, 7, 7],
+        f"the 3 processes trained {[len(t) for t in tails]} batches; 120 each is 7 of 16",
+    )
+    order = epoch_order(SEED, 1, NUM_SAMPLES).tolist()
+    after = [batch for tail in tails for batch in tail]
+    check_once(checks, "epoch 1 over both runs", flat(head + after), order[: 160 + 336])
     checks.verify()
