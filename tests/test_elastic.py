@@ -109,6 +109,22 @@ def test_with_drop_last_the_rest_drops_only_its_tail_smaller_than_a_global_batch
     assert sorted(delivered) == sorted(order[: 160 + kept])
 
 
+def test_a_rest_without_a_full_global_batch_or_an_epoch_over_resume_the_next_epoch(
+    server: BatchwireServer,
+) -> None:
+    """drop_last: 120 samples left are no global batch of 4 ranks of 40; a state at the end
+    of a 2-rank epoch (which dropped its last 40) is the next epoch on 1 rank too."""
+    _, state = interrupted(server, 2, 5, batch_size=40)
+    next_epoch = epoch_order(SEED, EPOCH + 1, SAMPLES).tolist()
+    tail = resumed(server, 4, {**state, "epoch": EPOCH}, batch_size=40)
+    assert sorted(i for step in tail for i in step) == sorted(next_epoch[: 3 * 160])
+    at_end = {**state, "cursor": 240, "position": 480}
+    loader = make(server, batch_size=40)
+    loader.load_state_dict(at_end)
+    assert [i for step in steps([loader]) for i in step] == next_epoch[: 13 * 40]
+    loader.close()
+
+
 @pytest.mark.parametrize(("new_world", "new_batch"), [(1, 40), (4, 10), (2, 20)])
 def test_with_world_times_batch_held_the_global_batches_are_the_undisturbed_ones(
     server: BatchwireServer, new_world: int, new_batch: int

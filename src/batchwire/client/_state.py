@@ -25,10 +25,10 @@ import grpc
 from batchwire.client._exceptions import BatchwireError, InvalidArgumentError
 from batchwire.client._frameworks import distributed_rank_world, worker_id
 from batchwire.client._ledger import Ledger, Record
+from batchwire.common.sampler import Plan
 
 if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
-    from batchwire.common.sampler import Plan
     from batchwire.common.stream import StreamSpec
     from batchwire.v1 import batchwire_pb2 as pb
 
@@ -156,7 +156,19 @@ class Position:
         world, batch = record.world or share.world_size, record.batch or self._spec.batch_size
         if (world, batch) == (share.world_size, self._spec.batch_size):
             return Place(record.epoch, record.origin, record.cursor)
-        return Place(record.epoch, min(record.origin + record.cursor * world, num_samples))
+        origin = min(record.origin, num_samples)
+        saved = Plan(
+            num_samples=num_samples,
+            batch_size=batch,
+            world_size=world,
+            drop_last=self._spec.drop_last,
+            origin=origin,
+        )
+        if record.cursor >= saved.share_size:
+            return Place(
+                record.epoch + 1
+            )  # the saved job's epoch was over: the rest it dropped too
+        return Place(record.epoch, min(origin + record.cursor * world, num_samples))
 
     def begin(self, record: Record, pass_id: int, plan: Plan) -> None:
         """Pass ``pass_id`` starts as ``plan`` plans it; unless it only tries a state
