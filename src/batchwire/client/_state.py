@@ -47,7 +47,7 @@ _DATASET_VERSION = "dataset_version"
 
 
 def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return InvalidArgumentError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,11 +193,11 @@ class Position:
         self._probe = None
         if not probe[2].issuperset(int(i) for i in ids):
             raise BatchwireError(
-                grpc.StatusCode.FAILED_PRECONDITION,
                 f"the server sent batch {index} of its split of the whole epoch, not of the "
                 "rest of the epoch that this resumed job splits: it is of a release before "
                 "elastic resume (StreamBatchesRequest.origin). Upgrade the servers, or resume "
                 "on the world size and batch size the state was saved with",
+                code=grpc.StatusCode.FAILED_PRECONDITION,
             )
 
     def end(self, record: Record, stream_pass: StreamPass) -> None:
