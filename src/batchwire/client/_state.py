@@ -165,9 +165,8 @@ class Position:
             origin=origin,
         )
         if record.cursor >= saved.share_size:
-            return Place(
-                record.epoch + 1
-            )  # the saved job's epoch was over: the rest it dropped too
+            # The saved job's epoch was over; the tail it dropped stays dropped.
+            return Place(record.epoch + 1)
         return Place(record.epoch, min(origin + record.cursor * world, num_samples))
 
     def begin(self, record: Record, pass_id: int, plan: Plan) -> None:
