@@ -11,6 +11,7 @@ import collections
 import contextlib
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pytest
@@ -54,7 +55,9 @@ def steps(loaders: list[RemoteLoader], count: int | None = None) -> list[list[in
     return taken
 
 
-def interrupted(server: BatchwireServer, world: int, count: int, **kwargs: object) -> tuple:
+def interrupted(
+    server: BatchwireServer, world: int, count: int, **kwargs: object
+) -> tuple[list[list[int]], dict[str, Any]]:
     """``count`` steps of ``world`` ranks in epoch EPOCH, and rank 0's state after them
     (every rank's state has the same global position)."""
     loaders = job(server, world, **kwargs)
@@ -68,7 +71,9 @@ def interrupted(server: BatchwireServer, world: int, count: int, **kwargs: objec
     return head, states[0]
 
 
-def resumed(server: BatchwireServer, world: int, state: dict, **kwargs: object) -> list:
+def resumed(
+    server: BatchwireServer, world: int, state: dict[str, Any], **kwargs: object
+) -> list[list[int]]:
     loaders = job(server, world, **kwargs)
     for loader in loaders:
         loader.load_state_dict(state)
