@@ -35,6 +35,7 @@ from batchwire.client import AuthenticationError, RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, ConfigError
 from batchwire.server.core import DeviceError, DevicePlan
+from batchwire.server.serving._messages import Lane
 
 NODE = ROOT / "tests" / "node"
 
@@ -246,25 +247,28 @@ def test_json_logs_have_one_object_per_line_with_stream_start_and_end(
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_the_stream_end_status_knows_how_many_batches_a_lane_has(drop_last: bool) -> None:
-    # A stream whose client hangs up after its last batch ended OK: the servicer
-    # counts a lane's batches by arithmetic, which must agree with the plan itself.
+def test_the_lanes_of_a_share_interleave_to_the_whole_share(drop_last: bool) -> None:
+    # StreamBatches calls that split a share into lanes (batch k in lane k % lanes) get,
+    # together, every batch of the share from the cursor on, each once, each lane in
+    # order; the stream end status counts a lane's batches from the same list.
     for samples, batch, world, lanes in itertools.product(
         (0, 1, 7, 20), (1, 3, 8), (1, 3), (1, 2, 5)
     ):
-        for rank, lane in itertools.product(range(world), range(lanes)):
+        for rank in range(world):
             plan = Plan(
                 num_samples=samples,
                 batch_size=batch,
                 rank=rank,
                 world_size=world,
-                lanes=lanes,
-                lane=lane,
                 drop_last=drop_last,
             )
             for start in range(plan.share_size + 1):
                 resumed = dataclasses.replace(plan, start=start)
-                assert resumed.lane_batches == len(list(resumed.batches())), resumed
+                whole = [b.index for b in resumed.batches()]
+                per_lane = [list(Lane(lane, lanes).batches(resumed)) for lane in range(lanes)]
+                assert sorted(i for got in per_lane for i in got) == whole, resumed
+                for lane, got in enumerate(per_lane):
+                    assert got == sorted(got) and all(i % lanes == lane for i in got)
 
 
 def test_log_settings_come_from_flags_then_the_environment() -> None:

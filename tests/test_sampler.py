@@ -133,32 +133,6 @@ def test_resume_from_any_cursor_gives_exactly_the_rest(
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=sizes, world=worlds, batch=batch_sizes, lanes=st.integers(1, 6), drop_last=st.booleans())
-def test_lanes_interleaved_by_index_give_the_same_sequence(
-    n: int, world: int, batch: int, lanes: int, drop_last: bool
-) -> None:
-    single = Plan(num_samples=n, batch_size=batch, world_size=world, drop_last=drop_last)
-    per_lane = [
-        list(
-            Plan(
-                num_samples=n,
-                batch_size=batch,
-                world_size=world,
-                drop_last=drop_last,
-                lanes=lanes,
-                lane=lane,
-            ).batches()
-        )
-        for lane in range(lanes)
-    ]
-    merged = sorted((b for lane in per_lane for b in lane), key=lambda b: b.index)
-    assert [b.index for b in merged] == list(range(single.num_batches))
-    assert [int(i) for b in merged for i in b.ids] == all_ids(single)
-    for lane, batches in enumerate(per_lane):
-        assert all(b.index % lanes == lane for b in batches)
-
-
-@settings(max_examples=200, deadline=None)
 @given(
     n=sizes,
     world=worlds,
@@ -170,7 +144,7 @@ def test_lanes_interleaved_by_index_give_the_same_sequence(
 def test_a_batch_planned_alone_is_the_batch_of_the_whole_plan(
     n: int, world: int, batch: int, drop_last: bool, shuffle: bool, data: st.DataObject
 ) -> None:
-    """What a pulling client asks for by index is what the lane plan streams."""
+    """What a pulling client asks for by index is what the whole plan streams."""
     rank = data.draw(st.integers(0, world - 1))
     whole = Plan(num_samples=n, batch_size=batch, world_size=world, rank=rank, drop_last=drop_last)
     whole = dataclasses.replace(whole, origin=data.draw(st.integers(0, n)))
@@ -292,7 +266,6 @@ def test_rank_share_matches_torch_distributed_sampler() -> None:
     [
         ({"batch_size": 0}, "batch_size"),
         ({"rank": 2, "world_size": 2}, "rank"),
-        ({"lane": 3, "lanes": 2}, "lane"),
         ({"start": 1000}, "start"),
         ({"seed": -1}, ">= 0"),
         ({"origin": 101}, "origin"),

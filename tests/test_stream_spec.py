@@ -41,7 +41,7 @@ def test_a_spec_survives_the_wire_unchanged(spec: StreamSpec) -> None:
 def test_fields_a_client_leaves_unset_take_the_defaults() -> None:
     spec = StreamSpec.from_proto(pb.StreamBatchesRequest(dataset="d", pipeline="p", batch_size=8))
     assert spec == StreamSpec(dataset="d", pipeline="p", batch_size=8)
-    assert (spec.shuffle, spec.drop_last, spec.world_size, spec.lanes) == (True, True, 1, 1)
+    assert (spec.shuffle, spec.drop_last, spec.world_size) == (True, True, 1)
     assert (spec.dtype, spec.layout) == ("uint8", "NCHW")
 
 
@@ -50,7 +50,6 @@ def test_fields_a_client_leaves_unset_take_the_defaults() -> None:
     [
         ({"batch_size": 0}, "batch_size"),
         ({"rank": 3, "world_size": 3}, "rank"),
-        ({"lane": 2, "lanes": 2}, "lane"),
         ({"dataset": ""}, "dataset must be named"),
         ({"pipeline": "a/b"}, "not a valid name"),
         ({"dtype": "int8"}, "dtype"),

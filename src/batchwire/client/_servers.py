@@ -71,7 +71,8 @@ def backoff(attempt: int, base: float = 0.1, cap: float = 2.0) -> float:
 
 
 class ServerSet:
-    """Shared by a loader's lane readers; thread-safe."""
+    """The servers behind a loader's targets, and which of them failed lately; shared by
+    its pullers, thread-safe."""
 
     def __init__(self, targets: Sequence[str], *, cooldown: float = 5.0) -> None:
         self._targets = tuple(targets)
@@ -98,12 +99,13 @@ class ServerSet:
             self._servers = servers
         return list(servers)
 
-    def pick(self, lane: int) -> Server:
-        """The lane's home server if it answers, else the next one that does."""
+    def pick(self, start: int) -> Server:
+        """Server ``start`` (modulo their number) if it has not failed lately, else the
+        next one that has not."""
         servers = self.servers()
         now = time.monotonic()
         with self._lock:
-            start = lane % len(servers)
+            start %= len(servers)
             ordered = servers[start:] + servers[:start]
             for server in ordered:
                 failed = self._failed_at.get(server)

@@ -218,8 +218,8 @@ def describe_dataset(
     """``dataset`` as the first server that answers describes it; NOT_FOUND if that
     server has no such dataset or no pipeline ``pipeline``."""
     error: BatchwireError | None = None
-    for lane in range(len(servers.servers())):
-        server = servers.pick(lane)
+    for start in range(len(servers.servers())):
+        server = servers.pick(start)
         try:
             info = transport.describe(server, dataset, timeout=timeout)
         except BatchwireError as exc:

@@ -13,8 +13,7 @@ Every server and client computes the same thing from the same numbers:
   wrapping around to the start of the order (as torch's DistributedSampler
   does) and the last batch may be short. All ranks get the same number of
   batches.
-* A rank's share is cut into batches of ``batch_size`` in order; batch ``k``
-  travels in lane ``k % lanes``.
+* A rank's share is cut into batches of ``batch_size`` in order.
 * A cursor is a position in the rank's share: the number of share positions
   before the next sample to deliver. Resuming from a cursor yields exactly the
   rest of the share, whatever the batch boundaries.
@@ -104,8 +103,6 @@ class ShareFields(TypedDict):
     drop_last: bool
     rank: int
     world_size: int
-    lanes: int
-    lane: int
     start: int
     origin: int
 
@@ -114,8 +111,7 @@ class ShareFields(TypedDict):
 class Share:
     """Which share of which epoch: every number that fixes a rank's batches but the
     dataset's size. ``start`` is a cursor: batches (or the tail of a batch, when
-    ``start`` falls inside one) before it are not planned. Batch ``k`` travels in lane
-    ``k % lanes``. ``origin`` is where in the epoch order the ranks' split begins (0:
+    ``start`` falls inside one) before it are not planned. ``origin`` is where in the epoch order the ranks' split begins (0:
     the whole epoch; see the module)."""
 
     batch_size: int
@@ -125,8 +121,6 @@ class Share:
     drop_last: bool = True
     rank: int = 0
     world_size: int = 1
-    lanes: int = 1
-    lane: int = 0
     start: int = 0
     origin: int = 0
 
@@ -136,10 +130,6 @@ class Share:
             (
                 self.world_size >= 1 and 0 <= self.rank < self.world_size,
                 f"rank must be in [0, world_size), got {self.rank} of {self.world_size}",
-            ),
-            (
-                self.lanes >= 1 and 0 <= self.lane < self.lanes,
-                f"lane must be in [0, lanes), got {self.lane} of {self.lanes}",
             ),
             (self.seed >= 0 and self.epoch >= 0, "seed and epoch must be >= 0"),
             (self.start >= 0, f"start must be >= 0, got {self.start}"),
@@ -159,8 +149,6 @@ class Share:
             drop_last=self.drop_last,
             rank=self.rank,
             world_size=self.world_size,
-            lanes=self.lanes,
-            lane=self.lane,
             start=self.start,
             origin=self.origin,
         )
@@ -173,8 +161,8 @@ class Share:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan(Share):
-    """One rank's share of one epoch of a dataset of ``num_samples``, cut into batches
-    and lanes."""
+    """One rank's share of one epoch of a dataset of ``num_samples``, cut into
+    batches."""
 
     num_samples: int
 
@@ -206,16 +194,8 @@ class Plan(Share):
 
     @property
     def num_batches(self) -> int:
-        """Batches in this rank's share of the epoch, over all lanes."""
+        """Batches in this rank's share of the epoch."""
         return num_batches(self.remaining, self.batch_size, self.world_size, self.drop_last)
-
-    @property
-    def lane_batches(self) -> int:
-        """How many batches :meth:`batches` yields, by arithmetic (no permutation)."""
-        if self.start >= self.share_size:
-            return 0
-        first = self.start // self.batch_size
-        return len(range(first + (self.lane - first) % self.lanes, self.num_batches, self.lanes))
 
     def share(self) -> np.ndarray:
         order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
@@ -223,22 +203,21 @@ class Plan(Share):
         return rank_share(rest, self.rank, self.world_size, self.drop_last)[: self.share_size]
 
     def batches(self) -> Iterator[PlannedBatch]:
-        """This lane's batches from ``start`` on, in order."""
+        """The share's batches from ``start`` on, in order."""
         share = self.share()
-        first = self.start // self.batch_size
-        for index in range(first + (self.lane - first) % self.lanes, self.num_batches, self.lanes):
+        for index in range(self.start // self.batch_size, self.num_batches):
             begin, end = self._bounds(index)
             if begin < end:
                 yield PlannedBatch(index=index, begin=begin, end=end, ids=share[begin:end])
 
     def batch(self, index: int) -> PlannedBatch:
-        """Batch ``index`` of the share (any lane), without the rest of the share: what a
+        """Batch ``index`` of the share, without the rest of the share: what a
         client pulling batches one at a time asks for. ``ValueError`` if the share has no
         such batch from ``start`` on."""
         return self.batches_at([index])[0]
 
     def batches_at(self, indices: Sequence[int]) -> list[PlannedBatch]:
-        """Batches ``indices`` of the share (any lane), in that order, the epoch's order
+        """Batches ``indices`` of the share, in that order, the epoch's order
         computed once for all of them; ``ValueError`` as :meth:`batch`."""
         bounds = [(index, *self._bounds(index)) for index in indices]
         for index, begin, end in bounds:

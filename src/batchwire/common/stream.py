@@ -56,7 +56,7 @@ _LAYOUT_NAMES: dict[int, str] = {
 # Bounds beyond the contract's own checks (Plan), so that nothing huge is allocated for a
 # hostile request.
 LIMITS: Mapping[str, int] = types.MappingProxyType(
-    {"world_size": 1 << 16, "lanes": 1024, "seed": (1 << 63) - 1, "epoch": 1 << 40}
+    {"world_size": 1 << 16, "seed": (1 << 63) - 1, "epoch": 1 << 40}
 )
 
 
@@ -85,9 +85,7 @@ class StreamSpec(Share):
     epoch, rank, cursor, ...) through a named pipeline, in an output format.
 
     ``params`` override the pipeline's declared parameters (e.g. ``{"size": 160}``);
-    ``dtype``/``layout`` are the images' output format. ``lanes``/``lane`` serve
-    ``StreamBatches`` clients that split a share over several calls; a pulled stream
-    leaves them at 1 and 0. ``dataset_version``, when set, is the version of the dataset
+    ``dtype``/``layout`` are the images' output format. ``dataset_version``, when set, is the version of the dataset
     the share was planned on: a server serving another version refuses the stream.
     """
 
@@ -145,7 +143,6 @@ class StreamSpec(Share):
         share["shuffle"] = message.shuffle if message.HasField("shuffle") else True
         share["drop_last"] = message.drop_last if message.HasField("drop_last") else True
         share["world_size"] = message.world_size or 1
-        share["lanes"] = message.lanes or 1
         return cls(
             dataset=message.dataset,
             pipeline=message.pipeline,

@@ -7,25 +7,31 @@ A request that does not parse as its message arrives as :class:`Malformed` (see
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec, output_format
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
 from batchwire.server.core import _errors as errors
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.core._stream import share_batches
 from batchwire.server.data._dataset import DatasetError
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
+    "MAX_LANES",
     "STATUS_CODES",
+    "Lane",
     "Malformed",
     "check_message",
     "check_name",
+    "lane_from_proto",
     "preprocess_request_from_proto",
     "preprocess_result_to_proto",
     "request_from_proto",
@@ -93,6 +99,35 @@ def check_name(kind: str, name: str) -> None:
         check_spec_name(kind, name)
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc)) from exc
+
+
+MAX_LANES = 1024  # lanes a StreamBatches client may split a share into
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    """Which part of a share a ``StreamBatches`` call carries: batch ``k`` of the share
+    travels in lane ``k % lanes``, so that a plain client can split a share over several
+    calls. Lanes are the servicer's alone: the contract (``Share``, ``Plan``) and the core
+    know only the batches a stream is asked for."""
+
+    lane: int = 0
+    lanes: int = 1
+
+    def batches(self, plan: Plan) -> Sequence[int]:
+        """The lane's batches of ``plan``'s share from its cursor on, in order."""
+        share = share_batches(plan)
+        return share[(self.lane - share.start) % self.lanes :: self.lanes]
+
+
+def lane_from_proto(request: pb.StreamBatchesRequest) -> Lane:
+    """The lane a request names (unset: the whole share); out of range is InvalidRequest."""
+    lanes = request.lanes or 1
+    if lanes > MAX_LANES:
+        raise errors.InvalidRequest(f"lanes must be at most {MAX_LANES}, got {lanes}")
+    if not 0 <= request.lane < lanes:
+        raise errors.InvalidRequest(f"lane must be in [0, lanes), got {request.lane} of {lanes}")
+    return Lane(request.lane, lanes)
 
 
 def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSpec:

@@ -27,11 +27,12 @@ from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.server.core._engine import DatasetDescription, Engine
 from batchwire.server.core._errors import InvalidRequest, OverCapacity, ServiceError
-from batchwire.server.core._stream import BatchStream, share_batches
+from batchwire.server.core._stream import BatchStream
 from batchwire.server.serving._messages import (
     Malformed,
     check_message,
     check_name,
+    lane_from_proto,
     preprocess_request_from_proto,
     preprocess_result_to_proto,
     request_from_proto,
@@ -123,17 +124,6 @@ def _ends_with_status(doing: str) -> Callable[[_Handler[_Reply]], _Handler[_Repl
     return decorate
 
 
-def _lane(spec: StreamSpec) -> Callable[[Plan], Sequence[int]]:
-    """A ``StreamBatches`` call's batches: batch ``k`` of the share travels in lane
-    ``k % lanes``, in order."""
-
-    def batches(plan: Plan) -> Sequence[int]:
-        share = share_batches(plan)
-        return share[(spec.lane - share.start) % spec.lanes :: spec.lanes]
-
-    return batches
-
-
 def _want(stream: BatchStream[EncodedBatch], indices: Sequence[int]) -> None:
     """A pulling client asks for ``indices``: OverCapacity beyond MAX_PULL_AHEAD waiting."""
     waiting = stream.waiting + len(indices)
@@ -215,9 +205,9 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         """A lane of a share: a stream that asks for the lane's batches, in order, as it
         opens (and reads them in worker processes with ``read_workers``)."""
         spec = request_from_proto(request)
-        stream = await self._open(spec, _lane(spec))
-        expected = stream.waiting
-        await serve_stream(stream, spec, context, self._executor, self._metrics, expected)
+        lane = lane_from_proto(request)
+        stream = await self._open(spec, lane.batches)
+        await serve_stream(stream, spec, context, self._executor, self._metrics, lane)
 
     @_ends_with_status("streaming")
     async def PullBatches(
@@ -233,8 +223,10 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         if not first.HasField("stream"):
             raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
         spec = request_from_proto(first.stream)
-        if spec.lanes != 1:
-            raise InvalidRequest("a pulled stream names batches, not lanes: leave lanes unset")
+        if first.stream.lanes > 1 or first.stream.lane:
+            raise InvalidRequest(
+                "a pulled stream names batches, not lanes: leave lane and lanes unset"
+            )
         stream = await self._open(spec, None)
         reading = asyncio.create_task(self._read_wants(first, requests, stream))
         try:

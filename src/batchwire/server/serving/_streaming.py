@@ -24,7 +24,7 @@ from batchwire.common.batch_codec import encode_batch
 from batchwire.common.stream import StreamSpec
 from batchwire.common.tensors import to_proto
 from batchwire.server.core._stream import Batch, BatchStream
-from batchwire.server.serving._messages import status_for
+from batchwire.server.serving._messages import Lane, status_for
 from batchwire.server.serving._metrics import ServerMetrics, StreamMetrics
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -110,18 +110,19 @@ async def serve_stream(
     context: grpc.aio.ServicerContext,
     executor: concurrent.futures.ThreadPoolExecutor,
     server_metrics: ServerMetrics,
-    expected: int | None,
+    lane: Lane | None,
 ) -> None:
-    """Write the stream's batches until its end, and close it; ``expected`` batches in
-    all, or None for a pulled stream (its client asks as it goes, and half-closes when
-    done). An error is raised once the stream is closed and its end logged. Writes with
+    """Write the stream's batches until its end, and close it: the batches of ``lane``
+    (asked for as the stream opened), or, with None, a pulled stream's (its client asks
+    as it goes, and half-closes when done). An error is raised once the stream is closed and its end logged. Writes with
     context.write rather than yielding: a client's hang-up then reaches this handler
     (as CancelledError, see write) instead of gRPC's write loop, and this handler's
     cleanup runs in its own task rather than when an abandoned generator is
     garbage-collected."""
     loop = asyncio.get_running_loop()
-    pulled = expected is None
-    fields = _log_start(stream_request, context.peer(), pulled)
+    pulled = lane is None
+    expected = None if pulled else stream.waiting
+    fields = _log_start(stream_request, context.peer(), lane)
     metrics = server_metrics.stream(stream_request.dataset, stream_request.pipeline)
     metrics.opened()
     progress = _Progress()
@@ -184,7 +185,7 @@ async def _write_batches(
             metrics.waited(waited)
 
 
-def _log_start(stream_request: StreamSpec, peer: str, pulled: bool) -> dict[str, Any]:
+def _log_start(stream_request: StreamSpec, peer: str, lane: Lane | None) -> dict[str, Any]:
     """Log the stream's start line; returns the fields its start and end lines share."""
     # Structured copies of the start and end lines (JSON logs: --log-format json).
     fields = {
@@ -193,9 +194,9 @@ def _log_start(stream_request: StreamSpec, peer: str, pulled: bool) -> dict[str,
         "pipeline": stream_request.pipeline,
         "rank": stream_request.rank,
         "world_size": stream_request.world_size,
-        "lane": stream_request.lane,
-        "lanes": stream_request.lanes,
-        "pull": pulled,
+        "lane": 0 if lane is None else lane.lane,
+        "lanes": 1 if lane is None else lane.lanes,
+        "pull": lane is None,
         "epoch": stream_request.epoch,
         "start": stream_request.start,
     }
@@ -206,7 +207,7 @@ def _log_start(stream_request: StreamSpec, peer: str, pulled: bool) -> dict[str,
         stream_request.pipeline,
         stream_request.rank,
         stream_request.world_size,
-        "pull" if pulled else f"lane={stream_request.lane}/{stream_request.lanes}",
+        "pull" if lane is None else f"lane={lane.lane}/{lane.lanes}",
         stream_request.epoch,
         stream_request.start,
         extra={"event": "stream_start", **fields},
