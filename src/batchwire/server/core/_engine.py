@@ -46,6 +46,7 @@ from batchwire.server.core._stages import StageTimes
 from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.core._ticket import Ticket
 from batchwire.server.data._dataset import Dataset
+from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
 
 if TYPE_CHECKING:
     from batchwire.server._config import ServerConfig
@@ -83,6 +84,8 @@ class Engine:
             "; --num-threads" if config.num_threads else "",
         )
         self.stages = StageTimes()  # where the pipelines' time goes, by stage
+        read = functools.partial(self.stages.add, "read")  # every stream's read-ahead's time
+        self.readahead = ReadAhead.sized(config.read_ahead_reads, config.read_ahead_mib, read)
         # Faults, broken devices and a sample known to run, from every pipeline.
         self.health = PipelineHealth(self.devices.device_ids)
         # The datasets under the data directory, as of the last rescan.
@@ -221,15 +224,17 @@ class Engine:
         self._reserve_stream()
         try:
             key = dataclasses.replace(key, device_id=next(self._device_cycle))
-            parallel = None
+            parallel, ahead = None, None
             if self.config.read_workers and not pull:
                 parallel = functools.partial(self._build_parallel, key, dataset)
+            elif self.readahead is not None:
+                ahead = self.readahead.open(dataset)
             stream = BatchStream(
-                functools.partial(self._release, dataset),
+                functools.partial(self._release, dataset, ahead),
                 lambda: self.draining,
                 dataset,
                 plan,
-                functools.partial(self._stream_ticket, key),
+                functools.partial(self._stream_ticket, key, ahead),
                 output.normalized,
                 output.layout,
                 parallel,
@@ -237,8 +242,12 @@ class Engine:
                 None if encode is None else self.stages.timed("encode", encode),
             )
             self._open_streams.add(stream)
+            if ahead is not None:
+                ahead.follow(stream.batch_ids)
             return stream
         except BaseException:
+            if ahead is not None:
+                ahead.close()
             self._uncount()
             raise
 
@@ -293,9 +302,17 @@ class Engine:
     ) -> Ticket:
         return self.scheduler.ticket(key, count, self.stages.timed("read", read), window)
 
-    def _stream_ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job]) -> Ticket:
+    def _stream_ticket(
+        self,
+        key: RunnerKey,
+        ahead: StreamReadAhead | None,
+        count: int,
+        read: Callable[[int], Job],
+    ) -> Ticket:
         # A stream asks for a few batches beyond the pipelines' own prefetch, so that one
         # stream alone keeps more than one pipeline busy.
+        if ahead is not None:
+            read = ahead.around(read)
         return self._ticket(key, read, count=count, window=self.config.prefetch + 2)
 
     def _reserve_stream(self) -> None:
@@ -312,9 +329,11 @@ class Engine:
         with self._streams_lock:
             self._streams -= 1
 
-    def _release(self, dataset: Dataset) -> None:
-        """A stream ended: uncount it and give its dataset back."""
+    def _release(self, dataset: Dataset, ahead: StreamReadAhead | None) -> None:
+        """A stream ended: uncount it, end its read-ahead and give its dataset back."""
         self._uncount()
+        if ahead is not None:
+            ahead.close()  # before the dataset may close: it reads the dataset's map
         self.catalog.release(dataset)
 
     @property
@@ -360,6 +379,8 @@ class Engine:
         for stream in self.streams():
             stream.close()
         self.scheduler.close()
+        if self.readahead is not None:
+            self.readahead.close()
         self.catalog.close()
 
 

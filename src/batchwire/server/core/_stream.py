@@ -128,6 +128,11 @@ class BatchStream:
         batch = self._batch(result)
         return batch if self._encode is None else self._encode(batch)
 
+    def batch_ids(self, seq: int) -> np.ndarray | None:
+        """The ids of the stream's batch ``seq``; None past those planned so far (a pulled
+        stream plans more as its client asks). For reading ahead."""
+        return self._planned[seq].ids if 0 <= seq < len(self._planned) else None
+
     @property
     def plan(self) -> Plan:
         return self._plan

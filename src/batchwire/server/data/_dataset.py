@@ -240,6 +240,20 @@ class Dataset:
                 txn.abort()
         return images, labels
 
+    def locate(self, sample_id: int) -> tuple[int, int] | None:
+        """Where the record of ``sample_id`` lies in memory: (address, length) within its
+        shard's LMDB map, or None if it is missing; for reading it ahead
+        (:mod:`batchwire.server.data._readahead`). Looking it up reads the shard's B-tree
+        pages, not the record's. The address stays valid until :meth:`close`."""
+        shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
+        if shard < 0 or not 0 <= sample_id < self.num_samples:
+            raise IndexError(f"sample id {sample_id} is outside 0..{self.num_samples - 1}")
+        with self._envs[shard].begin(buffers=True) as txn:
+            value = txn.get(sample_key(int(sample_id)))
+            if value is None or len(value) == 0:
+                return None
+            return int(np.frombuffer(value, dtype=np.uint8).ctypes.data), len(value)
+
     def shard_entries(self) -> list[int]:
         """How many records each shard's LMDB holds, in shard order."""
         return [int(env.stat()["entries"]) for env in self._envs]

@@ -70,8 +70,10 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
 from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
+from batchwire.server.data._readahead import ReadAhead
 from batchwire.server.serving._collectors import (
     HealthCollector,
+    ReadAheadCollector,
     SchedulerCollector,
     StageCollector,
 )
@@ -219,6 +221,11 @@ class ServerMetrics:
     def watch_health(self, health: PipelineHealth) -> None:
         """Export ``health``'s faults, failed batches and devices, read at each scrape."""
         self.registry.register(HealthCollector(health))
+
+    def watch_readahead(self, readahead: ReadAhead | None) -> None:
+        """Export the read-ahead's records and bytes (``batchwire_readahead_*``), if any."""
+        if readahead is not None:
+            self.registry.register(ReadAheadCollector(readahead))
 
     def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
         return StreamMetrics(self, dataset, pipeline)

@@ -108,6 +108,7 @@ class BatchwireServer:
         self.metrics.watch_stages(self.engine.stages)
         self.metrics.watch_scheduler(self.engine.scheduler)
         self.metrics.watch_health(self.engine.health)
+        self.metrics.watch_readahead(self.engine.readahead)
         self._metrics_http: MetricsHTTPServer | None = None
         # Streams read by worker processes (read_workers) wait for each batch in a thread
         # of this pool; other streams are awaited on the event loop and only open, close and
