@@ -274,7 +274,8 @@ class ReadAhead:
                     stream.in_flight -= 1
                     self._in_flight -= 1
                     self._seconds += seconds
-                    self.lock.notify_all()
+                    if stream.closed and not stream.in_flight:
+                        self.lock.notify_all()  # its close waits for this
                 if self._on_seconds is not None:
                     self._on_seconds(seconds)
 
