@@ -129,9 +129,13 @@ class BatchStream:
         return batch if self._encode is None else self._encode(batch)
 
     def batch_ids(self, seq: int) -> np.ndarray | None:
-        """The ids of the stream's batch ``seq``; None past those planned so far (a pulled
-        stream plans more as its client asks). For reading ahead."""
-        return self._planned[seq].ids if 0 <= seq < len(self._planned) else None
+        """The ids of the stream's batch ``seq``, for reading ahead. Past the batches a
+        pulling client asked for so far, a guess: the share's next batches in order, as
+        clients ask; None past the share's end."""
+        if seq < len(self._planned) or not self._planned:
+            return self._planned[seq].ids if 0 <= seq < len(self._planned) else None
+        index = self._planned[-1].index + seq - len(self._planned) + 1
+        return self._plan.batch(index).ids if self.pull and index < self._plan.num_batches else None
 
     @property
     def plan(self) -> Plan:
