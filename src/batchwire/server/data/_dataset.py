@@ -20,6 +20,7 @@ The server opens shards read-only and never writes to a dataset.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -229,7 +230,7 @@ class Dataset:
                 if txn is None:
                     txn = txns[shard] = self._envs[shard].begin(buffers=True)
                 value = txn.get(sample_key(int(sample_id)))
-                datum = _parse_datum(value)
+                datum = _parse_datum(None if value is None else _copied(value))
                 if datum is None:
                     images.append(None)
                     continue
@@ -327,7 +328,18 @@ class _SharedEnvironments:
 _ENVIRONMENTS = _SharedEnvironments()
 
 
-def _parse_datum(value: bytes | memoryview | None) -> datum_pb2.Datum | None:
+def _copied(value: memoryview) -> bytearray:
+    """The bytes of a record in the LMDB map, copied with the interpreter lock released
+    (ctypes drops it): where the record's pages are not in memory yet, the disk is waited
+    for while the server's other threads, its read-ahead's among them, run on."""
+    copy = bytearray(len(value))
+    if copy:
+        source = np.frombuffer(value, dtype=np.uint8).ctypes.data
+        ctypes.memmove((ctypes.c_char * len(copy)).from_buffer(copy), source, len(copy))
+    return copy
+
+
+def _parse_datum(value: bytes | bytearray | memoryview | None) -> datum_pb2.Datum | None:
     if value is None or len(value) == 0:
         return None
     datum = datum_pb2.Datum()
