@@ -19,6 +19,7 @@ from batchwire.server import BatchwireServer
 from batchwire.server.core import read_job
 from batchwire.server.data import Dataset
 from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
+from batchwire.v1 import datum_pb2
 
 BATCH = 16
 
@@ -44,12 +45,28 @@ def follow(stream: StreamReadAhead, batches: list[np.ndarray]) -> None:
     stream.follow(lambda seq: batches[seq] if 0 <= seq < len(batches) else None)
 
 
+def test_locate_finds_each_record_where_lmdb_keeps_it(data_dir: pathlib.Path) -> None:
+    with Dataset(data_dir / "shapes") as dataset:
+        images, labels = dataset.read(np.arange(dataset.num_samples))
+        located = 0
+        for sample_id, (image, label) in enumerate(zip(images, labels, strict=True)):
+            where = dataset.locate(sample_id)
+            if where is None:  # a value small enough to sit in its leaf page
+                continue
+            fd, offset, length = where
+            datum = datum_pb2.Datum.FromString(os.pread(fd, length, offset))
+            assert image is not None and datum.data == image.tobytes()
+            assert datum.label == label
+            located += 1
+        assert located > dataset.num_samples // 2
+
+
 def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
     data_dir: pathlib.Path,
 ) -> None:
     with Dataset(data_dir / "shapes") as dataset:
         located = [dataset.locate(i) for i in range(dataset.num_samples)]
-        largest = max(size for _, size in filter(None, located))
+        largest = max(where[2] for where in filter(None, located))
         batches = [np.arange(i, i + BATCH) for i in range(0, 512, BATCH)]
         pool = ReadAhead(reads=4, max_bytes=64 << 10)
         try:

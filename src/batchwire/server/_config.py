@@ -152,16 +152,17 @@ class ServerConfig:
         bounds=(0, 64),
     )
     read_ahead_reads: int = _setting(
-        16,
-        "threads asking the disk for the records of every stream's next batches ahead of the "
-        "pipelines: reads in flight, about records/s x read latency (default 16, for an "
-        "NVMe disk; 0: off, each record read when its batch is)",
+        4,
+        "threads that find the records of every stream's next batches and queue their reads "
+        "with the kernel ahead of the pipelines; each queues many, so a few keep a disk busy "
+        "(default 4; 0: off, each record read when its batch is)",
         bounds=(0, 256),
     )
     read_ahead_mib: int = _setting(
         128,
-        "MiB of records read ahead and not yet read by their streams, shared by all streams "
-        "(default 128)",
+        "MiB of records read ahead and not yet read by their streams, shared by all streams: "
+        "bounds the reads in flight, about records/s x read latency x record size "
+        "(default 128, for an NVMe disk)",
         bounds=(1, 65536),
     )
     max_batch_size: int = _setting(

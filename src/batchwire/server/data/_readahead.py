@@ -4,10 +4,13 @@ A stream reads its batches' records one at a time, in order (``Dataset.read``); 
 cold page cache each record costs a disk latency or several (the LMDB map is opened
 without the kernel's read-ahead, so each 4 KiB page of a record is read on its own). So
 the server asks the disk for the records of the next batches of every open stream ahead
-of time, many at once: a pool of ``reads`` threads looks each record up in its shard and
-advises the kernel (``madvise(MADV_WILLNEED)``) to read the pages it spans, which starts
-their reads and returns. When the stream comes to those records their pages are in the
-page cache, or on their way.
+of time, many at once: a pool of ``reads`` threads finds where each record lies in its
+shard's file (:meth:`Dataset.locate`, from the shard's B-tree pages, without reading the
+record) and advises the kernel (``posix_fadvise(POSIX_FADV_WILLNEED)``) to read those
+bytes, which queues their reads and returns. When the stream comes to those records their
+pages are in the page cache, or on their way. (Threads that looked records up through
+py-lmdb and touched or ``madvise``-d their pages read each record in, page by page, before
+going on: measured slower, see docs/performance.md.)
 
 The pool is one per server, shared by every stream. It is bounded in bytes: the records
 advised and not yet read by their stream hold at most ``max_bytes`` (a single record
@@ -23,10 +26,9 @@ still come from ``Dataset.read``, in the stream's order.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,34 +44,18 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_PAGE = mmap.PAGESIZE
 _WAIT_S = 0.25  # how often an idle read-ahead thread looks for a stop
 _CLOSE_WAIT_S = 10.0  # how long a closing stream waits for its records being advised
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
+def advise(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to read ``length`` bytes of ``fd`` at ``offset`` into the page cache
+    now (``POSIX_FADV_WILLNEED``: it queues the reads and returns). Best effort: a failure
+    is ignored, the record is then read when its stream reads it."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    function.restype = ctypes.c_int
-    return function  # type: ignore[no-any-return]
-
-
-_MADVISE = _madvise()
-_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
-
-
-def advise(address: int, length: int) -> None:
-    """Ask the kernel to read the mapped pages of ``[address, address + length)`` now
-    (ctypes drops the interpreter lock for the call). Best effort: a failure is ignored,
-    the record is then read when its stream reads it."""
-    if _MADVISE is None or length <= 0:
-        return
-    start = address & ~(_PAGE - 1)
-    _MADVISE(start, address + length - start, _WILLNEED)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError as exc:
+        log.debug("read-ahead of %d bytes at %d failed: %s", length, offset, exc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +146,7 @@ class StreamReadAhead:
                 return self.next_seq, int(ids[self.next_pos - 1])
             self.next_seq, self.next_pos = self.next_seq + 1, 0
 
-    def locate(self, sample_id: int) -> tuple[int, int] | None:
+    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
         return self._dataset.locate(sample_id)
 
 
@@ -303,7 +289,7 @@ class ReadAhead:
         where = stream.locate(sample_id)  # the shard's B-tree, outside the lock
         if where is None:
             return  # missing: the stream's read reports it
-        address, size = where
+        fd, offset, size = where
         with self.lock:
             # The bound holds before the read is started: wait for room (a record larger
             # than the whole bound goes alone).
@@ -319,7 +305,7 @@ class ReadAhead:
             self._records += 1
             stream.records += 1
             self._bytes += size
-        advise(address, size)
+        advise(fd, offset, size)
 
     def _live(self, stream: StreamReadAhead, seq: int) -> bool:
         """Whether a record of ``stream``'s batch ``seq`` is still worth advising."""
