@@ -105,6 +105,19 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
             pool.close()
 
 
+def small_loader(server: BatchwireServer, **options: object) -> RemoteLoader:
+    """A loader of the shapes' ids through the val pipeline at size 32."""
+    return RemoteLoader(
+        server.target,
+        dataset="shapes",
+        pipeline="val",
+        batch_size=BATCH,
+        return_ids=True,
+        params={"size": 32, "resize": 32},
+        **options,  # type: ignore[arg-type]
+    )
+
+
 def epoch_ids(server: BatchwireServer, world_size: int) -> list[list[int]]:
     """Every rank's ids of one shuffled epoch, the ranks streaming at once."""
     delivered: list[list[int]] = [[] for _ in range(world_size)]
@@ -112,17 +125,7 @@ def epoch_ids(server: BatchwireServer, world_size: int) -> list[list[int]]:
 
     def rank(r: int) -> None:
         try:
-            with RemoteLoader(
-                server.target,
-                dataset="shapes",
-                pipeline="val",
-                batch_size=BATCH,
-                rank=r,
-                world_size=world_size,
-                seed=7,
-                return_ids=True,
-                params={"size": 32, "resize": 32},
-            ) as loader:
+            with small_loader(server, rank=r, world_size=world_size, seed=7) as loader:
                 delivered[r] = [int(i) for _, _, ids in loader for i in ids]
         except BaseException as exc:  # raised in the test's thread below
             failures.append(exc)
@@ -180,30 +183,14 @@ def test_a_corrupt_record_and_a_stream_closed_mid_read_ahead(
     evict(copy / "shapes")
     server = start_server(copy, read_ahead_reads=4, read_ahead_mib=1)
     try:
-        loader = RemoteLoader(
-            server.target,
-            dataset="shapes",
-            pipeline="val",
-            batch_size=BATCH,
-            drop_last=False,
-            return_ids=True,
-            params={"size": 32, "resize": 32},
-        )
+        loader = small_loader(server, drop_last=False)
         with loader:
             # A stream closed after its first batch, its next batches being read ahead.
             next(iter(loader))
         wait_until(lambda: finished(server))
         assert server.engine.readahead is not None
         assert server.engine.readahead.stats().records > 0
-        loader = RemoteLoader(
-            server.target,
-            dataset="shapes",
-            pipeline="val",
-            batch_size=BATCH,
-            drop_last=False,
-            return_ids=True,
-            params={"size": 32, "resize": 32},
-        )
+        loader = small_loader(server, drop_last=False)
         with loader:
             delivered = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(loader.skipped_ids) == sorted(damage)

@@ -138,7 +138,11 @@ class StreamReadAhead:
         """(batch, id) of the record to advise next, the cursor moved past it; None if
         none is planned yet. Called under the pool's lock."""
         while True:
-            ids = self._batch_ids(self.next_seq)
+            try:
+                ids = self._batch_ids(self.next_seq)
+            except Exception:  # a stream's plan that cannot say; never the pool's thread
+                log.debug("no ids for batch %d to read ahead", self.next_seq, exc_info=True)
+                return None
             if ids is None:
                 return None
             if self.next_pos < len(ids):
