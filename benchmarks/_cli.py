@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from batchwire.bench import ServerStartError, add_run_arguments
-from benchmarks import chaos, fleet, longrun, messages, mix, reading, scaling, stages, streams
+from benchmarks import chaos, cold, fleet, longrun, messages, mix, reading, scaling, stages, streams
 
 __all__ = ["MODES", "build_parser", "main"]
 
@@ -30,6 +30,7 @@ MODES: dict[str, Mode] = {
     "mix": mix.run_mix,
     "fleet": fleet.run_fleet,
     "chaos": chaos.run_chaos,
+    "cold": cold.run_cold,
 }
 LONG_RUN: Mode = longrun.run_long
 
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="three servers, two ranks, a server killed or drained and restarted every "
         "--every seconds for --duration seconds (default 300): samples lost and repeated",
     )
+    modes.add_argument(
+        "--cold",
+        action="store_true",
+        help="the global shuffle from a cold page cache next to warm, a new server each run "
+        "(--duration seconds, default 20): images/s, server RSS, the read stage alone with and "
+        "without read-ahead",
+    )
     _add_options(parser)
     return parser
 
@@ -101,6 +109,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"
+    )
+    parser.add_argument(
+        "--cold-streams",
+        default=",".join(map(str, cold.STREAMS)),
+        help="with --cold: stream counts (default 1,4,16)",
     )
     parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
 

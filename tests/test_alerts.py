@@ -18,6 +18,7 @@ import yaml
 from deployfiles import DEPLOY, ROOT
 
 from batchwire.server.serving._metrics import ServerMetrics
+from batchwire.server.serving._streaming import StreamMetrics
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "alerts.test.yml"
@@ -75,7 +76,7 @@ def test_promtool_unit_tests_pass_with_a_firing_and_a_quiet_case_for_every_alert
 
 def test_rules_use_the_metrics_and_labels_the_server_exports() -> None:
     metrics = ServerMetrics()
-    metrics.stream("imagenet", "train")  # labelled children, so that their samples exist
+    StreamMetrics(metrics, "imagenet", "train")  # labelled children: their samples exist
     metrics.errors.labels(method="m", code="UNAUTHENTICATED")
     families = list(metrics.registry.collect())
     exported = {sample.name for family in families for sample in family.samples}

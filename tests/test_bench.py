@@ -23,7 +23,16 @@ from benchmarks._server_probe import gpu_memory_mib
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")
 _CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
-_RESEARCH = ("--messages", "--scaling", "--reading", "--stages", "--streams", "--fleet", "--chaos")
+_RESEARCH = (
+    "--messages",
+    "--scaling",
+    "--reading",
+    "--stages",
+    "--streams",
+    "--fleet",
+    "--chaos",
+    "--cold",
+)
 
 
 def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
@@ -276,6 +285,25 @@ def test_scaling_measures_one_server_then_two(
     args = ["--scaling", "--data-dir", str(data_dir), "--dataset", "shapes"]
     assert benchmarks.main([*args, "--images", "32", "--batch-size", "8"]) == 0
     assert "x with 2 servers (ideal 2.00x)" in capsys.readouterr().out
+
+
+def test_cold_reads_the_dataset_cold_and_warm_and_its_read_stage_alone(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = tmp_path / "cold.json"
+    mode = ["--cold", "--cold-streams", "2", "--duration", "4", "--pipeline", "val"]
+    mode += ["--device", "cpu", "--repeats", "1", "--images", "64"]
+    assert benchmarks.main(_small(data_dir, result, *mode)) == 0
+    out = capsys.readouterr().out
+    assert "cold/warm" in out and "read stage, cold: read-ahead" in out
+    measured = json.loads(result.read_text())
+    assert measured["run"]["disk"] and measured["run"]["bytes"] > 0
+    (row,) = measured["cold"]
+    assert row["streams"] == 2
+    for figure in ("cold_images_per_s", "warm_images_per_s", "cold_one_at_a_time_images_per_s"):
+        assert row[figure] > 0, (figure, row)
+    assert row["rss_cold_mib"] > 0 and row["rss_warm_mib"] > 0
+    assert row["read_ahead_records_per_s"] > 0 and row["one_at_a_time_records_per_s"] > 0
 
 
 def test_benchmarks_need_a_mode(capsys: pytest.CaptureFixture[str]) -> None:

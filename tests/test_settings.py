@@ -27,6 +27,8 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "decoder_device_padding_mib": ("32", 32),
     "prefetch": ("4", 4),
     "read_workers": ("2", 2),
+    "read_ahead_reads": ("4", 4),
+    "read_ahead_mib": ("512", 512),
     "max_batch_size": ("512", 512),
     "max_streams": ("300", 300),
     "max_idle_pipelines": ("6", 6),

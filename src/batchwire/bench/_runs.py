@@ -208,6 +208,7 @@ class LocalServer:
         max_message_bytes: int | None = None,
         max_streams: int | None = None,
         read_workers: int = 0,
+        read_ahead_reads: int | None = None,
         port: int = 0,
         device: str = "auto",
         metrics: bool = False,
@@ -219,6 +220,8 @@ class LocalServer:
             server += f"max_message_bytes = {max_message_bytes}\n"
         if max_streams is not None:
             server += f"max_streams = {max_streams}\n"
+        if read_ahead_reads is not None:
+            server += f"read_ahead_reads = {read_ahead_reads}\n"
         if metrics:
             server += "metrics_port = 0\n"  # any free port, printed at start
         # No [pipelines] table: the server's presets, train and val.

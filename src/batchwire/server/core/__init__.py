@@ -12,8 +12,9 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 
 from __future__ import annotations
 
+from batchwire.server.core._catalog import DatasetDescription
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
-from batchwire.server.core._engine import DatasetDescription, Engine
+from batchwire.server.core._engine import Engine
 from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import (
     Draining,

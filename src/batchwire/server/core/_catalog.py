@@ -17,12 +17,23 @@ import pathlib
 import threading
 
 from batchwire.common.stream import NAME_PATTERN
-from batchwire.server.core._errors import NotFound
+from batchwire.server.core._errors import NotFound, VersionMismatch
 from batchwire.server.data._dataset import MANIFEST, Dataset, DatasetError, manifest_version
 
-__all__ = ["Catalog", "Change", "check_data_dir"]
+__all__ = ["Catalog", "Change", "DatasetDescription", "check_data_dir", "check_version"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetDescription:
+    """A served dataset, as ``DescribeDataset`` reports it."""
+
+    name: str
+    num_samples: int
+    classes: tuple[str, ...]
+    format_version: int
+    version: str  # of the content: see batchwire.server.data.manifest_version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +112,27 @@ class Catalog:
             known = ", ".join(sorted(self._serving)) or "none"
             raise NotFound(f"no dataset named {name!r} on this server (it has: {known})")
         return dataset
+
+    def describe(self, name: str) -> DatasetDescription:
+        """Dataset ``name`` as ``DescribeDataset`` reports it (NotFound if not served)."""
+        dataset = self.get(name)
+        return DatasetDescription(
+            name=name,
+            num_samples=dataset.num_samples,
+            classes=dataset.classes,
+            format_version=dataset.manifest.format_version,
+            version=dataset.version,
+        )
+
+    def describe_all(self) -> list[DatasetDescription]:
+        """Every dataset served now, described."""
+        described = []
+        for name in self.names():
+            try:
+                described.append(self.describe(name))
+            except NotFound:
+                continue  # removed by a rescan meanwhile
+        return described
 
     def names(self) -> list[str]:
         with self._lock:
@@ -202,3 +234,17 @@ def _version_of(directory: pathlib.Path) -> str | None:
         return manifest_version((directory / MANIFEST).read_bytes())
     except OSError:
         return None
+
+
+def check_version(name: str, expected: str, dataset: Dataset) -> None:
+    """VersionMismatch if a stream of dataset ``name`` expects another version of it (a
+    client resuming a stream after the dataset was replaced); an empty expectation (older
+    clients) is not checked."""
+    if expected and expected != dataset.version:
+        raise VersionMismatch(
+            f"the stream expects version {expected} of dataset "
+            f"{name!r} but this server serves version {dataset.version}: the "
+            "dataset was replaced (re-ingested). Resuming would mix samples of both "
+            "versions; start the epoch again (a new loader, or set_epoch) or serve the "
+            "old version"
+        )

@@ -22,17 +22,15 @@ import numpy as np
 
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core._catalog import Catalog, Change
+from batchwire.server.core._catalog import Catalog, Change, DatasetDescription, check_version
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
-    NotFound,
     OverCapacity,
     PipelineFault,
-    VersionMismatch,
 )
 from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import PipelineHealth, StageTimes
@@ -46,21 +44,11 @@ from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
 from batchwire.server.data._dataset import Dataset
+from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
 
 __all__ = ["DatasetDescription", "Engine"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetDescription:
-    """A served dataset, as ``DescribeDataset`` reports it."""
-
-    name: str
-    num_samples: int
-    classes: tuple[str, ...]
-    format_version: int
-    version: str  # of the content: see batchwire.server.data.manifest_version
 
 
 class Engine:
@@ -82,6 +70,8 @@ class Engine:
             "; --num-threads" if config.num_threads else "",
         )
         self.stages = StageTimes()  # where the pipelines' time goes, by stage
+        read = functools.partial(self.stages.add, "read")  # every stream's read-ahead's time
+        self.readahead = ReadAhead.sized(config.read_ahead_reads, config.read_ahead_mib, read)
         # Faults, broken devices and a sample known to run, from every pipeline.
         self.health = PipelineHealth(self.devices.device_ids)
         # The datasets under the data directory, as of the last rescan.
@@ -151,23 +141,10 @@ class Engine:
         return self.catalog.snapshot()
 
     def list_datasets(self) -> list[DatasetDescription]:
-        summaries = []
-        for name in self.catalog.names():
-            try:
-                summaries.append(self.describe(name))
-            except NotFound:
-                continue  # removed by a rescan meanwhile
-        return summaries
+        return self.catalog.describe_all()
 
     def describe(self, name: str) -> DatasetDescription:
-        dataset = self.catalog.get(name)
-        return DatasetDescription(
-            name=name,
-            num_samples=dataset.num_samples,
-            classes=dataset.classes,
-            format_version=dataset.manifest.format_version,
-            version=dataset.version,
-        )
+        return self.catalog.describe(name)
 
     @property
     def pipelines(self) -> Mapping[str, PipelineSpec]:
@@ -207,7 +184,7 @@ class Engine:
         encode: Callable[[Batch], Any],
         batches: Callable[[Plan], Sequence[int]] | None,
     ) -> BatchStream[Any]:
-        _check_version(request, dataset)
+        check_version(request.dataset, request.dataset_version, dataset)
         spec = pipeline_named(self.pipelines, request.pipeline)
         if request.batch_size > self.config.max_batch_size:
             raise InvalidRequest(
@@ -219,11 +196,14 @@ class Engine:
             spec, request, batch_size=request.batch_size, device=self.devices.kind
         )
         self._reserve_stream()
+        ahead: StreamReadAhead | None = None
         try:
             key = dataclasses.replace(key, device_id=next(self._device_cycle))
             workers = None
             if self.config.read_workers and batches is not None:
                 workers = functools.partial(self._build_parallel, key, dataset)
+            elif self.readahead is not None:
+                ahead = self.readahead.open(dataset)
             # A stream asks for a few batches beyond the pipelines' own prefetch, so that
             # one stream alone keeps more than one pipeline busy.
             window = self.config.prefetch + 2
@@ -232,8 +212,8 @@ class Engine:
                 plan=plan,
                 normalized=output.normalized,
                 layout=output.layout,
-                schedule=functools.partial(self._ticket, key, window=window),
-                release=functools.partial(self._release, dataset),
+                schedule=functools.partial(self._stream_ticket, key, ahead, window=window),
+                release=functools.partial(self._release, dataset, ahead),
                 draining=self._drain.is_set,
                 window=window,
             )
@@ -244,8 +224,12 @@ class Engine:
                 workers,
             )
             self._open_streams.add(stream)
+            if ahead is not None:
+                ahead.follow(stream.batch_ids)
             return stream
         except BaseException:
+            if ahead is not None:
+                ahead.close()
             self._uncount()
             raise
 
@@ -298,6 +282,18 @@ class Engine:
     def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:
         return self.scheduler.ticket(key, 0, self.stages.timed("read", read), window)
 
+    def _stream_ticket(
+        self,
+        key: RunnerKey,
+        ahead: StreamReadAhead | None,
+        read: Callable[[int], Job[Any]],
+        *,
+        window: int,
+    ) -> Ticket:
+        if ahead is not None:
+            read = ahead.around(read)  # the read-ahead learns which batch is read
+        return self._ticket(key, read, window=window)
+
     def _reserve_stream(self) -> None:
         """Count a new stream, or refuse it at the limit (``_uncount`` uncounts it)."""
         with self._streams_lock:
@@ -312,9 +308,11 @@ class Engine:
         with self._streams_lock:
             self._streams -= 1
 
-    def _release(self, dataset: Dataset) -> None:
-        """A stream ended: uncount it and give its dataset back."""
+    def _release(self, dataset: Dataset, ahead: StreamReadAhead | None) -> None:
+        """A stream ended: uncount it, end its read-ahead and give its dataset back."""
         self._uncount()
+        if ahead is not None:
+            ahead.close()  # before the dataset may close: it reads the dataset's map
         self.catalog.release(dataset)
 
     @property
@@ -371,18 +369,6 @@ class Engine:
         for stream in self.streams():
             stream.close()
         self.scheduler.close()
+        if self.readahead is not None:
+            self.readahead.close()
         self.catalog.close()
-
-
-def _check_version(request: StreamSpec, dataset: Dataset) -> None:
-    """VersionMismatch if the request expects another version of the dataset (a client
-    resuming a stream after the dataset was replaced); an empty expectation (older
-    clients) is not checked."""
-    if request.dataset_version and request.dataset_version != dataset.version:
-        raise VersionMismatch(
-            f"the stream expects version {request.dataset_version} of dataset "
-            f"{request.dataset!r} but this server serves version {dataset.version}: the "
-            "dataset was replaced (re-ingested). Resuming would mix samples of both "
-            "versions; start the epoch again (a new loader, or set_epoch) or serve the "
-            "old version"
-        )

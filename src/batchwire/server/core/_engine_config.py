@@ -26,6 +26,8 @@ class EngineConfig:
     decoder_device_padding_mib: int
     prefetch: int
     read_workers: int
+    read_ahead_reads: int
+    read_ahead_mib: int
     max_batch_size: int
     max_streams: int
     max_idle_pipelines: int

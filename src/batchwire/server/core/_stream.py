@@ -149,6 +149,19 @@ class BatchStream(Generic[P]):
             )
         )
 
+    def batch_ids(self, seq: int) -> np.ndarray | None:
+        """The ids of the stream's batch ``seq``, for reading ahead. Past the batches a
+        pulling client asked for so far, a guess: the share's next batches in order, as
+        clients ask; None past the share's end, or once nothing more will be asked for."""
+        planned = self._planned
+        if 0 <= seq < len(planned):
+            return planned[seq].ids
+        if not planned or self._wants_ended:
+            return None
+        index = planned[-1].index + seq - len(planned) + 1
+        plan = self._setup.plan
+        return plan.batch(index).ids if index < plan.num_batches else None
+
     @property
     def plan(self) -> Plan:
         return self._setup.plan

@@ -28,6 +28,7 @@ from batchwire.server.data._dataset import (
 from batchwire.server.data._formats import unsupported_reason
 from batchwire.server.data._ingest import DEFAULT_SHARD_SIZE, IngestError, IngestReport, ingest
 from batchwire.server.data._inspect import DatasetSummary, ShardSummary, summarize
+from batchwire.server.data._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
 from batchwire.server.data._safe_pickle import UnsafePickle, safe_loads
 from batchwire.server.data._synthetic import SHAPES, write_image_folders, write_photo_folders
 
@@ -49,8 +50,11 @@ __all__ = [
     "IngestError",
     "IngestReport",
     "Manifest",
+    "ReadAhead",
+    "ReadAheadStats",
     "Shard",
     "ShardSummary",
+    "StreamReadAhead",
     "UnsafePickle",
     "ingest",
     "manifest_version",

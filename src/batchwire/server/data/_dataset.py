@@ -20,6 +20,7 @@ The server opens shards read-only and never writes to a dataset.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -33,6 +34,7 @@ import lmdb
 import numpy as np
 
 from batchwire.common.stream import NAME_PATTERN
+from batchwire.server.data._lmdb_index import ShardIndex, index_shard
 from batchwire.v1 import datum_pb2
 
 __all__ = [
@@ -185,9 +187,13 @@ class Dataset:
         self.version = manifest_version(raw)
         self._starts = [shard.first_id for shard in self.manifest.shards]
         self._envs: list[lmdb.Environment] = []
+        self._files: list[int] = []  # each shard's data.mdb, for reading ahead (locate)
+        self._indexes: dict[int, ShardIndex | None] = {}
+        self._index_lock = threading.Lock()
         try:
             for shard in self.manifest.shards:
                 self._envs.append(_ENVIRONMENTS.acquire(self.directory / shard.path))
+                self._files.append(_open_file(self.directory / shard.path / "data.mdb"))
             # An ingest --overwrite that swapped the directory while the shards were being
             # opened would leave this Dataset with the old manifest and new shards.
             if _read_manifest(self.directory) != raw:
@@ -229,7 +235,7 @@ class Dataset:
                 if txn is None:
                     txn = txns[shard] = self._envs[shard].begin(buffers=True)
                 value = txn.get(sample_key(int(sample_id)))
-                datum = _parse_datum(value)
+                datum = _parse_datum(None if value is None else _copied(value))
                 if datum is None:
                     images.append(None)
                     continue
@@ -240,6 +246,25 @@ class Dataset:
                 txn.abort()
         return images, labels
 
+    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
+        """Where the record of ``sample_id`` lies on disk: (file descriptor of its shard's
+        ``data.mdb``, byte offset, length), or None where that is not known (a missing
+        record, a shard not in ingest's shape); for reading it ahead
+        (:mod:`batchwire.server.data._readahead`). Reads no record: the first call for a
+        shard reads its B-tree's pages. The descriptor stays open until :meth:`close`."""
+        shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
+        if shard < 0 or not 0 <= sample_id < self.num_samples:
+            raise IndexError(f"sample id {sample_id} is outside 0..{self.num_samples - 1}")
+        with self._index_lock:
+            if shard not in self._indexes:
+                info = self.manifest.shards[shard]
+                self._indexes[shard] = index_shard(self._files[shard], info.first_id, info.count)
+            index = self._indexes[shard]
+        if index is None:
+            return None
+        offset, length = index.span(int(sample_id))
+        return (self._files[shard], offset, length) if length else None
+
     def shard_entries(self) -> list[int]:
         """How many records each shard's LMDB holds, in shard order."""
         return [int(env.stat()["entries"]) for env in self._envs]
@@ -248,6 +273,9 @@ class Dataset:
         for env in self._envs:
             _ENVIRONMENTS.release(env)
         self._envs.clear()
+        for fd in self._files:
+            os.close(fd)
+        self._files.clear()
 
     def __enter__(self) -> Dataset:
         return self
@@ -313,7 +341,25 @@ class _SharedEnvironments:
 _ENVIRONMENTS = _SharedEnvironments()
 
 
-def _parse_datum(value: bytes | memoryview | None) -> datum_pb2.Datum | None:
+def _open_file(path: pathlib.Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DatasetError(f"cannot open {path}: {exc.strerror}") from exc
+
+
+def _copied(value: memoryview) -> bytearray:
+    """The bytes of a record in the LMDB map, copied with the interpreter lock released
+    (ctypes drops it): where the record's pages are not in memory yet, the disk is waited
+    for while the server's other threads, its read-ahead's among them, run on."""
+    copy = bytearray(len(value))
+    if copy:
+        source = np.frombuffer(value, dtype=np.uint8).ctypes.data
+        ctypes.memmove((ctypes.c_char * len(copy)).from_buffer(copy), source, len(copy))
+    return copy
+
+
+def _parse_datum(value: bytes | bytearray | memoryview | None) -> datum_pb2.Datum | None:
     if value is None or len(value) == 0:
         return None
     datum = datum_pb2.Datum()

@@ -24,6 +24,15 @@ scheduler's pipeline slots do, and the pipelines' faults.
                                                       ended its run, by ``pipeline``
 ``batchwire_device_healthy``               gauge      0 while a device is broken, by
                                                       ``device``
+``batchwire_readahead_records_total``      counter    records read ahead of their streams
+``batchwire_readahead_bytes_total``        counter    their bytes
+``batchwire_readahead_dropped_total``      counter    records a stream closed or read
+                                                      before they were read ahead
+``batchwire_readahead_held_bytes``         gauge      bytes read ahead and not yet read by
+                                                      their streams (at most
+                                                      ``read_ahead_mib``)
+``batchwire_readahead_in_flight``          gauge      records being read ahead now
+``batchwire_readahead_streams``            gauge      streams reading ahead now
 =========================================  =========  ====================================
 """
 
@@ -40,8 +49,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
+from batchwire.server.data._readahead import ReadAhead
 
-__all__ = ["HealthCollector", "SchedulerCollector", "StageCollector"]
+__all__ = ["HealthCollector", "ReadAheadCollector", "SchedulerCollector", "StageCollector"]
 
 # SchedulerStats field -> (metric name without _total, help)
 _COUNTERS = {
@@ -142,3 +152,31 @@ class HealthCollector(Collector):
         for device, ok in sorted(self._health.devices().items()):
             healthy.add_metric((device,), 1 if ok else 0)
         yield from (faults, failed, healthy)
+
+
+class ReadAheadCollector(Collector):
+    """The server's :class:`ReadAhead` (its seconds are in the ``read`` stage)."""
+
+    def __init__(self, readahead: ReadAhead) -> None:
+        self._readahead = readahead
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._readahead.stats()
+        counters = (
+            ("records", "Records read ahead of their streams.", stats.records),
+            ("bytes", "Bytes of the records read ahead.", stats.bytes),
+            (
+                "dropped",
+                "Records a stream closed or read before they were read ahead.",
+                stats.dropped,
+            ),
+        )
+        for name, help, value in counters:
+            yield CounterMetricFamily(f"batchwire_readahead_{name}", help, value=value)
+        gauges = (
+            ("held_bytes", "Bytes read ahead and not yet read by their streams.", stats.held_bytes),
+            ("in_flight", "Records being read ahead now.", stats.in_flight),
+            ("streams", "Streams reading ahead now.", stats.streams),
+        )
+        for name, help, value in gauges:
+            yield GaugeMetricFamily(f"batchwire_readahead_{name}", help, value=value)

@@ -63,8 +63,10 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
 from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
+from batchwire.server.data._readahead import ReadAhead
 from batchwire.server.serving._collectors import (
     HealthCollector,
+    ReadAheadCollector,
     SchedulerCollector,
     StageCollector,
 )
@@ -82,50 +84,6 @@ _WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.
 
 class MetricsError(OSError):
     """The metrics endpoint could not be opened (the message says what to do)."""
-
-
-class StreamMetrics:
-    """The metrics of one stream, bound to its dataset and pipeline labels."""
-
-    def __init__(self, metrics: ServerMetrics, dataset: str, pipeline: str) -> None:
-        labels = {"dataset": dataset, "pipeline": pipeline}
-        self._ended = metrics.streams_ended
-        self._labels = labels
-        self._active = metrics.active_streams.labels(**labels)
-        self._started = metrics.streams_started.labels(**labels)
-        self._batches = metrics.batches_sent.labels(**labels)
-        self._samples = metrics.samples_sent.labels(**labels)
-        self._bytes = metrics.bytes_sent.labels(**labels)
-        self._skipped = metrics.skipped_samples.labels(**labels)
-        self._skipped_batches = metrics.batches_with_skipped.labels(**labels)
-        self._pipeline = metrics.pipeline_seconds.labels(**labels)
-        self._wait = metrics.client_wait_seconds.labels(**labels)
-
-    def opened(self) -> None:
-        self._started.inc()
-        self._active.inc()
-
-    def closed(self, status: str) -> None:
-        """The stream ended with ``status`` (a ``grpc.StatusCode`` name)."""
-        self._active.dec()
-        self._ended.labels(**self._labels, status=status).inc()
-
-    def produced(self, seconds: float, skipped: int) -> None:
-        """A batch was computed in ``seconds``, leaving out ``skipped`` samples."""
-        self._pipeline.observe(seconds)
-        if skipped:
-            self._skipped.inc(skipped)
-            self._skipped_batches.inc()
-
-    def sent(self, samples: int, nbytes: int) -> None:
-        """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC."""
-        self._batches.inc()
-        self._samples.inc(samples)
-        self._bytes.inc(nbytes)
-
-    def waited(self, seconds: float) -> None:
-        """gRPC took a batch's messages after ``seconds`` (flow control: a slow client)."""
-        self._wait.observe(seconds)
 
 
 class ServerMetrics:
@@ -219,8 +177,10 @@ class ServerMetrics:
         """Export ``health``'s faults, failed batches and devices, read at each scrape."""
         self.registry.register(HealthCollector(health))
 
-    def stream(self, dataset: str, pipeline: str) -> StreamMetrics:
-        return StreamMetrics(self, dataset, pipeline)
+    def watch_readahead(self, readahead: ReadAhead | None) -> None:
+        """Export the read-ahead's records and bytes (``batchwire_readahead_*``), if any."""
+        if readahead is not None:
+            self.registry.register(ReadAheadCollector(readahead))
 
     def interceptor(self, methods: Iterable[str]) -> MetricsInterceptor:
         """Counts ended calls by status code; ``methods`` are the full method names

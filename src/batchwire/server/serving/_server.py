@@ -84,6 +84,7 @@ class BatchwireServer(Listening):
         self.metrics.watch_stages(self.engine.stages)
         self.metrics.watch_scheduler(self.engine.scheduler)
         self.metrics.watch_health(self.engine.health)
+        self.metrics.watch_readahead(self.engine.readahead)
         self._metrics_http: MetricsHTTPServer | None = None
         # Streams are awaited on the event loop and only open, close and build Preprocess
         # replies here: a few threads, however many streams.

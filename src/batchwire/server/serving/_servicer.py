@@ -25,7 +25,8 @@ import grpc
 
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core._engine import DatasetDescription, Engine
+from batchwire.server.core._catalog import DatasetDescription
+from batchwire.server.core._engine import Engine
 from batchwire.server.core._errors import InvalidRequest, OverCapacity, ServiceError
 from batchwire.server.core._stream import BatchStream
 from batchwire.server.serving._messages import (

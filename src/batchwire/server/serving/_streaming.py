@@ -25,10 +25,10 @@ from batchwire.common.stream import StreamSpec
 from batchwire.common.tensors import to_proto
 from batchwire.server.core._stream import Batch, BatchStream
 from batchwire.server.serving._messages import Lane, status_for
-from batchwire.server.serving._metrics import ServerMetrics, StreamMetrics
+from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["EncodedBatch", "encode_parts", "serve_stream", "write"]
+__all__ = ["EncodedBatch", "StreamMetrics", "encode_parts", "serve_stream", "write"]
 
 # The stream start and end lines are the servicer's: operators find and filter them
 # under this logger name (it is in the JSON log lines, see the README).
@@ -104,6 +104,50 @@ class _Progress:
     last_write: bool = False
 
 
+class StreamMetrics:
+    """The metrics of one stream, bound to its dataset and pipeline labels."""
+
+    def __init__(self, metrics: ServerMetrics, dataset: str, pipeline: str) -> None:
+        labels = {"dataset": dataset, "pipeline": pipeline}
+        self._ended = metrics.streams_ended
+        self._labels = labels
+        self._active = metrics.active_streams.labels(**labels)
+        self._started = metrics.streams_started.labels(**labels)
+        self._batches = metrics.batches_sent.labels(**labels)
+        self._samples = metrics.samples_sent.labels(**labels)
+        self._bytes = metrics.bytes_sent.labels(**labels)
+        self._skipped = metrics.skipped_samples.labels(**labels)
+        self._skipped_batches = metrics.batches_with_skipped.labels(**labels)
+        self._pipeline = metrics.pipeline_seconds.labels(**labels)
+        self._wait = metrics.client_wait_seconds.labels(**labels)
+
+    def opened(self) -> None:
+        self._started.inc()
+        self._active.inc()
+
+    def closed(self, status: str) -> None:
+        """The stream ended with ``status`` (a ``grpc.StatusCode`` name)."""
+        self._active.dec()
+        self._ended.labels(**self._labels, status=status).inc()
+
+    def produced(self, seconds: float, skipped: int) -> None:
+        """A batch was computed in ``seconds``, leaving out ``skipped`` samples."""
+        self._pipeline.observe(seconds)
+        if skipped:
+            self._skipped.inc(skipped)
+            self._skipped_batches.inc()
+
+    def sent(self, samples: int, nbytes: int) -> None:
+        """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC."""
+        self._batches.inc()
+        self._samples.inc(samples)
+        self._bytes.inc(nbytes)
+
+    def waited(self, seconds: float) -> None:
+        """gRPC took a batch's messages after ``seconds`` (flow control: a slow client)."""
+        self._wait.observe(seconds)
+
+
 async def serve_stream(
     stream: BatchStream[EncodedBatch],
     stream_request: StreamSpec,
@@ -123,7 +167,7 @@ async def serve_stream(
     pulled = lane is None
     expected = None if pulled else stream.waiting
     fields = _log_start(stream_request, context.peer(), lane)
-    metrics = server_metrics.stream(stream_request.dataset, stream_request.pipeline)
+    metrics = StreamMetrics(server_metrics, stream_request.dataset, stream_request.pipeline)
     metrics.opened()
     progress = _Progress()
     status = "CANCELLED"  # unless the loop ends otherwise: the client went away

@@ -1,0 +1,316 @@
+"""Read-ahead: the records streams will read next, brought into the page cache before them.
+
+A stream reads its batches' records one at a time, in order (``Dataset.read``); from a
+cold page cache each record costs a disk latency or several (the LMDB map is opened
+without the kernel's read-ahead, so each 4 KiB page of a record is read on its own). So
+the server asks the disk for the records of the next batches of every open stream ahead
+of time, many at once: a pool of ``reads`` threads finds where each record lies in its
+shard's file (:meth:`Dataset.locate`, from the shard's B-tree pages, without reading the
+record) and advises the kernel (``posix_fadvise(POSIX_FADV_WILLNEED)``) to read those
+bytes, which queues their reads and returns. When the stream comes to those records their
+pages are in the page cache, or on their way. (Threads that looked records up through
+py-lmdb and touched or ``madvise``-d their pages read each record in, page by page, before
+going on: measured slower, see docs/performance.md.)
+
+The pool is one per server, shared by every stream. It is bounded in bytes: the records
+advised and not yet read by their stream hold at most ``max_bytes`` (a single record
+larger than the bound alone excepted), and each stream at most an equal share of it, so a
+stream whose client is slow cannot crowd out the others; among the streams with records
+to advise, the one holding the fewest bytes goes first. A stream's read-ahead ends when
+the stream closes (:meth:`StreamReadAhead.close`): what it had not advised is dropped and
+what it held is freed.
+
+Reading ahead never changes what a stream reads, only when its pages arrive: the records
+still come from ``Dataset.read``, in the stream's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+
+from batchwire.server.data._dataset import Dataset
+
+__all__ = ["ReadAhead", "ReadAheadStats", "StreamReadAhead"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_WAIT_S = 0.25  # how often an idle read-ahead thread looks for a stop
+_CLOSE_WAIT_S = 10.0  # how long a closing stream waits for its records being advised
+
+
+def advise(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to read ``length`` bytes of ``fd`` at ``offset`` into the page cache
+    now (``POSIX_FADV_WILLNEED``: it queues the reads and returns). Best effort: a failure
+    is ignored, the record is then read when its stream reads it."""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError as exc:
+        log.debug("read-ahead of %d bytes at %d failed: %s", length, offset, exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadAheadStats:
+    """What the read-ahead did, for metrics and tests: totals since the server started,
+    and the state now."""
+
+    records: int  # records advised
+    bytes: int  # their bytes
+    dropped: int  # records a stream closed or read before they were advised
+    seconds: float  # thread seconds spent looking up and advising
+    streams: int  # streams reading ahead now
+    held_bytes: int  # bytes advised and not yet read by their streams
+    peak_held_bytes: int  # the most held at any time
+    in_flight: int  # records being looked up or advised now
+
+
+class StreamReadAhead:
+    """One stream's read-ahead: made by :meth:`ReadAhead.open`, ended by :meth:`close`.
+
+    The stream's batch ``seq`` has the ids ``batch_ids(seq)`` (None past those planned so
+    far; a pulled stream plans more as its client asks). Wrap the function that reads a
+    batch with :meth:`around`, so the read-ahead knows which batch is being read.
+    """
+
+    def __init__(self, pool: ReadAhead, dataset: Dataset) -> None:
+        self._pool = pool
+        self._dataset = dataset
+        self._batch_ids: Callable[[int], np.ndarray | None] = lambda seq: None
+        self.next_seq = 0  # the record to advise next: batch next_seq, position next_pos
+        self.next_pos = 0
+        self.read_seq = -1  # batches up to this one are read (their bytes freed)
+        self.held: dict[int, int] = {}  # bytes advised and not yet read, by batch
+        self.held_bytes = 0
+        self.records = 0  # records advised
+        self.in_flight = 0
+        self.closed = False
+
+    def follow(self, batch_ids: Callable[[int], np.ndarray | None]) -> None:
+        """Read ahead the batches ``batch_ids`` gives, from the first not yet read."""
+        with self._pool.lock:
+            self._batch_ids = batch_ids
+            self._pool.lock.notify_all()
+
+    def around(self, read: Callable[[int], _T]) -> Callable[[int], _T]:
+        """``read(seq)``, telling the read-ahead that batch ``seq`` is being read, then
+        that it was read (its bytes are freed)."""
+
+        def read_after_ahead(seq: int) -> _T:
+            self.reading(seq)
+            try:
+                return read(seq)
+            finally:
+                self.read(seq)
+
+        return read_after_ahead
+
+    def reading(self, seq: int) -> None:
+        """Batch ``seq`` is being read now: advise from there on, never what came before."""
+        with self._pool.lock:
+            if (self.next_seq, self.next_pos) < (seq, 0):
+                self.next_seq, self.next_pos = seq, 0
+            self._pool.lock.notify_all()
+
+    def read(self, seq: int) -> None:
+        """Batches up to ``seq`` were read: what was advised of them is freed."""
+        with self._pool.lock:
+            self.read_seq = max(self.read_seq, seq)
+            for done in [s for s in self.held if s <= seq]:
+                self._pool.free(self, self.held.pop(done))
+            self._pool.lock.notify_all()
+
+    def close(self) -> None:
+        """End this stream's read-ahead: nothing more is advised, what it holds is freed.
+        Returns once no thread is advising its records (its dataset may be closed next).
+        Idempotent."""
+        self._pool.close_stream(self)
+
+    def next_record(self) -> tuple[int, int] | None:
+        """(batch, id) of the record to advise next, the cursor moved past it; None if
+        none is planned yet. Called under the pool's lock."""
+        while True:
+            try:
+                ids = self._batch_ids(self.next_seq)
+            except Exception:  # a stream's plan that cannot say; never the pool's thread
+                log.debug("no ids for batch %d to read ahead", self.next_seq, exc_info=True)
+                return None
+            if ids is None:
+                return None
+            if self.next_pos < len(ids):
+                self.next_pos += 1
+                return self.next_seq, int(ids[self.next_pos - 1])
+            self.next_seq, self.next_pos = self.next_seq + 1, 0
+
+    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
+        return self._dataset.locate(sample_id)
+
+
+class ReadAhead:
+    """The server's read-ahead: ``reads`` threads advising the records of every open
+    stream's next batches, at most ``max_bytes`` held. ``on_seconds`` is called with the
+    seconds each record took (the server adds them to its ``read`` stage)."""
+
+    def __init__(
+        self, *, reads: int, max_bytes: int, on_seconds: Callable[[float], None] | None = None
+    ) -> None:
+        if reads < 1 or max_bytes < 1:
+            raise ValueError("reads and max_bytes must be at least 1")
+        self.max_bytes = max_bytes
+        self.lock = threading.Condition()
+        self._on_seconds = on_seconds
+        self._streams: list[StreamReadAhead] = []
+        self._turn = 0  # rotates ties among the streams holding the fewest bytes
+        self._held = self._peak = self._records = self._bytes = self._dropped = 0
+        self._in_flight = 0
+        self._seconds = 0.0
+        self._stopped = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"batchwire-readahead-{i}", daemon=True)
+            for i in range(reads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def sized(
+        cls, reads: int, mib: int, on_seconds: Callable[[float], None] | None = None
+    ) -> ReadAhead | None:
+        """A read-ahead of ``reads`` threads and ``mib`` MiB; None where ``reads`` is 0
+        (each record is then read when its batch is)."""
+        return cls(reads=reads, max_bytes=mib << 20, on_seconds=on_seconds) if reads else None
+
+    def open(self, dataset: Dataset) -> StreamReadAhead:
+        """A stream's read-ahead over ``dataset``; :meth:`StreamReadAhead.close` it."""
+        stream = StreamReadAhead(self, dataset)
+        with self.lock:
+            self._streams.append(stream)
+        return stream
+
+    def stats(self) -> ReadAheadStats:
+        with self.lock:
+            return ReadAheadStats(
+                records=self._records,
+                bytes=self._bytes,
+                dropped=self._dropped,
+                seconds=self._seconds,
+                streams=len(self._streams),
+                held_bytes=self._held,
+                peak_held_bytes=self._peak,
+                in_flight=self._in_flight,
+            )
+
+    def free(self, stream: StreamReadAhead, size: int) -> None:
+        """``size`` bytes of ``stream`` are no longer held (under the lock)."""
+        stream.held_bytes -= size
+        self._held -= size
+
+    def close_stream(self, stream: StreamReadAhead) -> None:
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        with self.lock:
+            stream.closed = True
+            if stream in self._streams:
+                self._streams.remove(stream)
+            for size in stream.held.values():
+                self.free(stream, size)
+            stream.held.clear()
+            self.lock.notify_all()
+            while stream.in_flight and time.monotonic() < deadline:
+                self.lock.wait(_WAIT_S)
+            if stream.in_flight:
+                log.warning(
+                    "a stream's read-ahead still advised records %.0f s after it closed",
+                    _CLOSE_WAIT_S,
+                )
+
+    def close(self) -> None:
+        """Stop the threads (streams still open stop reading ahead)."""
+        with self.lock:
+            self._stopped = True
+            self.lock.notify_all()
+        for thread in self._threads:
+            thread.join(_CLOSE_WAIT_S)
+
+    # -- the threads -------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                task = self._next()
+                while task is None:
+                    if self._stopped:
+                        return
+                    self.lock.wait(_WAIT_S)
+                    task = self._next()
+                stream, seq, sample_id = task
+                stream.in_flight += 1
+                self._in_flight += 1
+            started = time.perf_counter()
+            try:
+                self._advise(stream, seq, sample_id)
+            except Exception:  # a record the stream will find bad itself; never the thread
+                log.debug("read-ahead of sample %d failed", sample_id, exc_info=True)
+            finally:
+                seconds = time.perf_counter() - started
+                with self.lock:
+                    stream.in_flight -= 1
+                    self._in_flight -= 1
+                    self._seconds += seconds
+                    if stream.closed and not stream.in_flight:
+                        self.lock.notify_all()  # its close waits for this
+                if self._on_seconds is not None:
+                    self._on_seconds(seconds)
+
+    def _next(self) -> tuple[StreamReadAhead, int, int] | None:
+        """The next record to advise (under the lock): of the stream holding the fewest
+        bytes among those below their share, ties taken in turn."""
+        if self._stopped or not self._streams or self._held >= self.max_bytes:
+            return None
+        share = self.max_bytes // len(self._streams)
+        count = len(self._streams)
+        order = sorted(
+            range(count), key=lambda i: (self._streams[i].held_bytes, (i - self._turn) % count)
+        )
+        for index in order:
+            stream = self._streams[index]
+            if stream.held_bytes >= share and stream.held_bytes > 0:
+                break  # the rest hold as much or more
+            record = stream.next_record()
+            if record is not None:
+                self._turn = (index + 1) % count
+                return stream, record[0], record[1]
+        return None
+
+    def _advise(self, stream: StreamReadAhead, seq: int, sample_id: int) -> None:
+        where = stream.locate(sample_id)  # the shard's B-tree, outside the lock
+        if where is None:
+            return  # missing: the stream's read reports it
+        fd, offset, size = where
+        with self.lock:
+            # The bound holds before the read is started: wait for room (a record larger
+            # than the whole bound goes alone).
+            while self._held and self._held + size > self.max_bytes and self._live(stream, seq):
+                self.lock.wait(_WAIT_S)
+            if not self._live(stream, seq):
+                self._dropped += 1
+                return
+            stream.held[seq] = stream.held.get(seq, 0) + size
+            stream.held_bytes += size
+            self._held += size
+            self._peak = max(self._peak, self._held)
+            self._records += 1
+            stream.records += 1
+            self._bytes += size
+        advise(fd, offset, size)
+
+    def _live(self, stream: StreamReadAhead, seq: int) -> bool:
+        """Whether a record of ``stream``'s batch ``seq`` is still worth advising."""
+        return not (self._stopped or stream.closed or seq <= stream.read_seq)

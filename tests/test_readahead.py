@@ -1,0 +1,200 @@
+"""Read-ahead: a cold epoch is the warm epoch, the bytes read ahead stay bounded, and a
+closed stream's read-ahead ends."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+from conftest import start_server
+from test_corrupt import corrupt, truncated
+
+from batchwire.client import RemoteLoader
+from batchwire.server import BatchwireServer
+from batchwire.server.core import read_job
+from batchwire.server.data import Dataset
+from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
+from batchwire.v1 import datum_pb2
+
+BATCH = 16
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the read-ahead"
+        time.sleep(0.01)
+
+
+def evict(dataset: pathlib.Path) -> None:
+    """Drop the dataset's pages from the page cache, as `python -m benchmarks --cold` does."""
+    for shard in sorted(dataset.glob("*/data.mdb")):
+        fd = os.open(shard, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def follow(stream: StreamReadAhead, batches: list[np.ndarray]) -> None:
+    stream.follow(lambda seq: batches[seq] if 0 <= seq < len(batches) else None)
+
+
+def test_locate_finds_each_record_where_lmdb_keeps_it(data_dir: pathlib.Path) -> None:
+    with Dataset(data_dir / "shapes") as dataset:
+        images, labels = dataset.read(np.arange(dataset.num_samples))
+        located = 0
+        for sample_id, (image, label) in enumerate(zip(images, labels, strict=True)):
+            where = dataset.locate(sample_id)
+            if where is None:  # a value small enough to sit in its leaf page
+                continue
+            fd, offset, length = where
+            datum = datum_pb2.Datum.FromString(os.pread(fd, length, offset))
+            assert image is not None and datum.data == image.tobytes()
+            assert datum.label == label
+            located += 1
+        assert located > dataset.num_samples // 2
+
+
+def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
+    data_dir: pathlib.Path,
+) -> None:
+    with Dataset(data_dir / "shapes") as dataset:
+        located = [dataset.locate(i) for i in range(dataset.num_samples)]
+        largest = max(where[2] for where in filter(None, located))
+        batches = [np.arange(i, i + BATCH) for i in range(0, 512, BATCH)]
+        pool = ReadAhead(reads=4, max_bytes=64 << 10)
+        try:
+            # Two streams whose clients take nothing: together they fill the bound, not
+            # more, and each gets a part of it.
+            first, second = pool.open(dataset), pool.open(dataset)
+            follow(first, batches)
+            follow(second, batches[::-1])
+            wait_until(lambda: pool.stats().held_bytes + largest > pool.max_bytes)
+            with pool.lock:
+                stats = pool.stats()
+                assert first.held_bytes > 0 and second.held_bytes > 0
+                assert first.held_bytes + second.held_bytes == stats.held_bytes
+            assert stats.held_bytes <= pool.max_bytes and stats.peak_held_bytes <= pool.max_bytes
+
+            # Reading the first batch frees what was read ahead of it, making room for more.
+            advised = first.records + second.records
+            assert first.held.get(0, 0) > 0
+            first.read(0)
+            assert 0 not in first.held
+            wait_until(lambda: first.records + second.records > advised)
+
+            # Closing a stream frees what it held; nothing of it is read ahead after.
+            first.close()
+            after_close = first.records
+            assert first.held_bytes == 0 and pool.stats().streams == 1
+            read = second.around(lambda seq: read_job(dataset, seq, batches[::-1][seq]))
+            for seq in range(len(batches)):
+                assert len(read(seq).ids) == BATCH
+            second.close()
+            stats = pool.stats()
+            assert first.records == after_close and second.records > 0
+            assert stats.streams == 0 and stats.held_bytes == 0 and stats.in_flight == 0
+            assert stats.peak_held_bytes <= pool.max_bytes
+        finally:
+            pool.close()
+
+
+def small_loader(server: BatchwireServer, **options: object) -> RemoteLoader:
+    """A loader of the shapes' ids through the val pipeline at size 32."""
+    return RemoteLoader(
+        server.target,
+        dataset="shapes",
+        pipeline="val",
+        batch_size=BATCH,
+        return_ids=True,
+        params={"size": 32, "resize": 32},
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def epoch_ids(server: BatchwireServer, world_size: int) -> list[list[int]]:
+    """Every rank's ids of one shuffled epoch, the ranks streaming at once."""
+    delivered: list[list[int]] = [[] for _ in range(world_size)]
+    failures: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with small_loader(server, rank=r, world_size=world_size, seed=7) as loader:
+                delivered[r] = [int(i) for _, _, ids in loader for i in ids]
+        except BaseException as exc:  # raised in the test's thread below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not failures, failures
+    return delivered
+
+
+def finished(server: BatchwireServer) -> bool:
+    """Whether no stream reads ahead or holds read-ahead bytes any more."""
+    readahead = server.engine.readahead
+    assert readahead is not None
+    stats = readahead.stats()
+    return stats.streams == 0 and stats.held_bytes == 0 and stats.in_flight == 0
+
+
+def test_a_cold_epoch_read_ahead_is_the_warm_epoch_one_at_a_time(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    copy = tmp_path / "datasets"
+    shutil.copytree(data_dir, copy)
+    warm_server = start_server(copy, read_ahead_reads=0)
+    try:
+        epoch_ids(warm_server, 2)  # the pages are in the page cache now
+        warm = epoch_ids(warm_server, 2)
+    finally:
+        warm_server.stop(grace=1.0)
+    evict(copy / "shapes")
+    server = start_server(copy, read_ahead_reads=4, read_ahead_mib=1)
+    try:
+        cold = epoch_ids(server, 2)
+        assert cold == warm and len(cold[0]) == 520 // 2 // BATCH * BATCH
+        readahead = server.engine.readahead
+        assert readahead is not None
+        wait_until(lambda: finished(server))
+        stats = readahead.stats()
+        assert stats.records > 0 and stats.peak_held_bytes <= 1 << 20
+        assert server.engine.stages.snapshot()["read"] > 0
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_a_corrupt_record_and_a_stream_closed_mid_read_ahead(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    copy = tmp_path / "datasets"
+    shutil.copytree(data_dir, copy)
+    damage = {5: truncated(copy / "shapes", 5), 300: b"not a datum"}
+    corrupt(copy / "shapes", damage)
+    evict(copy / "shapes")
+    server = start_server(copy, read_ahead_reads=4, read_ahead_mib=1)
+    try:
+        loader = small_loader(server, drop_last=False)
+        with loader:
+            # A stream closed after its first batch, its next batches being read ahead.
+            next(iter(loader))
+        wait_until(lambda: finished(server))
+        assert server.engine.readahead is not None
+        assert server.engine.readahead.stats().records > 0
+        loader = small_loader(server, drop_last=False)
+        with loader:
+            delivered = [int(i) for _, _, ids in loader for i in ids]
+        assert sorted(loader.skipped_ids) == sorted(damage)
+        assert sorted(delivered) == sorted(set(range(520)) - set(damage))
+        wait_until(lambda: finished(server))
+    finally:
+        server.stop(grace=1.0)
