@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from typing import TypedDict
+from typing import TypedDict, cast
 
 import numpy as np
 
@@ -111,8 +111,8 @@ class ShareFields(TypedDict):
 class Share:
     """Which share of which epoch: every number that fixes a rank's batches but the
     dataset's size. ``start`` is a cursor: batches (or the tail of a batch, when
-    ``start`` falls inside one) before it are not planned. ``origin`` is where in the epoch order the ranks' split begins (0:
-    the whole epoch; see the module)."""
+    ``start`` falls inside one) before it are not planned. ``origin`` is where in the
+    epoch order the ranks' split begins (0: the whole epoch; see the module)."""
 
     batch_size: int
     seed: int = 0
@@ -141,17 +141,9 @@ class Share:
 
     def share_fields(self) -> ShareFields:
         """This share's numbers by name (what a Plan needs besides the dataset's size)."""
-        return ShareFields(
-            batch_size=self.batch_size,
-            seed=self.seed,
-            epoch=self.epoch,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            rank=self.rank,
-            world_size=self.world_size,
-            start=self.start,
-            origin=self.origin,
-        )
+        # ShareFields names every field of Share (a test holds them equal).
+        fields = {name: getattr(self, name) for name in ShareFields.__annotations__}
+        return cast(ShareFields, fields)
 
     def plan(self, num_samples: int) -> Plan:
         """This share of a dataset of ``num_samples`` (``ValueError`` if, say, ``start``

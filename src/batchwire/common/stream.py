@@ -28,6 +28,7 @@ __all__ = [
     "OUTPUT_DTYPES",
     "StreamSpec",
     "check_name",
+    "output_fields",
     "output_format",
 ]
 
@@ -77,6 +78,13 @@ def output_format(dtype: int, layout: int) -> tuple[str, str]:
     if layout not in _LAYOUT_NAMES:
         raise ValueError(f"layout {layout} is not NCHW or NHWC")
     return _DTYPE_NAMES[dtype], _LAYOUT_NAMES[layout]
+
+
+def output_fields(message: pb.StreamBatchesRequest | pb.PreprocessRequest) -> dict[str, Any]:
+    """What a request message asks of the images, by field name: ``dtype`` and ``layout``
+    (:func:`output_format`) and the pipeline's ``params``; ``ValueError`` if unknown."""
+    dtype, layout = output_format(message.dtype, message.layout)
+    return {"dtype": dtype, "layout": layout, "params": dict(message.params)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,7 +145,6 @@ class StreamSpec(Share):
     @classmethod
     def from_proto(cls, message: pb.StreamBatchesRequest) -> StreamSpec:
         """The spec a request message names; fields left unset take their defaults."""
-        dtype, layout = output_format(message.dtype, message.layout)
         share = {f.name: getattr(message, f.name) for f in dataclasses.fields(Share)}
         # Unset optional fields are the contract's defaults, not protobuf's zeros.
         share["shuffle"] = message.shuffle if message.HasField("shuffle") else True
@@ -146,9 +153,7 @@ class StreamSpec(Share):
         return cls(
             dataset=message.dataset,
             pipeline=message.pipeline,
-            dtype=dtype,
-            layout=layout,
-            params=dict(message.params),
             dataset_version=message.dataset_version,
+            **output_fields(message),
             **share,
         )

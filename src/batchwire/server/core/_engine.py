@@ -38,7 +38,7 @@ from batchwire.server.core._jobs import Job, read_job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._parallel import ParallelRunner, PlannedSource
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, PipelineSpec
-from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher
+from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
@@ -94,11 +94,7 @@ class Engine:
             device=self.devices.kind,
             next_device=lambda: next(self._device_cycle),
             draining=self._drain.is_set,
-            batch_size=config.preprocess_batch_size,
-            max_delay=config.preprocess_max_delay_ms / 1000,
-            max_images=config.max_batch_size,
-            max_bytes=config.max_request_bytes,
-            max_queued=config.preprocess_max_queued,
+            limits=PreprocessLimits.of(config),
         )
 
     # -- datasets --------------------------------------------------------------------

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result
@@ -48,7 +49,7 @@ from batchwire.server.core._preprocess_request import (
 )
 from batchwire.server.data._formats import unsupported_reason
 
-__all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher"]
+__all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,36 @@ class _Queue:
         self.running = 0  # ... and not yet come back
 
 
+@dataclasses.dataclass(frozen=True)
+class PreprocessLimits:
+    """What bounds preprocessing: ``batch_size`` images at most in a DALI run, which waits
+    up to ``max_delay`` seconds for more; ``max_images`` and ``max_bytes`` per request;
+    ``max_queued`` images waiting in all."""
+
+    batch_size: int
+    max_delay: float
+    max_images: int
+    max_bytes: int
+    max_queued: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> PreprocessLimits:
+        """The limits a server's settings (an EngineConfig) set."""
+        return cls(
+            batch_size=config.preprocess_batch_size,
+            max_delay=config.preprocess_max_delay_ms / 1000,
+            max_images=config.max_batch_size,
+            max_bytes=config.max_request_bytes,
+            max_queued=config.preprocess_max_queued,
+        )
+
+
 class PreprocessBatcher:
     """Batches concurrent preprocessing requests into DALI runs; see the module docstring.
 
     ``schedule(key, read)`` opens a ticket with the server's scheduler;
     ``device``/``next_device`` say where its pipelines run; ``draining`` is polled at
-    submit. ``batch_size`` is the largest DALI batch; ``max_images`` and
-    ``max_bytes`` bound one request; ``max_queued`` bounds the images waiting.
+    submit; ``limits`` bound its batches and requests.
     """
 
     def __init__(
@@ -106,22 +130,14 @@ class PreprocessBatcher:
         device: str,
         next_device: Callable[[], int | None],
         draining: Callable[[], bool],
-        batch_size: int,
-        max_delay: float,
-        max_images: int,
-        max_bytes: int,
-        max_queued: int,
+        limits: PreprocessLimits,
     ) -> None:
         self._pipelines = pipelines
         self._schedule = schedule
         self._device = device
         self._next_device = next_device
         self._draining = draining
-        self.batch_size = batch_size
-        self.max_delay = max_delay
-        self.max_images = max_images
-        self.max_bytes = max_bytes
-        self.max_queued = max_queued
+        self.limits = limits
         self._lock = threading.Lock()
         self._queues: dict[tuple[object, ...], _Queue] = {}
         self._queued = 0
@@ -145,23 +161,25 @@ class PreprocessBatcher:
         count = len(request.images)
         if count == 0:
             raise InvalidRequest("send at least one encoded image")
-        if count > self.max_images:
+        if count > self.limits.max_images:
             raise InvalidRequest(
-                f"{count} images exceed this server's limit of {self.max_images} per request "
+                f"{count} images exceed this server's limit of {self.limits.max_images} per request "
                 "(server setting max_batch_size): send them in several requests"
             )
-        if count > self.max_queued:
+        if count > self.limits.max_queued:
             raise InvalidRequest(
-                f"{count} images exceed this server's preprocessing queue of {self.max_queued} "
+                f"{count} images exceed this server's preprocessing queue of {self.limits.max_queued} "
                 "(server setting preprocess_max_queued): send them in several requests"
             )
         size = sum(len(image) for image in request.images)
-        if size > self.max_bytes:
+        if size > self.limits.max_bytes:
             raise OverCapacity(
                 f"the request holds {size} bytes of images, over this server's limit of "
-                f"{self.max_bytes} (server setting max_request_bytes): send fewer images per request"
+                f"{self.limits.max_bytes} (server setting max_request_bytes): send fewer images per request"
             )
-        key, output = runner_key(spec, request, batch_size=self.batch_size, device=self._device)
+        key, output = runner_key(
+            spec, request, batch_size=self.limits.batch_size, device=self._device
+        )
 
         pending = Pending(count, 0, output, spec)
         good: list[tuple[int, np.ndarray]] = []
@@ -191,7 +209,7 @@ class PreprocessBatcher:
             if (
                 last is not None
                 and last.offset + len(last.images) == index
-                and len(last.images) < self.batch_size
+                and len(last.images) < self.limits.batch_size
             ):
                 last.images.append(array)
             else:
@@ -199,10 +217,10 @@ class PreprocessBatcher:
         pending.parts_left = len(parts)
         queue_id = (key.pipeline, key.params, key.dtype, key.layout)
         with self._lock:
-            if self._queued + len(good) > self.max_queued:
+            if self._queued + len(good) > self.limits.max_queued:
                 raise OverCapacity(
                     f"the server's preprocessing queue is full ({self._queued} images waiting, "
-                    f"limit {self.max_queued}); retry with backoff or add servers"
+                    f"limit {self.limits.max_queued}); retry with backoff or add servers"
                 )
             queue = self._queues.get(queue_id)
             if queue is None:
@@ -252,8 +270,8 @@ class PreprocessBatcher:
             if self._stop.is_set():
                 return None
             # Wait for company until the batch is full or the oldest waited enough.
-            deadline = queue.parts[0].arrived + self.max_delay
-            while queue.queued < self.batch_size and not self._stop.is_set():
+            deadline = queue.parts[0].arrived + self.limits.max_delay
+            while queue.queued < self.limits.batch_size and not self._stop.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -262,7 +280,7 @@ class PreprocessBatcher:
                 return None
             taken: list[_Part] = []
             size = 0
-            while queue.parts and size + len(queue.parts[0].images) <= self.batch_size:
+            while queue.parts and size + len(queue.parts[0].images) <= self.limits.batch_size:
                 part = queue.parts.popleft()
                 taken.append(part)
                 size += len(part.images)

@@ -227,12 +227,6 @@ class LmdbSource:
     def close(self) -> None:
         self._env.close()
 
-    def __enter__(self) -> LmdbSource:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
 
 class _Reject(Exception):
     """This record is left out, for the reason in the message."""

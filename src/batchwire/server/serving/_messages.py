@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from batchwire.common.sampler import Plan
-from batchwire.common.stream import StreamSpec, output_format
+from batchwire.common.stream import StreamSpec, output_fields
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
 from batchwire.server.core import _errors as errors
@@ -146,16 +146,10 @@ def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> 
     assert not isinstance(request, Malformed)
     check_name("pipeline", request.pipeline)
     try:
-        dtype, layout = output_format(request.dtype, request.layout)
+        output = output_fields(request)
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc)) from exc
-    return PreprocessRequest(
-        pipeline=request.pipeline,
-        images=request.images,
-        dtype=dtype,
-        layout=layout,
-        params=dict(request.params),
-    )
+    return PreprocessRequest(pipeline=request.pipeline, images=request.images, **output)
 
 
 def preprocess_result_to_proto(result: PreprocessResult) -> pb.PreprocessResponse:
