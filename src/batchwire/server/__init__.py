@@ -32,12 +32,11 @@ from batchwire.server._config import (
     Setting,
     boolean,
     device_ids,
-    resolve,
     settings,
 )
 
 if TYPE_CHECKING:
-    from batchwire.server._config_file import load_file, pipelines_from_config
+    from batchwire.server._config_file import load_file, pipelines_from_config, resolve
     from batchwire.server.serving import BatchwireServer, ServerError
 
 __all__ = [
@@ -57,7 +56,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("load_file", "pipelines_from_config"):
+    if name in ("load_file", "pipelines_from_config", "resolve"):
         from batchwire.server import _config_file
 
         return getattr(_config_file, name)

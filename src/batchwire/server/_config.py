@@ -23,7 +23,6 @@ __all__ = [
     "ConfigError",
     "ServerConfig",
     "Setting",
-    "resolve",
     "settings",
 ]
 
@@ -337,41 +336,3 @@ def settings() -> list[Setting]:
         for f in dataclasses.fields(ServerConfig)
         if "help" in f.metadata
     ]
-
-
-def resolve(
-    flags: Mapping[str, Any], environ: Mapping[str, str], config_path: pathlib.Path | str | None
-) -> ServerConfig:
-    """Flags (parsed values; None: not given) > environment > config file > defaults."""
-    from batchwire.server._config_file import load_file, pipelines_from_config
-
-    file = load_file(config_path) if config_path else {}
-    values: dict[str, Any] = dict(file.get("server", {}))
-    for setting in settings():
-        flag = flags.get(setting.name)
-        if flag is not None:
-            values[setting.name] = flag
-        elif setting.variable in environ:
-            text = environ[setting.variable]
-            try:
-                values[setting.name] = setting.parse(text)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"{setting.variable}={text!r} is not valid for {setting.name} ({exc}); "
-                    f"fix or unset it ({setting.help})"
-                ) from exc
-    if "data_dir" not in values:
-        raise ConfigError("no data directory: pass --data-dir DIR (or set BATCHWIRE_DATA_DIR)")
-    if "devices" in values:
-        values["devices"] = tuple(values["devices"])
-    try:
-        return ServerConfig(
-            pipelines=pipelines_from_config(
-                # A custom pipeline's "file.py:function" is relative to the config file.
-                file.get("pipelines"),
-                base_dir=pathlib.Path(config_path).parent if config_path else None,
-            ),
-            **values,
-        )
-    except TypeError as exc:  # a file value of the wrong kind, e.g. port = "x"
-        raise ConfigError(f"config file {config_path}: {exc}") from exc
