@@ -26,7 +26,6 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -150,17 +149,13 @@ def _serve(
         prewarm(directory)
     else:
         evict(directory)
-    with (
-        tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
-        LocalServer(
-            data_dir,
-            pathlib.Path(work),
-            max_streams=max(64, streams + 8),
-            device=args.device,
-            metrics=True,
-            read_ahead_reads=0 if state.endswith("one at a time") else None,
-        ) as server,
-    ):
+    with LocalServer(
+        data_dir,
+        max_streams=max(64, streams + 8),
+        device=args.device,
+        metrics=True,
+        read_ahead_reads=0 if state.endswith("one at a time") else None,
+    ) as server:
         assert server.metrics_port is not None  # metrics=True
         probe = ServerProbe(server.pid, server.metrics_port)
         return measure_streams(

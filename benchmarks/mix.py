@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import pathlib
 import sys
-import tempfile
 from typing import Any
 
 from benchmarks._server_probe import ServerProbe
@@ -187,16 +185,9 @@ def run_mix(args: argparse.Namespace) -> int:
         f"{len(groups)} groups for {seconds:.0f} s, one server with default settings",
         flush=True,
     )
-    with (
-        tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
-        LocalServer(
-            data_dir,
-            pathlib.Path(work),
-            max_streams=max(64, streams + 8),
-            device=args.device,
-            metrics=True,
-        ) as server,
-    ):
+    with LocalServer(
+        data_dir, max_streams=max(64, streams + 8), device=args.device, metrics=True
+    ) as server:
         assert server.metrics_port is not None  # metrics=True
         probe = ServerProbe(server.pid, server.metrics_port)
         result = measure_mix(server.address, probe, dataset, groups, args.batch_size, seconds)

@@ -31,7 +31,6 @@ import dataclasses
 import pathlib
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -363,16 +362,9 @@ def run_streams(args: argparse.Namespace) -> int:
         f"{seconds:.0f} s a run, a new server each"
     )
     for count in counts:
-        with (
-            tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
-            LocalServer(
-                data_dir,
-                pathlib.Path(work),
-                max_streams=max(64, count + 8),
-                device=args.device,
-                metrics=True,
-            ) as server,
-        ):
+        with LocalServer(
+            data_dir, max_streams=max(64, count + 8), device=args.device, metrics=True
+        ) as server:
             print(f"  {count} streams ...", flush=True)
             assert server.metrics_port is not None  # metrics=True
             probe = ServerProbe(server.pid, server.metrics_port)

@@ -195,13 +195,15 @@ class LocalServer:
     """``batchwire serve`` in a child process on a free localhost port.
 
     It serves the server's preset pipelines (train and val) on ``device`` (auto, cpu or
-    gpu); with ``metrics``, ``/metrics`` too, on the free port :attr:`metrics_port`.
+    gpu); with ``metrics``, ``/metrics`` too, on the free port :attr:`metrics_port`. Its
+    config file is written in ``work``, or in a temporary directory of its own, removed
+    when it closes.
     """
 
     def __init__(
         self,
         data_dir: pathlib.Path,
-        work: pathlib.Path,
+        work: pathlib.Path | None = None,
         *,
         cpus: str | None = None,
         threads: int = 0,
@@ -213,6 +215,10 @@ class LocalServer:
         device: str = "auto",
         metrics: bool = False,
     ) -> None:
+        self._own_work = None
+        if work is None:
+            self._own_work = tempfile.TemporaryDirectory(prefix="batchwire-bench-")
+            work = pathlib.Path(self._own_work.name)
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
         server = f"[server]\nnum_threads = {threads}\nread_workers = {read_workers}\n"
         server += f'device = "{device}"\n'
@@ -273,6 +279,8 @@ class LocalServer:
                 self.process.wait(10)
         if self.process.stdout is not None:
             self.process.stdout.close()
+        if self._own_work is not None:
+            self._own_work.cleanup()
 
     def __enter__(self) -> LocalServer:
         return self
