@@ -220,36 +220,17 @@ class LocalServer:
             self._own_work = tempfile.TemporaryDirectory(prefix="batchwire-bench-")
             work = pathlib.Path(self._own_work.name)
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
-        server = f"[server]\nnum_threads = {threads}\nread_workers = {read_workers}\n"
-        server += f'device = "{device}"\n'
-        if max_message_bytes is not None:
-            server += f"max_message_bytes = {max_message_bytes}\n"
-        if max_streams is not None:
-            server += f"max_streams = {max_streams}\n"
-        if read_ahead_reads is not None:
-            server += f"read_ahead_reads = {read_ahead_reads}\n"
-        if metrics:
-            server += "metrics_port = 0\n"  # any free port, printed at start
-        # No [pipelines] table: the server's presets, train and val.
-        config.write_text(server)
-        command = [
-            sys.executable,
-            "-m",
-            "batchwire.cli",
-            "--log-level",
-            "WARNING",
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--config",
-            str(config),
-            "--host",
-            "localhost",
-            "--port",
-            str(port),
-        ]
-        if cpus is not None:
-            command = ["taskset", "-c", cpus, *command]
+        settings: dict[str, object] = {
+            "num_threads": threads,
+            "read_workers": read_workers,
+            "device": device,
+            "max_message_bytes": max_message_bytes,
+            "max_streams": max_streams,
+            "read_ahead_reads": read_ahead_reads,
+            "metrics_port": 0 if metrics else None,  # any free port, printed at start
+        }
+        config.write_text(_server_table(settings))
+        command = _serve_command(data_dir, config, port, cpus)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         # "batchwire serving DIR on localhost:PORT[; metrics on port PORT]"
         line = self.process.stdout.readline()  # type: ignore[union-attr]
@@ -287,6 +268,41 @@ class LocalServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _serve_command(
+    data_dir: pathlib.Path, config: pathlib.Path, port: int, cpus: str | None
+) -> list[str]:
+    """``batchwire serve`` of ``data_dir`` with ``config`` on localhost, pinned to ``cpus``."""
+    command = [
+        sys.executable,
+        "-m",
+        "batchwire.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--config",
+        str(config),
+        "--host",
+        "localhost",
+        "--port",
+        str(port),
+    ]
+    if cpus is not None:
+        command = ["taskset", "-c", cpus, *command]
+    return command
+
+
+def _server_table(settings: dict[str, object]) -> str:
+    """A config file's ``[server]`` table of the settings that are not None; no
+    ``[pipelines]`` table, so the server serves its presets, train and val."""
+    lines = ["[server]"]
+    for name, value in settings.items():
+        if value is not None:
+            lines.append(f'{name} = "{value}"' if isinstance(value, str) else f"{name} = {value}")
+    return "\n".join(lines) + "\n"
 
 
 def _wait_serving(address: str, timeout: float) -> None:
