@@ -15,6 +15,7 @@ import lmdb
 import pytest
 from conftest import server_device_kind, start_server
 from prometheus_client.parser import text_string_to_metric_families
+from test_resources import within
 
 from batchwire.cli import main
 from batchwire.client import NotFoundError, RemoteLoader
@@ -50,15 +51,6 @@ def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[typ
 
 def ended(samples: dict, status: str) -> float:  # type: ignore[type-arg]
     return value(samples, "batchwire_streams_ended_total", status=status, **SHAPES)
-
-
-def within(seconds: float, condition: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def settled(server: BatchwireServer) -> dict:  # type: ignore[type-arg]

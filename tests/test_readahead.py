@@ -7,12 +7,11 @@ import os
 import pathlib
 import shutil
 import threading
-import time
-from collections.abc import Callable
 
 import numpy as np
 from conftest import start_server
 from test_corrupt import corrupt, truncated
+from test_resources import within
 
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
@@ -20,25 +19,9 @@ from batchwire.server.core import read_job
 from batchwire.server.data import Dataset
 from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
 from batchwire.v1 import datum_pb2
+from benchmarks.cold import evict
 
 BATCH = 16
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the read-ahead"
-        time.sleep(0.01)
-
-
-def evict(dataset: pathlib.Path) -> None:
-    """Drop the dataset's pages from the page cache, as `python -m benchmarks --cold` does."""
-    for shard in sorted(dataset.glob("*/data.mdb")):
-        fd = os.open(shard, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def follow(stream: StreamReadAhead, batches: list[np.ndarray]) -> None:
@@ -75,7 +58,9 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
             first, second = pool.open(dataset), pool.open(dataset)
             follow(first, batches)
             follow(second, batches[::-1])
-            wait_until(lambda: pool.stats().held_bytes + largest > pool.max_bytes)
+            assert within(30.0, lambda: pool.stats().held_bytes + largest > pool.max_bytes), (
+                "timed out waiting for the read-ahead"
+            )
             with pool.lock:
                 stats = pool.stats()
                 assert first.held_bytes > 0 and second.held_bytes > 0
@@ -87,7 +72,9 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
             assert first.held.get(0, 0) > 0
             first.read(0)
             assert 0 not in first.held
-            wait_until(lambda: first.records + second.records > advised)
+            assert within(30.0, lambda: first.records + second.records > advised), (
+                "timed out waiting for the read-ahead"
+            )
 
             # Closing a stream frees what it held; nothing of it is read ahead after.
             first.close()
@@ -165,7 +152,7 @@ def test_a_cold_epoch_read_ahead_is_the_warm_epoch_one_at_a_time(
         assert cold == warm and len(cold[0]) == 520 // 2 // BATCH * BATCH
         readahead = server.engine.readahead
         assert readahead is not None
-        wait_until(lambda: finished(server))
+        assert within(30.0, lambda: finished(server)), "timed out waiting for the read-ahead"
         stats = readahead.stats()
         assert stats.records > 0 and stats.peak_held_bytes <= 1 << 20
         assert server.engine.stages.snapshot()["read"] > 0
@@ -187,7 +174,7 @@ def test_a_corrupt_record_and_a_stream_closed_mid_read_ahead(
         with loader:
             # A stream closed after its first batch, its next batches being read ahead.
             next(iter(loader))
-        wait_until(lambda: finished(server))
+        assert within(30.0, lambda: finished(server)), "timed out waiting for the read-ahead"
         assert server.engine.readahead is not None
         assert server.engine.readahead.stats().records > 0
         loader = small_loader(server, drop_last=False)
@@ -195,6 +182,6 @@ def test_a_corrupt_record_and_a_stream_closed_mid_read_ahead(
             delivered = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(loader.skipped_ids) == sorted(damage)
         assert sorted(delivered) == sorted(set(range(520)) - set(damage))
-        wait_until(lambda: finished(server))
+        assert within(30.0, lambda: finished(server)), "timed out waiting for the read-ahead"
     finally:
         server.stop(grace=1.0)
