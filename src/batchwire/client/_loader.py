@@ -49,14 +49,10 @@ _OPTION_ARGUMENTS = (
 )
 
 
-def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(message)
-
-
 def _targets(address: str | Sequence[str]) -> tuple[str, ...]:
     addresses = (address,) if isinstance(address, str) else tuple(address)
     if not addresses or not all(isinstance(a, str) and a for a in addresses):
-        raise _invalid("address must be 'host:port', a gRPC target, or a list of them")
+        raise InvalidArgumentError("address must be 'host:port', a gRPC target, or a list of them")
     return tuple(check_target(target) for target in addresses)
 
 
@@ -146,7 +142,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 device=torch.device(device or "cpu"),
             )
         except (ValueError, RuntimeError) as exc:
-            raise _invalid(str(exc)) from exc
+            raise InvalidArgumentError(str(exc)) from exc
         self._security = ChannelSecurity.from_options(
             token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
         )

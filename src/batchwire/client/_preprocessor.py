@@ -35,10 +35,6 @@ _REQUEST_IMAGES = 64
 _REQUEST_BYTES = 16 * 1024 * 1024
 
 
-def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(message)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class ImageError:
     """Image ``index`` of the list passed in could not be preprocessed, because ``reason``."""
@@ -132,15 +128,17 @@ class Preprocessor:
         )
         for ok, message in checks:
             if not ok:
-                raise _invalid(message)
+                raise InvalidArgumentError(message)
         check_target(address)
         try:
             check_name("pipeline", pipeline)
         except ValueError as exc:
-            raise _invalid(str(exc)) from exc
+            raise InvalidArgumentError(str(exc)) from exc
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise _invalid(f"device={device!r} but torch sees no CUDA device; use device='cpu'")
+            raise InvalidArgumentError(
+                f"device={device!r} but torch sees no CUDA device; use device='cpu'"
+            )
         self._security = ChannelSecurity.from_options(
             token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
         )
@@ -159,7 +157,9 @@ class Preprocessor:
     def __call__(self, images: Sequence[bytes]) -> Preprocessed:
         """Preprocess ``images`` (encoded files); see the class docstring."""
         if isinstance(images, bytes | bytearray | memoryview | str):
-            raise _invalid("pass a list of encoded images, e.g. [data], not a single one")
+            raise InvalidArgumentError(
+                "pass a list of encoded images, e.g. [data], not a single one"
+            )
         encoded = [_as_bytes(i, image) for i, image in enumerate(images)]
         rows: list[np.ndarray] = []
         indices: list[int] = []
@@ -246,11 +246,11 @@ def _as_bytes(index: int, image: object) -> bytes:
     if isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 1:
         return image.tobytes()
     if isinstance(image, str | os.PathLike):
-        raise _invalid(
+        raise InvalidArgumentError(
             f"image {index} is a path ({str(image)[:80]!r}): pass the file's bytes, "
             "e.g. open(path, 'rb').read()"
         )
-    raise _invalid(
+    raise InvalidArgumentError(
         f"image {index} is a {type(image).__name__}: pass encoded image files as bytes "
         "(decoded pixels are not accepted)"
     )

@@ -46,10 +46,6 @@ _IDENTITY = ("dataset", "seed", "shuffle", "drop_last")
 _DATASET_VERSION = "dataset_version"
 
 
-def _invalid(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(message)
-
-
 @dataclasses.dataclass(frozen=True)
 class Rank:
     """Who a process streams for: a rank of a world (resolved when a pass starts)."""
@@ -74,7 +70,7 @@ class Sharing:
         explicit = self.explicit
         if explicit is not None:
             if live is not None and live != (explicit.rank, explicit.world_size):
-                raise _invalid(
+                raise InvalidArgumentError(
                     f"rank={explicit.rank}, world_size={explicit.world_size} were given, but "
                     f"torch.distributed is initialized with rank {live[0]} of {live[1]}: this "
                     "process would train on another share than its rank's. Leave rank and "
@@ -223,9 +219,9 @@ class Position:
             )
             plan = spec.plan(info.num_samples)
         except ValueError as exc:
-            raise _invalid(str(exc)) from exc
+            raise InvalidArgumentError(str(exc)) from exc
         if plan.num_batches == 0 and place.origin == 0:
-            raise _invalid(
+            raise InvalidArgumentError(
                 f"batch_size {spec.batch_size} is larger than this rank's share of the "
                 f"dataset ({plan.num_samples} samples over {spec.world_size} ranks) and "
                 "drop_last=True leaves no batch: every epoch would be empty. Lower batch_size "
@@ -237,7 +233,7 @@ class Position:
         """The next pass starts ``epoch`` (at the loaded position if a loaded state is
         about to resume ``epoch``)."""
         if epoch < 0:
-            raise _invalid(f"epoch must be >= 0, got {epoch}")
+            raise InvalidArgumentError(f"epoch must be >= 0, got {epoch}")
         with self.ledger.update() as record:
             if not (record.fresh and record.epoch == epoch):
                 Place(epoch).write(record)
@@ -249,7 +245,7 @@ class Position:
         shares of ``world_size`` ranks of ``batch_size``, and ``position``, the samples of
         the epoch the job consumed (all ranks together)."""
         if worker_id() is None and self.ledger.read().in_workers:
-            raise _invalid(
+            raise InvalidArgumentError(
                 "this loader's last pass ran in DataLoader worker processes, so this process "
                 "cannot tell how many of its batches training has used. Checkpoint through "
                 "torchdata's StatefulDataLoader(loader, batch_size=None, num_workers=N) (Lightning "
@@ -283,18 +279,18 @@ class Position:
         next pass starts at; False in a DataLoader worker that streams nothing.
         ``describe`` asks a server for the dataset as it is served now."""
         if state.get("version") not in _READABLE_STATES:
-            raise _invalid(
+            raise InvalidArgumentError(
                 f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
             )
         for key in _IDENTITY:
             if state.get(key) != getattr(self._spec, key):
-                raise _invalid(
+                raise InvalidArgumentError(
                     f"state was saved with {key}={state.get(key)!r} but this loader has "
                     f"{key}={getattr(self._spec, key)!r}; create the loader with the same "
                     "settings to resume"
                 )
         if state.get("batch_size") != self._spec.batch_size and not self._elastic_batch_size:
-            raise _invalid(
+            raise InvalidArgumentError(
                 f"state was saved with batch_size={state.get('batch_size')!r} but this loader "
                 f"has batch_size={self._spec.batch_size}; create the loader with the same "
                 "batch_size, or pass elastic_batch_size=True to resume at the same global "
@@ -303,7 +299,7 @@ class Position:
         epoch, origin, cursor = (int(state.get(key, 0)) for key in ("epoch", "origin", "cursor"))
         place = Place(epoch, origin, cursor, int(state["world_size"]), int(state["batch_size"]))
         if min(place.epoch, place.origin, place.cursor) < 0 or min(place.world, place.batch) < 1:
-            raise _invalid(
+            raise InvalidArgumentError(
                 f"state has epoch={place.epoch}, origin={place.origin}, cursor={place.cursor} "
                 f"(each must be >= 0), world_size={place.world}, batch_size={place.batch} "
                 "(each must be >= 1): it was not saved by a RemoteLoader"
@@ -327,7 +323,7 @@ def _check_dataset_version(
         return
     serving = describe().version
     if serving and saved != serving:
-        raise _invalid(
+        raise InvalidArgumentError(
             f"state was saved on version {saved} of dataset {dataset!r} but the server now "
             f"serves version {serving}: the dataset was replaced (re-ingested). Start the "
             "epoch again (load no state, or call set_epoch) or serve the old version"
