@@ -278,6 +278,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 spec, plan = self._plan(share, place)
             stream_pass = StreamPass(
                 epoch=place.epoch,
+                origin=plan.origin,
+                world_size=plan.world_size,
                 start=place.cursor,
                 share_size=plan.share_size,
                 num_batches=plan.num_batches,

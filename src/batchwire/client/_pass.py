@@ -70,8 +70,9 @@ def _stop_everything() -> None:
 class StreamPass:
     """Batches ``first .. num_batches-1`` of one pass, pulled from every server.
 
-    ``epoch``, ``start``, ``share_size`` and ``num_batches`` describe the pass; ``cursor`` is the
-    position after the last batch handed out (kept by the caller). Each server is asked
+    ``epoch``, ``start``, ``share_size`` and ``num_batches`` describe the pass, whose split
+    of the epoch over ``world_size`` ranks begins at ``origin``; ``cursor`` is the position
+    after the last batch handed out (kept by the caller). Each server is asked
     for at most ``credit`` batches at a time, and at most ``window`` batches beyond the
     one taken next are asked for or held. ``take(k)`` blocks for at most ``timeout``
     seconds.
@@ -81,6 +82,8 @@ class StreamPass:
         self,
         *,
         epoch: int,
+        origin: int,
+        world_size: int,
         start: int,
         share_size: int,
         num_batches: int,
@@ -97,6 +100,8 @@ class StreamPass:
     ) -> None:
         self.id = secrets.randbits(62) + 1  # names the pass in the ledger; 0 is none
         self.epoch = epoch
+        self.origin = origin
+        self.world_size = world_size
         self.cursor = start
         self.share_size = share_size
         self.first = start // batch_size

@@ -127,8 +127,6 @@ class Position:
         self._elastic_batch_size = elastic_batch_size
         # load_state_dict ran in this DataLoader worker: see RemoteLoader._begin.
         self.loaded_in_worker = False
-        # The pass started here last: its id, the origin of its split and its world size.
-        self._running = (0, 0, 0)
         # The pass, index and ids of a first batch to check (check_served).
         self._probe: tuple[int, int, set[int]] | None = None
 
@@ -138,8 +136,7 @@ class Position:
         if current is not None and record.pass_id == current.id:
             if current.cursor == current.share_size:
                 return Place(current.epoch + 1)  # after the last batch: see RemoteLoader._begin
-            _, origin, world = self._running
-            return Place(current.epoch, origin, current.cursor, world)
+            return Place(current.epoch, current.origin, current.cursor, current.world_size)
         if record.fresh:
             return Place(record.epoch, record.origin, record.cursor, record.world, record.batch)
         return Place(record.epoch + 1)
@@ -173,7 +170,6 @@ class Position:
             record.fresh = False
         self.loaded_in_worker = False
         record.pass_id, record.in_workers = pass_id, worker_id() is not None
-        self._running = (pass_id, plan.origin, plan.world_size)
         # A server of a release before origins serves the split of the whole epoch instead
         # of the rest's: the first batch of a pass with an origin shows which one it is.
         first = plan.start // plan.batch_size
@@ -201,7 +197,7 @@ class Position:
             Place(stream_pass.epoch + 1).write(record, directive=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "loaded_in_worker": False, "_running": (0, 0, 0), "_probe": None}
+        return {**self.__dict__, "loaded_in_worker": False, "_probe": None}
 
     def plan(self, share: Rank, place: Place, info: pb.DatasetInfo) -> tuple[StreamSpec, Plan]:
         """The stream of ``share`` from ``place`` (in the loader's units) of the dataset
