@@ -93,8 +93,9 @@ class StreamSpec(Share):
     epoch, rank, cursor, ...) through a named pipeline, in an output format.
 
     ``params`` override the pipeline's declared parameters (e.g. ``{"size": 160}``);
-    ``dtype``/``layout`` are the images' output format. ``dataset_version``, when set, is the version of the dataset
-    the share was planned on: a server serving another version refuses the stream.
+    ``dtype``/``layout`` are the images' output format. ``dataset_version``, when set, is
+    the version of the dataset the share was planned on: a server serving another version
+    refuses the stream.
     """
 
     dataset: str

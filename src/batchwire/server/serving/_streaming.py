@@ -158,11 +158,11 @@ async def serve_stream(
 ) -> None:
     """Write the stream's batches until its end, and close it: the batches of ``lane``
     (asked for as the stream opened), or, with None, a pulled stream's (its client asks
-    as it goes, and half-closes when done). An error is raised once the stream is closed and its end logged. Writes with
-    context.write rather than yielding: a client's hang-up then reaches this handler
-    (as CancelledError, see write) instead of gRPC's write loop, and this handler's
-    cleanup runs in its own task rather than when an abandoned generator is
-    garbage-collected."""
+    as it goes, and half-closes when done). An error is raised once the stream is closed
+    and its end logged. Writes with context.write rather than yielding: a client's
+    hang-up then reaches this handler (as CancelledError, see write) instead of gRPC's
+    write loop, and this handler's cleanup runs in its own task rather than when an
+    abandoned generator is garbage-collected."""
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
