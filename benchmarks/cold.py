@@ -125,9 +125,10 @@ def _read_stream(dataset: Any, batches: list[Any], pool: Any) -> None:
         return
     reader = pool.open(dataset)
     reader.follow(lambda seq: batches[seq] if seq < len(batches) else None)
+    read_ahead = reader.around(read)
     try:
         for seq in range(len(batches)):
-            reader.around(read)(seq)
+            read_ahead(seq)
     finally:
         reader.close()
 
