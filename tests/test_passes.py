@@ -7,6 +7,7 @@ e; otherwise it starts the epoch after the previous pass's, complete or not.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pathlib
@@ -19,6 +20,7 @@ import grpc
 import pytest
 import torch
 import torch.utils.data
+from processes import Target, in_trainer_process
 
 from batchwire.client import BatchwireError, InvalidArgumentError, RemoteLoader
 from batchwire.common.sampler import Plan
@@ -27,7 +29,7 @@ from batchwire.server import BatchwireServer
 BATCH = 40  # 520 samples: 13 batches on one rank, 6 on each of two
 
 
-def make(server: BatchwireServer, **kwargs: object) -> RemoteLoader:
+def make(server: BatchwireServer | Target, **kwargs: object) -> RemoteLoader:
     options: dict[str, object] = {
         "dataset": "shapes",
         "pipeline": "val",
@@ -159,6 +161,10 @@ def test_a_loader_pickles_and_its_copy_streams_the_same(server: BatchwireServer)
 
 
 def test_a_copy_keeps_its_dataloader_workers_to_itself(server: BatchwireServer) -> None:
+    in_trainer_process(a_copy_keeps_its_dataloader_workers_to_itself, Target(server.target))
+
+
+def a_copy_keeps_its_dataloader_workers_to_itself(server: Target) -> None:
     # As in a spawned DDP rank: a copy of the loader, then forked DataLoader workers.
     loader = make(server)
     copy = pickle.loads(pickle.dumps(loader))
@@ -166,6 +172,22 @@ def test_a_copy_keeps_its_dataloader_workers_to_itself(server: BatchwireServer) 
     assert ids_of(data) == expected(0)
     assert ids_of(data) == expected(1)
     assert loader.state_dict()["epoch"] == 0  # the original's position is its own
+
+
+def test_a_copy_whose_workers_are_spawned_keeps_a_position_of_its_own(
+    server: BatchwireServer,
+) -> None:
+    # As in a rank of torch.multiprocessing.spawn, where DataLoader workers are spawned
+    # too (a spawned process's default): the rank's copy of the loader, its original gone.
+    loader = make(server)
+    copy = pickle.loads(pickle.dumps(loader))
+    del loader
+    gc.collect()  # the original's ledger file goes with it
+    data = torch.utils.data.DataLoader(
+        copy, batch_size=None, num_workers=2, multiprocessing_context="spawn"
+    )
+    assert ids_of(data) == expected(0)
+    assert ids_of(data) == expected(1)
 
 
 def test_spawned_dataloader_workers_deliver_advancing_epochs(server: BatchwireServer) -> None:

@@ -164,8 +164,11 @@ class Ledger:
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled copy (spawned workers, spawned DDP ranks) carries the path and
-        # the values, so that whichever way _handle goes, it has what it needs.
-        return {"path": self._path, "snapshot": self.read()}
+        # the values, so that whichever way _handle goes, it has what it needs. Read
+        # first: a copy this process never opened moves onto a ledger of its own there,
+        # and its spawned workers must share that one, not the file it was copied from.
+        snapshot = self.read()
+        return {"path": self._path, "snapshot": snapshot}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._path = state["path"]
