@@ -1,15 +1,20 @@
-"""`batchwire serve` as a real process on a free port, for tests that kill or signal it."""
+"""`batchwire serve` as a real process on a free port, for tests that kill or signal it;
+and a trainer's code in a process of its own, for tests that fork DataLoader workers."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import pathlib
+import queue
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -81,3 +86,46 @@ def serve_process(
         process.wait(10)
         if process.stdout is not None:
             process.stdout.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the tests' loader helpers read of a server, where it listens: unlike a
+    server, it can be handed to a trainer process."""
+
+    target: str
+
+
+def _report(results: Any, function: Callable[..., None], args: tuple[object, ...]) -> None:
+    # As in a trainer started as a script: DataLoader workers are forked (a spawned
+    # process would spawn them by default).
+    multiprocessing.set_start_method("fork", force=True)
+    try:
+        function(*args)
+    except BaseException as exc:
+        results.put("".join(traceback.format_exception(exc)))
+    else:
+        results.put(None)
+
+
+def in_trainer_process(function: Callable[..., None], *args: object, timeout: float = 300) -> None:
+    """Run ``function(*args)`` in a fresh (spawned) interpreter, as a trainer runs: one
+    that hosts no gRPC server, so that it may fork DataLoader workers. The test process
+    does host one (the ``server`` fixture), and gRPC cannot fork a process whose server
+    threads are inside it: it skips its fork handlers, and the child's calls then fail
+    at random. ``function`` must be a module-level function; its failure is raised here."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_report, args=(results, function, args))
+    process.start()
+    try:
+        failure = results.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"{function.__name__} did not finish in {timeout:.0f} s") from None
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+    if failure is not None:
+        raise AssertionError(f"{function.__name__} failed in the trainer process:\n{failure}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from processes import Target, in_trainer_process
 from test_frameworks import (
     NUM_SAMPLES,
     SEED,
@@ -145,6 +146,13 @@ def test_lightning_fitted_on_3_devices_from_a_checkpoint_of_2_continues_the_epoc
 def test_stateful_dataloaders_of_2_ranks_resume_on_3(server: BatchwireServer, workers: int) -> None:
     """torchdata's StatefulDataLoader over each rank's loader: rank 0's state after 3 steps
     resumes 3 ranks, each its own StatefulDataLoader, on the rest of the epoch."""
+    if workers:  # forked
+        in_trainer_process(stateful_dataloaders_resume, Target(server.target), workers)
+    else:
+        stateful_dataloaders_resume(server, workers)
+
+
+def stateful_dataloaders_resume(server: BatchwireServer | Target, workers: int) -> None:
     options: dict[str, Any] = {
         "dataset": "shapes",
         "pipeline": "val",

@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.data
+from processes import Target, in_trainer_process
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.client import RemoteLoader
@@ -569,7 +570,7 @@ def test_accelerate_prepare_is_refused_on_every_rank(
 LOCAL_BATCH = 32  # one process: 16 batches of 32 per epoch
 
 
-def local_loader(server: BatchwireServer, **kwargs: Any) -> RemoteLoader:
+def local_loader(server: BatchwireServer | Target, **kwargs: Any) -> RemoteLoader:
     options: dict[str, Any] = {
         "dataset": "shapes",
         "pipeline": "val",
@@ -602,6 +603,12 @@ def test_dataloader_workers_advance_an_epoch_per_pass(
 ) -> None:
     """Workers stream in order, every pass a whole epoch, and without set_epoch each pass is
     the next data epoch, whether the workers persist or are started again."""
+    in_trainer_process(
+        dataloader_workers_advance_an_epoch_per_pass, Target(server.target), persistent
+    )
+
+
+def dataloader_workers_advance_an_epoch_per_pass(server: Target, persistent: bool) -> None:
     remote = local_loader(server)
     data = torch.utils.data.DataLoader(
         remote, batch_size=None, num_workers=2, persistent_workers=persistent
@@ -636,6 +643,15 @@ def test_stateful_dataloader_resumes_from_its_own_state(
     """A StatefulDataLoader's state after ``cut`` batches (or after the pass ended) resumes a
     new one exactly: the rest of epoch 0, then epoch 1. After the last batch, with or
     without StopIteration, the state is the start of epoch 1 (see test_passes)."""
+    if workers:  # forked
+        in_trainer_process(stateful_dataloader_resumes, Target(server.target), workers, cut)
+    else:
+        stateful_dataloader_resumes(server, workers, cut)
+
+
+def stateful_dataloader_resumes(
+    server: BatchwireServer | Target, workers: int, cut: int | str
+) -> None:
     whole = local_plan(0)
     first_remote = local_loader(server)
     first = StatefulDataLoader(first_remote, batch_size=None, num_workers=workers)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import class_of
+from processes import Target, in_trainer_process
 
 from batchwire.client import RemoteLoader
 from batchwire.common.sampler import Plan
@@ -17,7 +18,7 @@ from batchwire.server.data import Manifest
 SMALL = {"size": 32}  # train/val output 32x32: the contract does not need 224
 
 
-def loader(server: BatchwireServer, **kwargs: object) -> RemoteLoader:
+def loader(server: BatchwireServer | Target, **kwargs: object) -> RemoteLoader:
     options: dict[str, object] = {
         "dataset": "shapes",
         "pipeline": "train",
@@ -147,6 +148,10 @@ def test_server_side_float_output_equals_client_normalization(server: BatchwireS
 
 
 def test_dataloader_workers_keep_the_order(server: BatchwireServer) -> None:
+    in_trainer_process(dataloader_workers_keep_the_order, Target(server.target))
+
+
+def dataloader_workers_keep_the_order(server: Target) -> None:
     remote = loader(server, pipeline="val", seed=4)
     expected = Plan(num_samples=520, batch_size=32, seed=4).share().tolist()
     data = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=2)
