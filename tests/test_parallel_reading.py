@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,3 +125,19 @@ def test_worker_processes_stop_with_their_stream(parallel: BatchwireServer) -> N
     # The server sees the cancellation, closes the stream and lets its pipeline go.
     assert within(30.0, lambda: not set(read_workers_alive()) & during)
     assert within(30.0, lambda: parallel.engine.active_streams == 0)
+
+
+def test_a_read_worker_sees_no_gpu() -> None:
+    # A worker unpickles its source first. Were a GPU visible to it, the record screen
+    # would open a CUDA context in every worker (520 MiB each, measured on an H200).
+    script = (
+        "import os, pickle\n"
+        "from batchwire.server.core import PlannedSource, visible_gpu_count\n"
+        "pickle.loads(pickle.dumps(PlannedSource('/data/d', [], print)))\n"
+        "print(repr(os.environ['CUDA_VISIBLE_DEVICES']), visible_gpu_count())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["''", "0"]
