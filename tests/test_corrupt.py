@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import grpc
 import lmdb
@@ -76,15 +77,53 @@ def test_no_fuzzed_image_the_screen_admits_crashes_the_decoder(
     assert admitted > count // 6 and rejected > count // 6  # both sides of the screen ran
 
 
-def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
+def damaged(dataset: pathlib.Path, sample_id: int, damage: Callable[[bytes], bytes]) -> bytes:
+    """Record ``sample_id`` with ``damage`` done to its JPEG."""
     manifest = Manifest.load(dataset)
     shard = next(s for s in manifest.shards if s.first_id <= sample_id < s.first_id + s.count)
     env = lmdb.open(str(dataset / shard.path), readonly=True, lock=False)
     with env.begin() as txn:
         datum = datum_pb2.Datum.FromString(txn.get(sample_key(sample_id)))
     env.close()
-    datum.data = datum.data[: len(datum.data) // 3]
+    datum.data = damage(datum.data)
     return datum.SerializeToString()
+
+
+def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
+    """The record with its JPEG cut to a third, as a copy that stopped leaves it."""
+    return damaged(dataset, sample_id, lambda jpeg: jpeg[: len(jpeg) // 3])
+
+
+def bad_huffman_table(dataset: pathlib.Path, sample_id: int) -> bytes:
+    """The record with a Huffman table of its JPEG made impossible (more codes than a
+    table holds): headers the screen's parsers accept, which the decoder rejects."""
+
+    def damage(jpeg: bytes) -> bytes:
+        at = jpeg.index(b"\xff\xc4") + 5  # the table's 16 code counts
+        return jpeg[:at] + b"\xff" * 16 + jpeg[at + 16 :]
+
+    return damaged(dataset, sample_id, damage)
+
+
+JPEG_END = b"\xff\xd9"
+
+
+def test_a_jpeg_cut_short_never_reaches_the_decoder(data_dir: pathlib.Path) -> None:
+    # nvJPEG decodes it without an error, its missing rows grey (seen on an H200), where
+    # the CPU decoder fails: screened out, it is skipped on both.
+    cut = datum_pb2.Datum.FromString(truncated(data_dir / "shapes", 7)).data
+    reason = unsupported_reason(cut)
+    assert reason is not None and "truncated" in reason
+    assert unsupported_reason(np.frombuffer(cut, np.uint8)) == reason
+    # Its end marker back: what the screen cannot see is left to the decoder.
+    assert unsupported_reason(cut + JPEG_END) is None
+    # Data after the end marker (a second image, a video) is no truncation.
+    photo = io.BytesIO()
+    from PIL import Image
+
+    Image.fromarray(np.full((48, 64, 3), 90, np.uint8)).save(photo, "JPEG", progressive=True)
+    assert unsupported_reason(photo.getvalue() + b"trailer" * 50) is None
+    assert "truncated" in (unsupported_reason(photo.getvalue()[:-200]) or "")
 
 
 @pytest.mark.parametrize(
@@ -167,7 +206,7 @@ def test_a_batch_of_only_corrupt_records_is_an_empty_batch_on_every_rank(
         i: datum_pb2.Datum(encoded=True, label=0, data=rng.bytes(900)).SerializeToString()
         for i in rank0_batch5[:4]
     }
-    damage |= {i: truncated(dataset, i) for i in rank0_batch5[4:] + rank1_batch7}
+    damage |= {i: bad_huffman_table(dataset, i) for i in rank0_batch5[4:] + rank1_batch7}
     corrupt(dataset, damage)
     server = start_server(copy)
     try:

@@ -260,7 +260,8 @@ def runner(spec: PipelineSpec, health: PipelineHealth) -> Runner:
 
 
 def truncated(image: np.ndarray) -> np.ndarray:
-    """A JPEG cut short: its header passes the screen and DALI fails to decode it."""
+    """A JPEG cut short, handed to the runner as is (the server's screen would skip it):
+    DALI's CPU decoder fails on it."""
     return image[: len(image) // 2].copy()
 
 

@@ -17,8 +17,14 @@ DALI 2.4's batched CPU decoder (nvImageCodec 0.9) crashes the whole process,
 instead of raising an error, on records that any one of these checks alone lets
 through. Fuzzing found them: mutated JPEG, PNG and TIFF headers, truncated PNGs,
 corrupt JPEG 2000 codestreams. None reached the decoder with all the checks
-(``tests/fuzz_screen.py``). Damage the parsers cannot see, such as a JPEG's scan
-data cut short, is left to DALI, which reports it as an ordinary error.
+(``tests/fuzz_screen.py``).
+
+* A JPEG must have its end-of-image marker after its scan. The GPU decoder
+  (nvJPEG, through nvImageCodec) decodes a JPEG cut short without an error, its
+  missing rows grey, where the CPU decoder fails on it (seen on an H200): screened
+  here, it is skipped on both. Damage the parsers cannot see, inside scan data that
+  still ends with the marker, is left to the decoder; the CPU's reports it as an
+  ordinary error.
 """
 
 from __future__ import annotations
@@ -62,7 +68,42 @@ def unsupported_reason(data: bytes | np.ndarray) -> str | None:
         reason = _decodes_fully(data)
         if reason is not None:
             return reason
+    if name in ("JPEG", "MPO") and _jpeg_cut_short(data):
+        return "cannot be decoded: its JPEG is truncated (no end-of-image marker after its scan)"
     return _codec_stream_reason(data)
+
+
+def _jpeg_cut_short(data: bytes | np.ndarray) -> bool:
+    """True where a JPEG has no end-of-image marker (FF D9) after its first scan: a file
+    cut short. The marker cannot occur inside scan data, so one found after the scan's
+    start ends the image (data may follow it: a second image, a video). Almost every
+    JPEG ends with it, which is checked first; the rest are searched."""
+    if len(data) >= 2 and data[-2] == 0xFF and data[-1] == 0xD9:
+        return False
+    buffer = data if isinstance(data, bytes) else np.asarray(data).tobytes()
+    scan = _first_scan(buffer)
+    return scan is not None and buffer.find(b"\xff\xd9", scan) < 0
+
+
+def _first_scan(data: bytes) -> int | None:
+    """Where a JPEG's first scan data begins (after its SOS segment), following the
+    marker segments from the start; None where they cannot be followed."""
+    at = 2  # after SOI
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # a fill byte
+            at += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            at += 2
+            continue
+        end = at + 2 + ((data[at + 2] << 8) | data[at + 3])
+        if marker == 0xDA:  # start of scan
+            return end
+        at = end
+    return None
 
 
 def _decodes_fully(data: bytes | np.ndarray) -> str | None:
