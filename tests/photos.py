@@ -18,7 +18,14 @@ import numpy as np
 import skimage.data
 from PIL import Image
 
-__all__ = ["Photo", "PhotoTree", "build_photo_tree", "build_repeated_tree", "encode"]
+__all__ = [
+    "Photo",
+    "PhotoTree",
+    "build_photo_tree",
+    "build_repeated_tree",
+    "encode",
+    "impossible_huffman_table",
+]
 
 _EXIF_ORIENTATION = 0x0112
 
@@ -56,6 +63,13 @@ def encode(pixels: np.ndarray | Image.Image, fmt: str, **options: object) -> byt
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **options)
     return buffer.getvalue()
+
+
+def impossible_huffman_table(jpeg: bytes) -> bytes:
+    """``jpeg`` with its first Huffman table made impossible (more codes than a table
+    holds): headers that Pillow and nvImageCodec accept, which the decoder rejects."""
+    at = jpeg.index(b"\xff\xc4") + 5  # the table's 16 code counts
+    return jpeg[:at] + b"\xff" * 16 + jpeg[at + 16 :]
 
 
 def build_photo_tree(root: pathlib.Path, *, huge: tuple[int, int] = (4000, 3000)) -> PhotoTree:

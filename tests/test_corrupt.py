@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import TEST_DEVICE, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from photos import encode, impossible_huffman_table
 
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
@@ -95,35 +96,28 @@ def truncated(dataset: pathlib.Path, sample_id: int) -> bytes:
 
 
 def bad_huffman_table(dataset: pathlib.Path, sample_id: int) -> bytes:
-    """The record with a Huffman table of its JPEG made impossible (more codes than a
-    table holds): headers the screen's parsers accept, which the decoder rejects."""
-
-    def damage(jpeg: bytes) -> bytes:
-        at = jpeg.index(b"\xff\xc4") + 5  # the table's 16 code counts
-        return jpeg[:at] + b"\xff" * 16 + jpeg[at + 16 :]
-
-    return damaged(dataset, sample_id, damage)
+    """The record with a Huffman table of its JPEG made impossible: the screen passes it,
+    the decoder rejects it."""
+    return damaged(dataset, sample_id, impossible_huffman_table)
 
 
 JPEG_END = b"\xff\xd9"
 
 
-def test_a_jpeg_cut_short_never_reaches_the_decoder(data_dir: pathlib.Path) -> None:
+def test_a_jpeg_cut_short_never_reaches_the_decoder() -> None:
     # nvJPEG decodes it without an error, its missing rows grey (seen on an H200), where
     # the CPU decoder fails: screened out, it is skipped on both.
-    cut = datum_pb2.Datum.FromString(truncated(data_dir / "shapes", 7)).data
-    reason = unsupported_reason(cut)
-    assert reason is not None and "truncated" in reason
-    assert unsupported_reason(np.frombuffer(cut, np.uint8)) == reason
-    # Its end marker back: what the screen cannot see is left to the decoder.
-    assert unsupported_reason(cut + JPEG_END) is None
-    # Data after the end marker (a second image, a video) is no truncation.
-    photo = io.BytesIO()
-    from PIL import Image
-
-    Image.fromarray(np.full((48, 64, 3), 90, np.uint8)).save(photo, "JPEG", progressive=True)
-    assert unsupported_reason(photo.getvalue() + b"trailer" * 50) is None
-    assert "truncated" in (unsupported_reason(photo.getvalue()[:-200]) or "")
+    pixels = np.random.default_rng(3).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+    for options in ({}, {"progressive": True}):
+        whole = encode(pixels, "JPEG", **options)
+        cut = whole[: len(whole) // 3]
+        reason = unsupported_reason(cut)
+        assert reason is not None and "truncated" in reason
+        assert unsupported_reason(np.frombuffer(cut, np.uint8)) == reason
+        # Its end marker back: what the screen cannot see is left to the decoder.
+        assert unsupported_reason(cut + JPEG_END) is None
+        # Data after the end marker (a second image, a video) is no truncation.
+        assert unsupported_reason(whole + b"trailer" * 50) is None
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,12 @@ import pytest
 pytest.importorskip("nvidia.dali")
 lmdb = pytest.importorskip("lmdb")
 
-from photos import PhotoTree, build_photo_tree, build_repeated_tree  # noqa: E402
+from photos import (  # noqa: E402
+    PhotoTree,
+    build_photo_tree,
+    build_repeated_tree,
+    impossible_huffman_table,
+)
 
 from batchwire.cli import main  # noqa: E402
 from batchwire.server.data import (  # noqa: E402  # noqa: E402
@@ -236,18 +241,21 @@ def _write_file_list(src: pathlib.Path, tree: PhotoTree) -> pathlib.Path:
     return listing
 
 
-def test_a_truncated_file_is_decoded_once_and_named_in_the_summary(
+def test_a_file_the_decoder_rejects_is_decoded_once_and_named_in_the_summary(
     tree: PhotoTree, tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     src = tmp_path / "src"
     (src / "cat").mkdir(parents=True)
     for relpath in ("cat/chelsea.jpg", "cat/truncated.jpg", "coffee/coffee.ppm"):
         shutil.copy(tree.path(relpath), src / "cat")
+    chelsea = tree.path("cat/chelsea.jpg").read_bytes()
+    (src / "cat" / "huffman.jpg").write_bytes(impossible_huffman_table(chelsea))
     argv = ["ingest", str(src), str(tmp_path / "out"), "--name", "one", "--no-progress"]
     assert main(argv) == 0
     out, err = capfd.readouterr()
     assert "ingested 2 images" in out
-    assert "cat/truncated.jpg: corrupt or truncated image data" in out
+    assert "cat/truncated.jpg: cannot be decoded: its JPEG is truncated" in out  # screened
+    assert "cat/huffman.jpg: corrupt or truncated image data" in out  # failed in DALI
     # DALI's decoder prints its own [ERROR] line (to fd 2, from C++) each time it fails
     # on the file: once, not again when its batch is checked file by file.
     assert err.count("Could not decode jpeg") <= 1, err

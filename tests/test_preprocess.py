@@ -13,7 +13,7 @@ import torch
 from conftest import start_server
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from photos import encode
+from photos import encode, impossible_huffman_table
 from test_corrupt import truncated_png
 
 from batchwire.client import (
@@ -101,9 +101,10 @@ def test_bad_images_get_a_reason_each_and_the_others_come_back(
         b"",  # empty
         encode(np.zeros((16, 16, 3), np.uint8), "GIF"),  # a format DALI cannot decode
         records[2],
-        whole[: len(whole) // 3],  # a valid JPEG header, truncated scan: fails inside DALI
+        impossible_huffman_table(whole),  # headers the screen passes: fails inside DALI
         b"\xff\xd8\xff" + np.random.default_rng(8).bytes(2000),  # garbage behind a signature
         truncated_png(),  # crashed DALI's decoder, and so the server, before the screen caught it
+        whole[: len(whole) // 3],  # a JPEG cut short: the GPU's decoder would not fail on it
     ]
     with Preprocessor(server.target, normalize=False, params=SMALL) as pre:
         result = pre(batch)
@@ -111,8 +112,9 @@ def test_bad_images_get_a_reason_each_and_the_others_come_back(
     assert result.indices.tolist() == [0, 2, 5]
     assert torch.equal(result.images, alone)
     reasons = {error.index: error.reason for error in result.errors}
-    assert sorted(reasons) == [1, 3, 4, 6, 7, 8]
+    assert sorted(reasons) == [1, 3, 4, 6, 7, 8, 9]
     assert "truncated" in reasons[8]
+    assert "truncated" in reasons[9]
     assert "not an image" in reasons[1]
     assert "empty" in reasons[3]
     assert "GIF" in reasons[4]
@@ -120,8 +122,8 @@ def test_bad_images_get_a_reason_each_and_the_others_come_back(
     with pytest.raises(BadImagesError) as caught:
         result.raise_for_errors()
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert [e.index for e in caught.value.errors] == [1, 3, 4, 6, 7, 8]
-    assert "6 of 9 images" in str(caught.value)
+    assert [e.index for e in caught.value.errors] == [1, 3, 4, 6, 7, 8, 9]
+    assert "7 of 10 images" in str(caught.value)
 
     # Every image bad: an empty tensor and every reason, no exception.
     with Preprocessor(server.target) as pre:
