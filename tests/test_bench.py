@@ -61,17 +61,31 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
     assert main(args) == 0
     out = capsys.readouterr().out
     for label in (
-        "(a) DALI in-process",
+        "(a) DALI's own pipeline in-process",
         "(b) remote",
         "(c) torch DataLoader + PIL",
         "(d) transport only",
         "(e) raw gRPC ceiling",
         "b/a images/s",
         "d/e images/s",
+        "no-decode remote/DALI images/s",
+        "no-decode server/DALI CPU",
+        "small remote/DALI images/s",
     ):
         assert label in out
     summary = json.loads(result.read_text())["summary"]
-    assert set(summary) == {"inprocess", "remote", "pil", "transport", "raw"}
+    assert set(summary) == {
+        "dali",
+        "remote",
+        "pil",
+        "transport",
+        "raw",
+        "engine",
+        "dali-nodecode",
+        "remote-nodecode",
+        "dali-small",
+        "remote-small",
+    }
     for name, row in summary.items():
         # CPU figures are measured, not tested: tiny runs fall within a clock tick.
         assert row["images"] >= 32, name

@@ -3,7 +3,9 @@
 Both import this module, so a figure in the docs and the installed command are made by the
 same code:
 
-- runs: :func:`run_inprocess` (DALI in the trainer's process), :func:`run_remote` (a
+- runs: :func:`run_dali` (DALI's own pipeline in the trainer's process, as its users write
+  it; with the stand-in pipeline :func:`no_decode`), :func:`run_inprocess` (batchwire's engine
+  in the trainer's process), :func:`run_remote` (a
   :class:`RemoteLoader <batchwire.client.RemoteLoader>` on a server), :func:`run_pil` (a
   PIL/torchvision ``DataLoader``), :func:`run_raw` (gRPC alone) — each a :class:`RunResult`
   of images/s, CPU and memory;
@@ -19,6 +21,14 @@ same code:
 
 from __future__ import annotations
 
+from batchwire.bench._dali import (
+    NO_DECODE_TOML,
+    SMALL_PHOTO,
+    SMALL_SIZE,
+    no_decode,
+    no_decode_spec,
+    run_dali,
+)
 from batchwire.bench._pil import LmdbPilDataset, pil_train_sample, run_pil
 from batchwire.bench._probe import (
     CpuClock,
@@ -45,6 +55,9 @@ from batchwire.bench._transport import raw_server, run_raw, transport_server
 
 __all__ = [
     "IMAGE_BYTES",
+    "NO_DECODE_TOML",
+    "SMALL_PHOTO",
+    "SMALL_SIZE",
     "CpuClock",
     "LmdbPilDataset",
     "LocalServer",
@@ -56,6 +69,8 @@ __all__ = [
     "cache_dir",
     "draw_chart",
     "machine",
+    "no_decode",
+    "no_decode_spec",
     "pil_train_sample",
     "process_cpu_seconds",
     "process_tree",
@@ -63,6 +78,7 @@ __all__ = [
     "ratios",
     "raw_server",
     "rss_mib",
+    "run_dali",
     "run_inprocess",
     "run_pil",
     "run_raw",

@@ -1,12 +1,17 @@
 """The runs ``batchwire bench --compare`` measures side by side, on the same data and cores.
 
-(a) ``inprocess``  the server's DALI pipeline run in this process, no gRPC
+(a) ``dali``       DALI's own pipeline in this process, as a DALI user writes it: its caffe
+                   reader, the same graph, its PyTorch iterator (:mod:`batchwire.bench._dali`)
 (b) ``remote``     a local ``batchwire serve`` process streaming to ``RemoteLoader``
 (c) ``pil``        a torch DataLoader over the same LMDB, PIL decode + random-resized-crop
                    + flip (the usual PyTorch LMDB recipe), ``num_workers`` = cores
 (d) ``transport``  batchwire's streaming path (batch encoding, parts, grpc.aio, RemoteLoader)
                    with batches already in memory: no LMDB, no decoding
 (e) ``raw``        the gRPC ceiling: messages of the same sizes, identity serializers
+
+and, as diagnostics, ``engine`` (batchwire's engine in this process, no gRPC) and the
+stand-ins that isolate what the server adds around DALI without a GPU: ``nodecode`` and
+``small``, each DALI's own pipeline in-process beside the server's.
 
 Each run reports images, seconds, CPU seconds on the trainer side (this process, plus
 DataLoader workers) and on the server, and peak RSS on each side.
@@ -81,10 +86,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_dataset(
-    data_dir: pathlib.Path | None, dataset: str | None, photos: int
+    data_dir: pathlib.Path | None,
+    dataset: str | None,
+    photos: int,
+    size: tuple[int, int] = (500, 375),
 ) -> tuple[pathlib.Path, str]:
     """The data directory and dataset name to measure on: ``data_dir``'s ``dataset``, or
-    ``photos`` generated ImageNet-sized JPEGs, built once in :func:`cache_dir`."""
+    ``photos`` generated JPEGs of ``size`` pixels (default ImageNet-sized), built once in
+    :func:`cache_dir`."""
     if data_dir is not None:
         if not dataset:
             raise SystemExit("error: --data-dir needs --dataset NAME")
@@ -93,14 +102,14 @@ def bench_dataset(
 
     from batchwire.server.data import ingest, write_photo_folders
 
-    name = f"photos-{photos}"
+    name = f"photos-{photos}" if size == (500, 375) else f"photos-{photos}-{size[0]}x{size[1]}"
     root = cache_dir() / "datasets"
     if not (root / name / "manifest.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="batchwire-bench-", dir=root.parent) as tmp:
             source = pathlib.Path(tmp) / "images"
             with tqdm(total=photos, desc="generating photos", unit="img") as bar:
-                write_photo_folders(source, count=photos, on_image=lambda: bar.update())
+                write_photo_folders(source, count=photos, size=size, on_image=lambda: bar.update())
             ingest(source, root, name=name, overwrite=True, progress=True)
     return root, name
 
@@ -151,10 +160,14 @@ class RunResult:
         return None if cpu is None else cpu / self.images * 1000
 
 
-# -- (a) in-process DALI ---------------------------------------------------------------
+# -- batchwire's engine in-process (a diagnostic: (a) is DALI's own, in _dali) -----------
 
 
-def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images: int) -> RunResult:
+def run_inprocess(
+    data_dir: pathlib.Path, dataset: str, batch_size: int, images: int, *, name: str = "inprocess"
+) -> RunResult:
+    """``images`` images of ``train`` through batchwire's engine in this process: its record
+    path, scheduler and pipelines without gRPC."""
     from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
     from batchwire.server.core import Engine, EngineConfig
@@ -179,7 +192,7 @@ def run_inprocess(data_dir: pathlib.Path, dataset: str, batch_size: int, images:
                 finally:
                     stream.close()
             seconds = time.perf_counter() - started
-        return RunResult("inprocess", done, seconds, cpu.seconds(), None, rss.peaks[0], None, first)
+        return RunResult(name, done, seconds, cpu.seconds(), None, rss.peaks[0], None, first)
     finally:
         engine.close()
 
@@ -194,10 +207,10 @@ class ServerStartError(RuntimeError):
 class LocalServer:
     """``batchwire serve`` in a child process on a free localhost port.
 
-    It serves the server's preset pipelines (train and val) on ``device`` (auto, cpu or
-    gpu); with ``metrics``, ``/metrics`` too, on the free port :attr:`metrics_port`. Its
-    config file is written in ``work``, or in a temporary directory of its own, removed
-    when it closes.
+    It serves the server's preset pipelines (train and val), or the config's ``[pipelines]``
+    table ``pipelines`` where given, on ``device`` (auto, cpu or gpu); with ``metrics``,
+    ``/metrics`` too, on the free port :attr:`metrics_port`. Its config file is written in
+    ``work``, or in a temporary directory of its own, removed when it closes.
     """
 
     def __init__(
@@ -214,6 +227,7 @@ class LocalServer:
         port: int = 0,
         device: str = "auto",
         metrics: bool = False,
+        pipelines: str = "",
     ) -> None:
         self._own_work = None
         if work is None:
@@ -229,7 +243,7 @@ class LocalServer:
             "read_ahead_reads": read_ahead_reads,
             "metrics_port": 0 if metrics else None,  # any free port, printed at start
         }
-        config.write_text(_server_table(settings))
+        config.write_text(_server_table(settings) + pipelines)
         command = _serve_command(data_dir, config, port, cpus)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         # "batchwire serving DIR on localhost:PORT[; metrics on port PORT]"
@@ -330,6 +344,7 @@ def run_remote(
     images: int,
     *,
     progress: Callable[[int], None] | None = None,
+    params: dict[str, float] | None = None,
 ) -> RunResult:
     from batchwire.client import RemoteLoader
 
@@ -340,6 +355,7 @@ def run_remote(
         batch_size=batch_size,
         normalize=False,
         prefetch=2,
+        params=params,
     )
     loader.set_epoch(random.randrange(1 << 20))
     server_clocks = [CpuClock(pid) for pid in server_pids]

@@ -15,13 +15,14 @@ from a checkout of batchwire as ``python -m benchmarks``, with the same flags.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchwire.cli import _credentials as credentials
 
@@ -56,9 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="runs (a)..(e) side by side")
     parser.add_argument(
         "--runs",
-        default="inprocess,remote,pil,transport,raw",
-        help="with --compare: which of inprocess, remote, pil, transport, raw (default all; "
-        "e.g. transport,raw to profile the transport)",
+        default=",".join(_RUNS),
+        help="with --compare: which of " + ", ".join(_RUNS) + " (default all; e.g. "
+        "transport,raw to profile the transport, nodecode,small for the stand-ins)",
+    )
+    parser.add_argument(
+        "--standin-images",
+        type=int,
+        default=0,
+        help="with --compare: images per run of the stand-ins (default 8 x --images)",
     )
     parser.add_argument(
         "--workers",
@@ -165,13 +172,18 @@ def _no_batch_error(dataset: str, samples: int, batch_size: int) -> str:
     )
 
 
-_RUNS = ("inprocess", "remote", "pil", "transport", "raw")
+_RUNS = ("dali", "remote", "pil", "transport", "raw", "engine", "nodecode", "small")
+# A stand-in is two measured runs: DALI's own pipeline in-process and the server's.
+_PAIRS = {"nodecode": ("dali-nodecode", "remote-nodecode"), "small": ("dali-small", "remote-small")}
 
 
 def _compare(args: argparse.Namespace) -> int:
-    """Runs (a)..(e) alternated on the same data and cores, medians reported."""
+    """Runs (a)..(e), the diagnostic and the stand-ins alternated on the same data and
+    cores, medians reported."""
     from batchwire.bench import (
         IMAGE_BYTES,
+        NO_DECODE_TOML,
+        SMALL_PHOTO,
         LocalServer,
         bench_dataset,
         raw_server,
@@ -188,14 +200,22 @@ def _compare(args: argparse.Namespace) -> int:
     if num_samples < args.batch_size:
         print(_no_batch_error(dataset, num_samples, args.batch_size), file=sys.stderr)
         return 2
-    with (
-        tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work,
-        LocalServer(data_dir, pathlib.Path(work)) as server,
-        transport_server(dataset, num_samples) as transport,
-        raw_server(_per_message(args.batch_size) * IMAGE_BYTES) as raw,
-    ):
-        runs = _compare_runs(args, data_dir, dataset, (server.address, server.pid), transport, raw)
-        results = _alternate({name: runs[name] for name in _RUNS if name in wanted}, args.repeats)
+    small_dir, small = bench_dataset(None, None, args.photos, SMALL_PHOTO)
+    with contextlib.ExitStack() as stack:
+        work = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchwire-")))
+        server = stack.enter_context(LocalServer(data_dir, work, pipelines=NO_DECODE_TOML))
+        small_server = server
+        if small_dir != data_dir and "small" in wanted:
+            small_server = stack.enter_context(LocalServer(small_dir, work))
+        transport = stack.enter_context(transport_server(dataset, num_samples))
+        raw = stack.enter_context(raw_server(_per_message(args.batch_size) * IMAGE_BYTES))
+        servers = {
+            "": (server.address, server.pid),
+            "small": (small_server.address, small_server.pid),
+        }
+        runs = _compare_runs(args, data_dir / dataset, small_dir / small, servers, transport, raw)
+        chosen = [run for name in _RUNS if name in wanted for run in _PAIRS.get(name, (name,))]
+        results = _alternate({run: runs[run] for run in chosen}, args.repeats)
     _report_compare(args, results)
     return 0
 
@@ -210,27 +230,51 @@ def _per_message(batch_size: int) -> int:
 
 def _compare_runs(
     args: argparse.Namespace,
-    data_dir: pathlib.Path,
-    dataset: str,
-    server: tuple[str, int],
+    dataset_dir: pathlib.Path,
+    small_dir: pathlib.Path,
+    servers: dict[str, tuple[str, int]],
     transport: tuple[str, int],
     raw: tuple[str, int],
 ) -> dict[str, Callable[[], RunResult]]:
-    """Each of (a)..(e) as a function that measures one run of it; servers as (address, pid)."""
-    from batchwire.bench import IMAGE_BYTES, run_inprocess, run_pil, run_raw, run_remote
+    """Each run as a function that measures one run of it; servers as (address, pid)."""
+    from batchwire.bench import (
+        IMAGE_BYTES,
+        SMALL_SIZE,
+        run_dali,
+        run_inprocess,
+        run_pil,
+        run_raw,
+        run_remote,
+    )
 
     batch, images = args.batch_size, args.images
+    standin = args.standin_images or 8 * images
     per_message = _per_message(batch)
+    dataset, small = dataset_dir.name, small_dir.name
+    small_params = {"size": float(SMALL_SIZE)}
 
-    def remote(name: str, at: tuple[str, int], pipeline: str) -> RunResult:
-        return run_remote(name, [at[0]], [at[1]], dataset, pipeline, batch, images)
+    def remote(
+        name: str, at: tuple[str, int], data: str, pipeline: str, count: int, **kw: Any
+    ) -> RunResult:
+        return run_remote(name, [at[0]], [at[1]], data, pipeline, batch, count, **kw)
 
     return {
-        "inprocess": lambda: run_inprocess(data_dir, dataset, batch, images),
-        "remote": lambda: remote("remote", server, "train"),
-        "pil": lambda: run_pil(data_dir / dataset, batch, images, args.workers),
-        "transport": lambda: remote("transport", transport, "transport"),
+        "dali": lambda: run_dali("dali", dataset_dir, "train", batch, images),
+        "remote": lambda: remote("remote", servers[""], dataset, "train", images),
+        "pil": lambda: run_pil(dataset_dir, batch, images, args.workers),
+        "transport": lambda: remote("transport", transport, dataset, "transport", images),
         "raw": lambda: run_raw(raw[0], raw[1], per_message * IMAGE_BYTES, per_message, images),
+        "engine": lambda: run_inprocess(dataset_dir.parent, dataset, batch, images, name="engine"),
+        "dali-nodecode": lambda: run_dali("dali-nodecode", dataset_dir, "nodecode", batch, standin),
+        "remote-nodecode": lambda: remote(
+            "remote-nodecode", servers[""], dataset, "nodecode", standin
+        ),
+        "dali-small": lambda: run_dali(
+            "dali-small", small_dir, "train", batch, standin, params=small_params
+        ),
+        "remote-small": lambda: remote(
+            "remote-small", servers["small"], small, "train", standin, params=small_params
+        ),
     }
 
 

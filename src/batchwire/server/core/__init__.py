@@ -13,6 +13,7 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 from __future__ import annotations
 
 from batchwire.server.core._catalog import DatasetDescription
+from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
 from batchwire.server.core._engine import Engine
 from batchwire.server.core._engine_config import EngineConfig
@@ -33,6 +34,7 @@ from batchwire.server.core._pipelines import (
     PRESETS,
     BuildContext,
     OutputSpec,
+    Param,
     ParamError,
     PipelineSpec,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "NotFound",
     "OutputSpec",
     "OverCapacity",
+    "Param",
     "ParamError",
     "PipelineFault",
     "PipelineHealth",
@@ -71,7 +74,9 @@ __all__ = [
     "ServiceError",
     "StageTimes",
     "Ticket",
+    "pipeline_threads",
     "read_job",
     "share_batches",
+    "usable_cpus",
     "visible_gpu_count",
 ]

@@ -1,0 +1,145 @@
+"""(a) DALI's own pipeline in-process, as a DALI user writes it: the anchor of ``--compare``.
+
+``fn.readers.caffe`` over the dataset's shards (DALI's C++ reader: LMDB, the Datum parse and
+the shuffle buffer, no Python per record), the served pipeline's own graph function on the
+same device, and DALI's PyTorch iterator, whose tensors stay where DALI made them: on the
+GPU on a GPU host. This is what a DALI user runs instead of a batchwire server.
+
+And the two stand-ins that isolate what batchwire adds around DALI on a host without a GPU,
+each measured against this anchor: :func:`no_decode` (a record's bytes cut or padded to one
+image, so that the record and output paths, not decoding, are the work) and small images
+(:data:`SMALL_PHOTO`: 48-pixel JPEGs through ``train`` at size 32).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from batchwire.bench._probe import CpuClock, RssSampler
+from batchwire.bench._runs import RunResult
+
+__all__ = [
+    "NO_DECODE_TOML",
+    "SMALL_PHOTO",
+    "SMALL_SIZE",
+    "no_decode",
+    "no_decode_spec",
+    "run_dali",
+]
+
+SMALL_PHOTO = (48, 48)  # the small-image stand-in's photos, pixels
+SMALL_SIZE = 32  # and its train pipeline's output size
+
+# The stand-in pipeline as a server config's [pipelines] table names it.
+NO_DECODE_TOML = """
+[pipelines.train]
+preset = "train"
+
+[pipelines.nodecode]
+function = "batchwire.bench._dali:no_decode"
+description = "a record's bytes cut or padded to one size x size x 3 image: no decoding"
+params = { size = { default = 224, low = 8, high = 1024, integer = true } }
+"""
+
+
+def no_decode(encoded: Any, labels: Any, ctx: Any, p: Mapping[str, float]) -> tuple[Any, Any]:
+    """Each record's encoded bytes cut or padded to ``size`` x ``size`` x 3 and laid out as
+    every pipeline's output: a pipeline whose cost is moving records and images, not
+    decoding them."""
+    import nvidia.dali.fn as fn
+
+    size = int(p["size"])
+    pixels = fn.slice(
+        encoded, start=[0], shape=[size * size * 3], axes=[0], out_of_bounds_policy="pad"
+    )
+    images = fn.reshape(pixels, shape=[size, size, 3], layout="HWC")
+    if ctx.device == "gpu":
+        images = images.gpu()
+    return ctx.finish(images), labels
+
+
+def no_decode_spec() -> Any:
+    """:func:`no_decode` as the server's config declares it (:data:`NO_DECODE_TOML`)."""
+    from batchwire.server.core import Param, PipelineSpec
+
+    return PipelineSpec(
+        name="nodecode",
+        function=no_decode,
+        params={"size": Param(default=224, low=8, high=1024, integer=True)},
+    )
+
+
+def run_dali(
+    name: str,
+    dataset_dir: pathlib.Path,
+    pipeline: str,
+    batch_size: int,
+    images: int,
+    *,
+    params: Mapping[str, float] | None = None,
+    device: str = "auto",
+    num_threads: int = 0,
+) -> RunResult:
+    """``images`` images of ``pipeline``'s graph fed by DALI's caffe reader in this process,
+    iterated with DALI's PyTorch iterator (outputs left on the device they are made on).
+    Threads as the server gives a pipeline (``num_threads`` 0: its default)."""
+    from nvidia.dali import Pipeline, fn
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from batchwire.server.core import (
+        PRESETS,
+        BuildContext,
+        OutputSpec,
+        pipeline_threads,
+        usable_cpus,
+        visible_gpu_count,
+    )
+    from batchwire.server.data import Manifest
+
+    spec = no_decode_spec() if pipeline == "nodecode" else PRESETS[pipeline]
+    values = spec.resolve(params)
+    gpu = device == "gpu" or (device == "auto" and visible_gpu_count() > 0)
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec())
+    threads = pipeline_threads(num_threads, ctx.device, 1, usable_cpus())
+    shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]
+    with RssSampler(os.getpid()) as rss:
+        started = time.perf_counter()
+        pipe = Pipeline(
+            batch_size=batch_size,
+            num_threads=threads,
+            device_id=0 if gpu else None,
+            prefetch_queue_depth=2,
+            seed=int(started * 1000) % (1 << 31),
+        )
+        with pipe:
+            encoded, labels = fn.readers.caffe(path=shards, random_shuffle=True, name="Reader")
+            out, labels = spec.function(encoded, labels, ctx, values)
+            pipe.set_outputs(out, labels)
+        pipe.build()
+        batches = DALIGenericIterator(
+            [pipe],
+            ["images", "labels"],
+            reader_name="Reader",
+            last_batch_policy=LastBatchPolicy.DROP,
+            auto_reset=True,
+        )
+        done, first = 0, None
+        cpu = CpuClock()  # from the first run on: a DALI user builds a pipeline once
+        measured_from = time.perf_counter()
+        while done < images:
+            for batch in batches:
+                done += int(batch[0]["images"].shape[0])
+                first = first or time.perf_counter() - started
+                if done >= images:
+                    break
+        if gpu:
+            import torch
+
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - measured_from
+        del batches, pipe
+    return RunResult(name, done, seconds, cpu.seconds(), None, rss.peaks[0], None, first)
