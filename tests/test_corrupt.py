@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import shutil
 import subprocess
@@ -20,12 +21,14 @@ from photos import encode, impossible_huffman_table
 
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-from batchwire.server.data import Manifest, sample_key, unsupported_reason
+from batchwire.server.data import Dataset, Manifest, sample_key, unsupported_reason
+from batchwire.server.data._datum import datum_image
 from batchwire.v1 import datum_pb2
 
 
-def corrupt(dataset: pathlib.Path, damage: dict[int, bytes]) -> None:
+def corrupt(dataset: pathlib.Path | str, damage: dict[int, bytes]) -> None:
     """Overwrite records in place, as disk rot or a bad copy would."""
+    dataset = pathlib.Path(dataset)
     manifest = Manifest.load(dataset)
     for shard in manifest.shards:
         env = lmdb.open(str(dataset / shard.path), lock=False)
@@ -171,6 +174,62 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         # The next epoch is delivered the same way: the pipeline recovered.
         again = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(again) == sorted(delivered)
+    finally:
+        server.stop(grace=1.0)
+
+
+def rot_in_place(dataset: pathlib.Path, sample_id: int, at: int, data: bytes) -> None:
+    """Overwrite bytes of a record's image where it lies in its shard's file, as rot does
+    (nothing of LMDB's own moves)."""
+    with Dataset(dataset) as opened:
+        fd, offset, length = opened.locate(sample_id) or (-1, 0, 0)
+        assert length, "the record is not where the shard's index says"
+        record = memoryview(os.pread(fd, length, offset))
+        start, _, _ = datum_image(record) or (0, 0, 0)
+    with open(dataset / Manifest.load(dataset).shards[0].path / "data.mdb", "r+b") as file:
+        file.seek(offset + start + at)
+        file.write(data)
+
+
+def test_records_that_rot_after_they_were_screened_are_screened_again(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A record is screened once per dataset version, not on every read; one whose bytes
+    change after that (rot in place, or a rewrite that moves it) never reaches the decoder
+    unscreened: the next epoch skips exactly the damaged ids, and the server goes on."""
+    copy = tmp_path / "datasets"
+    shutil.copytree(data_dir, copy)
+    dataset = copy / "shapes"
+    rewritten = {3: truncated(dataset, 3), 150: b"\x08\x96\x01 not a datum"}
+    server = start_server(copy)
+    try:
+        loader = RemoteLoader(
+            server.target,
+            dataset="shapes",
+            pipeline="val",
+            batch_size=32,
+            drop_last=False,
+            return_ids=True,
+            params={"size": 32},
+        )
+        first = sorted(int(i) for _, _, ids in loader for i in ids)
+        assert first == list(range(520)) and not loader.skipped_ids
+        rot_in_place(dataset, 5, 0, b"\0" * 64)  # its JPEG header
+        rot_in_place(dataset, 77, 2, b"\xff\xc0\xff\xff")  # a bad marker segment
+        # LMDB writes these elsewhere in the file; in a process of its own, as LMDB opens a
+        # shard once per process and the server holds it.
+        script = f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); "
+        script += f"from test_corrupt import corrupt; corrupt({str(dataset)!r}, {rewritten!r})"
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        damaged = {5, 77, *rewritten}
+        second = [int(i) for _, _, ids in loader for i in ids]
+        assert sorted(loader.skipped_ids) == sorted(damaged)
+        assert sorted(second) == sorted(set(range(520)) - damaged)
+        with grpc.insecure_channel(server.target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(grace=1.0)
 

@@ -14,7 +14,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from batchwire.server.data._dataset import Dataset
-from batchwire.server.data._formats import unsupported_reason
 
 __all__ = ["Job", "Result", "empty_result", "read_job"]
 
@@ -74,16 +73,19 @@ def empty_result(
 
 
 def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job[Any]:
-    """The records of ``ids`` ready for a pipeline: read from LMDB, parsed, screened.
+    """The records of ``ids`` ready for a pipeline: read from LMDB into one buffer, their
+    images found in place, screened (once per dataset version, see ``ScreenedRecords``).
 
-    This is the server's whole record path, run in the thread that feeds DALI.
-    Records that are missing, not a ``Datum`` or not a decodable image are left
-    out and named in ``Job.skipped`` (and the log).
+    This is the server's whole record path. Records that are missing, not a ``Datum`` or
+    not a decodable image are left out and named in ``Job.skipped`` (and the log).
     """
     images, labels = dataset.read(ids)
     good, skipped = [], []
     for i, image in enumerate(images):
-        reason = "missing or not a Datum" if image is None else unsupported_reason(image)
+        if image is None:
+            reason: str | None = "missing or not a Datum"
+        else:
+            reason = dataset.screened.reason(int(ids[i]), image)
         if reason is None:
             good.append(i)
             continue

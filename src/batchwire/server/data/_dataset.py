@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import threading
@@ -34,8 +35,9 @@ import lmdb
 import numpy as np
 
 from batchwire.common.stream import NAME_PATTERN
-from batchwire.server.data._lmdb_index import ShardIndex, index_shard
-from batchwire.v1 import datum_pb2
+from batchwire.server.data._datum import datum_image
+from batchwire.server.data._formats import ScreenedRecords
+from batchwire.server.data._lmdb_index import ShardIndex, index_shard, last_commit
 
 __all__ = [
     "FORMAT_VERSION",
@@ -49,6 +51,8 @@ __all__ = [
     "manifest_version",
     "sample_key",
 ]
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "batchwire-dataset"
@@ -190,6 +194,8 @@ class Dataset:
         self._files: list[int] = []  # each shard's data.mdb, for reading ahead (locate)
         self._indexes: dict[int, ShardIndex | None] = {}
         self._index_lock = threading.Lock()
+        # Which records passed the screen: this version's, so a new ingest starts afresh.
+        self.screened = ScreenedRecords(self.manifest.num_samples)
         try:
             for shard in self.manifest.shards:
                 self._envs.append(_ENVIRONMENTS.acquire(self.directory / shard.path))
@@ -221,30 +227,61 @@ class Dataset:
 
         An entry is ``None`` (and its label -1) where the record is missing or
         is not a readable ``Datum``: rot on disk is reported, never raised.
-        Each image is a uint8 array that owns a copy of the record's bytes.
+        The records are copied once, from the page cache into one buffer for the batch
+        (a ``pread`` each, the interpreter lock released while the disk is waited for),
+        and each image is a uint8 view of its bytes in that buffer.
         """
+        ids = np.asarray(ids, dtype=np.int64)
+        for shard in np.unique(np.searchsorted(self._starts, ids, side="right") - 1):
+            self._check_index(int(shard))
+        spans = [self._span(int(sample_id)) for sample_id in ids]
+        buffer = np.empty(sum(length for _, _, length in spans), dtype=np.uint8)
+        memory = memoryview(buffer)  # type: ignore[arg-type]  # an ndarray is a buffer
         images: list[np.ndarray | None] = []
         labels = np.full(len(ids), -1, dtype=np.int64)
-        txns: dict[int, lmdb.Transaction] = {}
-        try:
-            for i, sample_id in enumerate(ids):
-                shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
-                if shard < 0 or not 0 <= sample_id < self.num_samples:
-                    raise IndexError(f"sample id {sample_id} is outside 0..{self.num_samples - 1}")
-                txn = txns.get(shard)
-                if txn is None:
-                    txn = txns[shard] = self._envs[shard].begin(buffers=True)
-                value = txn.get(sample_key(int(sample_id)))
-                datum = _parse_datum(None if value is None else _copied(value))
-                if datum is None:
-                    images.append(None)
-                    continue
-                images.append(np.frombuffer(datum.data, dtype=np.uint8))
-                labels[i] = datum.label
-        finally:
-            for txn in txns.values():
-                txn.abort()
+        at = 0
+        for i, (fd, offset, length) in enumerate(spans):
+            if length:
+                record = memory[at : at + length]
+                if os.preadv(fd, [record], offset) != length:  # a file cut short since
+                    record = record[:0]
+                at += length
+            else:
+                record = self._get(int(ids[i]))
+            found = datum_image(record)
+            if found is None:
+                images.append(None)
+                continue
+            start, end, labels[i] = found
+            images.append(np.frombuffer(record[start:end], dtype=np.uint8))
         return images, labels
+
+    def _check_index(self, shard: int) -> None:
+        """Forget ``shard``'s index where the shard was written since it was made (its
+        records moved): the next look-up makes it again. Rot in place moves nothing; the
+        screen sees it (``ScreenedRecords``)."""
+        with self._index_lock:
+            index = self._indexes.get(shard)
+            if index is None or not 0 <= shard < len(self._files):
+                return
+            if last_commit(self._files[shard], index.page_size) != index.commit:
+                log.warning(
+                    "dataset %r: shard %d was written since it was opened", self.name, shard
+                )
+                del self._indexes[shard]
+
+    def _span(self, sample_id: int) -> tuple[int, int, int]:
+        """(fd, offset, length) of a record in its shard's file; length 0 where the
+        shard's index does not know it (its record is then read through LMDB)."""
+        return self.locate(sample_id) or (-1, 0, 0)
+
+    def _get(self, sample_id: int) -> memoryview:
+        """A record's bytes read through LMDB (a shard not in ingest's shape), copied
+        with the interpreter lock released; empty where the record is missing."""
+        shard = bisect.bisect_right(self._starts, sample_id) - 1
+        with self._envs[shard].begin(buffers=True) as txn:
+            value = txn.get(sample_key(sample_id))
+            return memoryview(b"" if value is None else _copied(value))
 
     def locate(self, sample_id: int) -> tuple[int, int, int] | None:
         """Where the record of ``sample_id`` lies on disk: (file descriptor of its shard's
@@ -357,16 +394,3 @@ def _copied(value: memoryview) -> bytearray:
         source = np.frombuffer(value, dtype=np.uint8).ctypes.data
         ctypes.memmove((ctypes.c_char * len(copy)).from_buffer(copy), source, len(copy))
     return copy
-
-
-def _parse_datum(value: bytes | bytearray | memoryview | None) -> datum_pb2.Datum | None:
-    if value is None or len(value) == 0:
-        return None
-    datum = datum_pb2.Datum()
-    try:
-        datum.ParseFromString(bytes(value))
-    except Exception:  # protobuf raises DecodeError or RuntimeError by backend
-        return None
-    if not datum.data:
-        return None
-    return datum

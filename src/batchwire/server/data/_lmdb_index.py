@@ -1,11 +1,14 @@
 """Where each record of an LMDB shard lies in its ``data.mdb``, read from the B-tree's pages.
 
-For reading ahead (:mod:`batchwire.server.data._readahead`): the kernel is asked for a
-record's bytes by file offset, before anyone touches them. Looking a record up through
-py-lmdb cannot give that: ``Transaction.get`` reads the whole value in (a page at a time,
-the map being opened without the kernel's read-ahead) before it returns. So the shard's
-branch and leaf pages (a few hundred for ten thousand images) are read here with ``pread``,
-once, and each record's overflow pages are located by the page number its leaf node holds.
+For reading records by file offset: the server reads a batch's records with one ``pread``
+each, straight into the batch's buffer (:meth:`Dataset.read`), and its read-ahead
+(:mod:`batchwire.server.data._readahead`) asks the kernel for them before that. Looking a
+record up through py-lmdb cannot give either: ``Transaction.get`` reads the whole value in
+(a page at a time, the map being opened without the kernel's read-ahead, holding the
+interpreter lock) before it returns. So the shard's branch and leaf pages (a few hundred for
+ten thousand images) are read here with ``pread``, once, and each record is located: in the
+overflow pages whose first page number its leaf node holds, or, for a value small enough,
+in the leaf node itself.
 
 This reads LMDB's on-disk format (``MDB_VERSION`` 1, as liblmdb 0.9 writes it) for a plain
 database of unique keys, as ingest writes; a file in any other shape gives ``None`` (no
@@ -20,7 +23,7 @@ import struct
 
 import numpy as np
 
-__all__ = ["ShardIndex", "index_shard"]
+__all__ = ["ShardIndex", "index_shard", "last_commit"]
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +38,22 @@ _MAX_PAGES = 1 << 24  # a walk over more branch and leaf pages than this is not 
 
 class ShardIndex:
     """Byte offsets and lengths in ``data.mdb`` of the values of ids ``first_id + i``
-    (length 0: no such record, or a value small enough to sit in its leaf page)."""
+    (length 0: no such record), as of the file's transaction ``commit``."""
 
-    def __init__(self, first_id: int, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    def __init__(
+        self,
+        first_id: int,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        *,
+        page_size: int = 4096,
+        commit: int = 0,
+    ) -> None:
         self.first_id = first_id
         self.offsets = offsets
         self.lengths = lengths
+        self.page_size = page_size
+        self.commit = commit
 
     def span(self, sample_id: int) -> tuple[int, int]:
         i = sample_id - self.first_id
@@ -61,8 +74,18 @@ def index_shard(fd: int, first_id: int, count: int) -> ShardIndex | None:
         return None
 
 
+def last_commit(fd: int, page_size: int) -> int:
+    """The id of the last transaction committed to the LMDB file ``fd`` (the newer of its
+    two meta pages'): a write to the shard since it was indexed (anything but rot in place)
+    moves records, and this number, on."""
+    return max(
+        struct.unpack("<Q", os.pread(fd, 8, meta + _LAST_PAGE + 8).ljust(8, b"\0"))[0]
+        for meta in (0, page_size)
+    )
+
+
 def _index(fd: int, first_id: int, count: int) -> ShardIndex | None:
-    page_size, root = _root(fd)
+    page_size, root, commit = _root(fd)
     offsets = np.zeros(count, dtype=np.int64)
     lengths = np.zeros(count, dtype=np.int64)
     pending, visited = [root], 0
@@ -80,18 +103,29 @@ def _index(fd: int, first_id: int, count: int) -> ShardIndex | None:
             lo, hi, node_flags, key_size = struct.unpack_from("<HHHH", page, at)
             if flags & _BRANCH:
                 pending.append(lo | hi << 16 | node_flags << 32)
-            elif flags & _LEAF and node_flags & _BIGDATA:
+            elif flags & _LEAF:
                 key = page[at + 8 : at + 8 + key_size]
                 i = int(key) - first_id if key.isdigit() else -1
-                if 0 <= i < count:
-                    (value_page,) = struct.unpack_from("<Q", page, at + 8 + key_size)
+                if not 0 <= i < count:
+                    continue
+                value = at + 8 + key_size  # where the node's value (or its page number) is
+                length = lo | hi << 16
+                if node_flags & ~_BIGDATA:  # a sub-database or duplicates: not ingest's
+                    raise ValueError(f"a node in page {pgno} has flags {node_flags:#x}")
+                if node_flags & _BIGDATA:
+                    (value_page,) = struct.unpack_from("<Q", page, value)
                     offsets[i] = value_page * page_size + _HEADER
-                    lengths[i] = lo | hi << 16
-    return ShardIndex(first_id, offsets, lengths)
+                elif value + length <= page_size:
+                    offsets[i] = pgno * page_size + value
+                else:
+                    raise ValueError(f"a value in page {pgno} runs past the page's end")
+                lengths[i] = length
+    return ShardIndex(first_id, offsets, lengths, page_size=page_size, commit=commit)
 
 
-def _root(fd: int) -> tuple[int, int]:
-    """(page size, root page of the main database) from the newer of the two meta pages."""
+def _root(fd: int) -> tuple[int, int, int]:
+    """(page size, root page of the main database, transaction id) from the newer of the
+    two meta pages."""
     first = os.pread(fd, 4096, 0)
     magic, version = struct.unpack_from("<II", first, _HEADER)
     if magic != _MAGIC or version != 1:
@@ -105,4 +139,4 @@ def _root(fd: int) -> tuple[int, int]:
     (root,) = struct.unpack_from("<Q", newest, _MAIN_DB + 40)
     if root == 0xFFFFFFFFFFFFFFFF:
         raise ValueError("the main database is empty")
-    return page_size, root
+    return page_size, root, struct.unpack_from("<Q", newest, _LAST_PAGE + 8)[0]
