@@ -83,10 +83,12 @@ def run_dali(
     params: Mapping[str, float] | None = None,
     device: str = "auto",
     num_threads: int = 0,
+    hw_decoder_load: float | None = None,
 ) -> RunResult:
     """``images`` images of ``pipeline``'s graph fed by DALI's caffe reader in this process,
     iterated with DALI's PyTorch iterator (outputs left on the device they are made on).
-    Threads as the server gives a pipeline (``num_threads`` 0: its default)."""
+    Threads as the server gives a pipeline (``num_threads`` 0: its default), and the
+    server's ``hw_decoder_load`` unless given."""
     from nvidia.dali import Pipeline, fn
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
@@ -103,7 +105,10 @@ def run_dali(
     spec = no_decode_spec() if pipeline == "nodecode" else PRESETS[pipeline]
     values = spec.resolve(params)
     gpu = device == "gpu" or (device == "auto" and visible_gpu_count() > 0)
-    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec())
+    from batchwire.server import ServerConfig
+
+    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
     threads = pipeline_threads(num_threads, ctx.device, 1, usable_cpus())
     shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]
     with RssSampler(os.getpid()) as rss:

@@ -143,6 +143,14 @@ class ServerConfig:
         "GPU decoding: device memory per decoder buffer, one per DALI thread, in MiB (default 16)",
         bounds=(0, 4096),
     )
+    hw_decoder_load: float = _setting(
+        0.99,
+        "GPU decoding: the share of JPEGs the GPU's hardware JPEG decoders take (A100, H100 "
+        "and later; the rest are decoded by CUDA kernels, Huffman on the CPU); ignored on "
+        "GPUs without them (default 0.99, MLPerf's setting on H100; DALI's own is 0.65)",
+        float,
+        bounds=(0.0, 1.0),
+    )
     prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
     read_workers: int = _setting(
         0,

@@ -243,6 +243,7 @@ class Engine:
             output=output,
             host_padding=self.config.decoder_host_padding_mib << 20,
             device_padding=self.config.decoder_device_padding_mib << 20,
+            hw_decoder_load=self.config.hw_decoder_load,
         )
 
     def _build_runner(self, key: RunnerKey) -> Runner:

@@ -24,6 +24,7 @@ class EngineConfig:
     num_threads: int
     decoder_host_padding_mib: int
     decoder_device_padding_mib: int
+    hw_decoder_load: float
     prefetch: int
     read_workers: int
     read_ahead_reads: int

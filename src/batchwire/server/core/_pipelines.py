@@ -109,6 +109,9 @@ class BuildContext:
     # The mixed decoder's per-thread buffers, in bytes (DALI's defaults unless configured).
     host_padding: int = 8 << 20
     device_padding: int = 16 << 20
+    # The share of JPEGs for the GPU's hardware decoders, where it has them (DALI's 0.65
+    # unless configured).
+    hw_decoder_load: float = 0.65
 
     @property
     def decoder_device(self) -> str:
@@ -117,13 +120,15 @@ class BuildContext:
     def decoder_args(self) -> dict[str, Any]:
         """Keyword arguments for a DALI image decoder: its device, and on the GPU the
         sizes of the buffers it keeps per thread (``host_memory_padding``: two pinned host
-        buffers; ``device_memory_padding``: one device buffer)."""
+        buffers; ``device_memory_padding``: one device buffer) and the hardware decoders'
+        share (``hw_decoder_load``)."""
         if self.device != "gpu":
             return {"device": "cpu"}
         return {
             "device": "mixed",
             "host_memory_padding": self.host_padding,
             "device_memory_padding": self.device_padding,
+            "hw_decoder_load": self.hw_decoder_load,
         }
 
     def finish(
