@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import shutil
 
 import lmdb
 import numpy as np
@@ -47,9 +48,14 @@ def test_the_datum_walk_agrees_with_protobuf_on_fuzzed_records() -> None:
     assert parsed > 5000  # most records survive their damage: both paths are exercised
 
 
-def test_records_are_read_by_offset_as_lmdb_holds_them(data_dir: pathlib.Path) -> None:
+def test_records_are_read_by_offset_as_lmdb_holds_them(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     """Every record of every shard, small ones inside their leaf page included, is located
     by the shard's index and read as LMDB's own look-up reads it."""
+    # A copy: LMDB opens a shard once per process, and other tests' servers hold these.
+    shutil.copytree(data_dir / "shapes", tmp_path / "shapes")
+    data_dir = tmp_path
     with Dataset(data_dir / "shapes") as dataset:
         ids = np.random.default_rng(0).permutation(dataset.num_samples)
         images, labels = dataset.read(ids)

@@ -25,6 +25,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "num_threads": ("3", 3),
     "decoder_host_padding_mib": ("4", 4),
     "decoder_device_padding_mib": ("32", 32),
+    "hw_decoder_load": ("0.75", 0.75),
     "prefetch": ("4", 4),
     "read_workers": ("2", 2),
     "read_ahead_reads": ("4", 4),

@@ -89,42 +89,16 @@ def run_dali(
     iterated with DALI's PyTorch iterator (outputs left on the device they are made on).
     Threads as the server gives a pipeline (``num_threads`` 0: its default), and the
     server's ``hw_decoder_load`` unless given."""
-    from nvidia.dali import Pipeline, fn
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from batchwire.server.core import (
-        PRESETS,
-        BuildContext,
-        OutputSpec,
-        pipeline_threads,
-        usable_cpus,
-        visible_gpu_count,
-    )
-    from batchwire.server.data import Manifest
+    from batchwire.server.core import visible_gpu_count
 
-    spec = no_decode_spec() if pipeline == "nodecode" else PRESETS[pipeline]
-    values = spec.resolve(params)
     gpu = device == "gpu" or (device == "auto" and visible_gpu_count() > 0)
-    from batchwire.server import ServerConfig
-
-    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
-    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
-    threads = pipeline_threads(num_threads, ctx.device, 1, usable_cpus())
-    shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]
     with RssSampler(os.getpid()) as rss:
         started = time.perf_counter()
-        pipe = Pipeline(
-            batch_size=batch_size,
-            num_threads=threads,
-            device_id=0 if gpu else None,
-            prefetch_queue_depth=2,
-            seed=int(started * 1000) % (1 << 31),
+        pipe = _caffe_pipeline(
+            dataset_dir, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
         )
-        with pipe:
-            encoded, labels = fn.readers.caffe(path=shards, random_shuffle=True, name="Reader")
-            out, labels = spec.function(encoded, labels, ctx, values)
-            pipe.set_outputs(out, labels)
-        pipe.build()
         batches = DALIGenericIterator(
             [pipe],
             ["images", "labels"],
@@ -148,3 +122,45 @@ def run_dali(
         seconds = time.perf_counter() - measured_from
         del batches, pipe
     return RunResult(name, done, seconds, cpu.seconds(), None, rss.peaks[0], None, first)
+
+
+def _caffe_pipeline(
+    dataset_dir: pathlib.Path,
+    pipeline: str,
+    params: Mapping[str, float] | None,
+    batch_size: int,
+    gpu: bool,
+    num_threads: int,
+    hw_decoder_load: float | None,
+) -> Any:
+    """A built DALI pipeline: the caffe reader over the dataset's shards (shuffled), then
+    ``pipeline``'s graph as the server builds it."""
+    from nvidia.dali import Pipeline, fn
+
+    from batchwire.server import ServerConfig
+    from batchwire.server.core import (
+        PRESETS,
+        BuildContext,
+        OutputSpec,
+        pipeline_threads,
+        usable_cpus,
+    )
+    from batchwire.server.data import Manifest
+
+    spec = no_decode_spec() if pipeline == "nodecode" else PRESETS[pipeline]
+    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
+    shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]
+    pipe = Pipeline(
+        batch_size=batch_size,
+        num_threads=pipeline_threads(num_threads, ctx.device, 1, usable_cpus()),
+        device_id=0 if gpu else None,
+        prefetch_queue_depth=2,
+        seed=int(time.time() * 1000) % (1 << 31),
+    )
+    with pipe:
+        encoded, labels = fn.readers.caffe(path=shards, random_shuffle=True, name="Reader")
+        out, labels = spec.function(encoded, labels, ctx, spec.resolve(params))
+        pipe.set_outputs(out, labels)
+    pipe.build()
+    return pipe
