@@ -92,6 +92,40 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
             pool.close()
 
 
+def test_a_stream_reads_ahead_only_while_its_reads_wait_for_the_disk(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """From the page cache a stream's read-ahead advises its first batches and then stays
+    idle; from a cold cache it advises the batches after every read that waited."""
+    shutil.copytree(data_dir / "shapes", tmp_path / "shapes")
+    batches = [np.arange(i, i + BATCH) for i in range(0, 512, BATCH)]
+
+    def advised_over_an_epoch(dataset: Dataset) -> int:
+        pool = ReadAhead(reads=2, max_bytes=64 << 20)
+        try:
+            stream = pool.open(dataset)
+            follow(stream, batches)
+            read = stream.around(lambda seq: read_job(dataset, seq, batches[seq]))
+            for seq in range(len(batches)):
+                assert len(read(seq).ids) == BATCH
+            stream.close()
+            return stream.records
+        finally:
+            pool.close()
+
+    with Dataset(tmp_path / "shapes") as dataset:
+        dataset.read(np.arange(dataset.num_samples))  # every record in the page cache
+        misses = dataset.misses
+        warm = advised_over_an_epoch(dataset)
+        assert dataset.misses == misses  # it read nothing from the disk
+        os.sync()  # the copy's pages written back, so that they can be dropped
+        evict(tmp_path / "shapes")
+        cold = advised_over_an_epoch(dataset)
+        assert dataset.misses > misses
+    assert warm <= 4 * BATCH  # its first batches (_FIRST_BATCHES), then nothing
+    assert cold > 8 * BATCH, (warm, cold)
+
+
 def small_loader(server: BatchwireServer, **options: object) -> RemoteLoader:
     """A loader of the shapes' ids through the val pipeline at size 32."""
     return RemoteLoader(

@@ -194,6 +194,9 @@ class Dataset:
         self._files: list[int] = []  # each shard's data.mdb, for reading ahead (locate)
         self._indexes: dict[int, ShardIndex | None] = {}
         self._index_lock = threading.Lock()
+        # Records read that were not all in the page cache (or where that cannot be told):
+        # what tells the read-ahead whether it is needed.
+        self.misses = 0
         # Which records passed the screen: this version's, so a new ingest starts afresh.
         self.screened = ScreenedRecords(self.manifest.num_samples)
         try:
@@ -229,7 +232,8 @@ class Dataset:
         is not a readable ``Datum``: rot on disk is reported, never raised.
         The records are copied once, from the page cache into one buffer for the batch
         (a ``pread`` each, the interpreter lock released while the disk is waited for),
-        and each image is a uint8 view of its bytes in that buffer.
+        and each image is a uint8 view of its bytes in that buffer. Records that were not
+        in the page cache are counted in :attr:`misses`.
         """
         ids = np.asarray(ids, dtype=np.int64)
         for shard in np.unique(np.searchsorted(self._starts, ids, side="right") - 1):
@@ -243,7 +247,9 @@ class Dataset:
         for i, (fd, offset, length) in enumerate(spans):
             if length:
                 record = memory[at : at + length]
-                if os.preadv(fd, [record], offset) != length:  # a file cut short since
+                got, cached = _pread(fd, record, offset)
+                self.misses += not cached
+                if got != length:  # a file cut short since
                     record = record[:0]
                 at += length
             else:
@@ -383,6 +389,28 @@ def _open_file(path: pathlib.Path) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise DatasetError(f"cannot open {path}: {exc.strerror}") from exc
+
+
+# Linux's RWF_NOWAIT: a read that fails rather than wait for pages not in the page cache.
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def _pread(fd: int, buffer: memoryview, offset: int) -> tuple[int, bool]:
+    """Read ``buffer``'s length of ``fd`` at ``offset``: (bytes read, whether the page
+    cache held them all). False also where the system cannot tell (no RWF_NOWAIT)."""
+    global _NOWAIT
+    got = 0
+    if _NOWAIT:
+        try:
+            got = os.preadv(fd, [buffer], offset, _NOWAIT)
+        except BlockingIOError:  # the first page is not in the page cache
+            got = 0
+        except OSError:  # a file system or kernel without it: ask no more
+            _NOWAIT = 0
+        if got == len(buffer):
+            return got, True
+    rest = os.preadv(fd, [buffer[got:]], offset + got) if got < len(buffer) else 0
+    return got + rest, False
 
 
 def _copied(value: memoryview) -> bytearray:

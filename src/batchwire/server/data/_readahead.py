@@ -22,6 +22,14 @@ what it held is freed.
 
 Reading ahead never changes what a stream reads, only when its pages arrive: the records
 still come from ``Dataset.read``, in the stream's order.
+
+A stream reads ahead only while its reads wait for the disk. It starts by advising its
+first ``_FIRST_BATCHES``; from then on it advises up to a horizon of batches past the last
+batch whose read found records missing from the page cache (``Dataset.misses``), the
+horizon doubling (up to ``_MAX_HORIZON``) each time the first batch past it, read without
+advice, misses again. Where the dataset sits in the page cache, a stream's reads find
+every record there and its read-ahead stays idle: its bookkeeping per record cost a third
+of the rate of small images from memory (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _WAIT_S = 0.25  # how often an idle read-ahead thread looks for a stop
+_FIRST_BATCHES = 4  # a stream's first batches are read ahead whatever the cache holds
+_MAX_HORIZON = 64  # batches read ahead, at most, past a read that missed the cache
 _CLOSE_WAIT_S = 10.0  # how long a closing stream waits for its records being advised
 
 
@@ -93,6 +103,9 @@ class StreamReadAhead:
         self.records = 0  # records advised
         self.in_flight = 0
         self.closed = False
+        self.advise_until = _FIRST_BATCHES - 1  # the last batch to advise for now
+        self.horizon = _FIRST_BATCHES
+        self._misses_before = -1  # the dataset's misses as the batch being read began
 
     def follow(self, batch_ids: Callable[[int], np.ndarray | None]) -> None:
         """Read ahead the batches ``batch_ids`` gives, from the first not yet read."""
@@ -118,11 +131,18 @@ class StreamReadAhead:
         with self._pool.lock:
             if (self.next_seq, self.next_pos) < (seq, 0):
                 self.next_seq, self.next_pos = seq, 0
+            self._misses_before = self._dataset.misses
             self._pool.lock.notify_all()
 
     def read(self, seq: int) -> None:
-        """Batches up to ``seq`` were read: what was advised of them is freed."""
+        """Batches up to ``seq`` were read: what was advised of them is freed. Where its
+        read found records missing from the page cache, the batches after it are advised."""
         with self._pool.lock:
+            if self._misses_before >= 0 and self._dataset.misses > self._misses_before:
+                if seq > self.advise_until:  # read without advice, and it waited
+                    self.horizon = min(_MAX_HORIZON, self.horizon * 2)
+                self.advise_until = max(self.advise_until, seq + self.horizon)
+            self._misses_before = -1
             self.read_seq = max(self.read_seq, seq)
             for done in [s for s in self.held if s <= seq]:
                 self._pool.free(self, self.held.pop(done))
@@ -143,7 +163,7 @@ class StreamReadAhead:
             except Exception:  # a stream's plan that cannot say; never the pool's thread
                 log.debug("no ids for batch %d to read ahead", self.next_seq, exc_info=True)
                 return None
-            if ids is None:
+            if ids is None or self.next_seq > self.advise_until:
                 return None
             if self.next_pos < len(ids):
                 self.next_pos += 1
