@@ -68,6 +68,28 @@ def test_a_gpu_host_gets_one_worker_per_gpu_each_on_its_own() -> None:
     assert plan_workers(_config(workers=1), gpu_count=4) == [{}]
 
 
+def test_a_gpu_host_with_cores_to_spare_gets_several_workers_per_gpu() -> None:
+    """One process's interpreter lock holds it well below a GPU's decoding rate: by default
+    a GPU gets up to four workers, one per four usable CPUs, who share those CPUs."""
+    assert (
+        plan_workers(_config(), gpu_count=1, usable=16)
+        == [{"device": "gpu", "devices": (0,), "num_threads": 4}] * 4
+    )
+    eight = plan_workers(_config(), gpu_count=8, usable=224)  # a DGX-like host
+    assert len(eight) == 32 and {p["num_threads"] for p in eight} == {7}
+    assert sorted(p["devices"] for p in eight) == sorted([(gpu,) for gpu in range(8)] * 4)
+    assert [p["devices"] for p in plan_workers(_config(), gpu_count=2, usable=16)] == [
+        (0,),
+        (1,),
+        (0,),
+        (1,),
+    ]
+    # Too few CPUs for a second worker: one per GPU, as on this machine.
+    assert plan_workers(_config(), gpu_count=1, usable=6) == [{}]
+    assert len(plan_workers(_config(), gpu_count=4, usable=8)) == 4
+    assert len(plan_workers(_config(workers=1), gpu_count=1, usable=64)) == 1
+
+
 def test_a_cpu_host_gets_one_worker_unless_asked_and_workers_share_the_cores() -> None:
     assert plan_workers(_config(), gpu_count=0) == [{}]
     assert plan_workers(_config(device="cpu")) == [{}]

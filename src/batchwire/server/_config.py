@@ -119,8 +119,8 @@ class ServerConfig:
     workers: int | None = _setting(
         None,
         "server processes behind the port, each with its own interpreter (SO_REUSEPORT spreads "
-        "connections over them); on a GPU host each gets its own GPUs (default: one per visible "
-        "GPU in devices, 1 on the CPU)",
+        "connections over them); on a GPU host the GPUs are dealt out to them (default: on "
+        "GPUs, up to 4 per GPU, one per 4 usable CPUs, at least one per GPU; 1 on the CPU)",
         bounds=(1, 256),
     )
     num_threads: int = _setting(

@@ -60,26 +60,43 @@ _STOP_MARGIN = 5.0  # seconds past the grace for workers to close their engines
 _KILL_WAIT = 5.0
 
 
-def plan_workers(config: ServerConfig, gpu_count: int | None = None) -> list[dict[str, Any]]:
+# Worker processes a GPU gets by default, and the usable CPUs each needs. One process's
+# interpreter lock held it to about 6,600 images/s of `train` on an H200 whose DALI pipeline
+# alone ran 29,000; two processes gave 11,000, four 13,000 and eight no more, on 16 cores
+# (docs/performance.md, "On a GPU host").
+WORKERS_PER_GPU = 4
+CPUS_PER_WORKER = 4
+
+
+def default_workers(gpus: int, usable: int) -> int:
+    """Worker processes for ``gpus`` GPUs and ``usable`` CPUs: up to ``WORKERS_PER_GPU`` a
+    GPU, one per ``CPUS_PER_WORKER`` CPUs, at least one a GPU."""
+    per_gpu = max(1, min(WORKERS_PER_GPU, usable // (CPUS_PER_WORKER * max(1, gpus))))
+    return max(1, gpus) * per_gpu
+
+
+def plan_workers(
+    config: ServerConfig, gpu_count: int | None = None, usable: int | None = None
+) -> list[dict[str, Any]]:
     """What each worker changes of ``config``: one dict per worker.
 
-    ``workers`` unset: one worker per GPU of the device plan, each given its own GPU
-    (``devices`` narrowed to one id), on a host where a GPU is visible; one worker on
-    the CPU. ``workers`` set: that many; on a GPU host worker i takes every N-th GPU
-    from the i-th (or GPU i mod count when workers outnumber GPUs). On the CPU with
-    several workers and ``num_threads`` unset, each worker's DALI threads are its
-    share of the CPUs the unit may use (``_cpus``); on GPUs, the unit's CPUs shared by
-    all its GPUs, as one process would share them. ``gpu_count`` (None: ask CUDA) lets this be tested anywhere.
-    Raises ``DeviceError`` as ``DevicePlan.resolve`` does.
+    ``workers`` unset: on a host where a GPU is visible, :func:`default_workers` for the GPUs
+    of the device plan and the CPUs this process may use, the GPUs dealt out in turn (each
+    worker given one, ``devices`` narrowed to it); one worker on the CPU. ``workers`` set:
+    that many; on a GPU host worker i takes every N-th GPU from the i-th (or GPU i mod count
+    when workers outnumber GPUs). With ``num_threads`` unset each worker's DALI threads are
+    its share of the CPUs the unit may use (``_cpus``; on GPUs at most ``GPU_THREADS_CAP``).
+    ``gpu_count`` (None: ask CUDA) and ``usable`` (None: this process's CPUs) let this be
+    tested anywhere. Raises ``DeviceError`` as ``DevicePlan.resolve`` does.
     """
     plan = DevicePlan.resolve(config.device, config.devices, gpu_count)
+    usable = usable_cpus() if usable is None else usable
     if plan.kind == "gpu":
         ids = [i for i in plan.device_ids if i is not None]
-        count = config.workers or len(ids)
+        count = config.workers or default_workers(len(ids), usable)
         if count == 1:
             return [{}]
-        # Each worker sees one GPU, but the unit's CPUs are shared by all of them.
-        threads = pipeline_threads(config.num_threads, "gpu", len(ids), usable_cpus())
+        threads = pipeline_threads(config.num_threads, "gpu", count, usable)
         return [
             {
                 "device": "gpu",
@@ -91,7 +108,7 @@ def plan_workers(config: ServerConfig, gpu_count: int | None = None) -> list[dic
     count = config.workers or 1
     if count == 1:
         return [{}]
-    threads = config.num_threads or max(1, usable_cpus() // count)
+    threads = config.num_threads or max(1, usable // count)
     return [{"num_threads": threads} for _ in range(count)]
 
 
