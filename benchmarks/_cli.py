@@ -13,7 +13,19 @@ import sys
 from collections.abc import Callable, Sequence
 
 from batchwire.bench import ServerStartError, add_run_arguments
-from benchmarks import chaos, cold, fleet, longrun, messages, mix, reading, scaling, stages, streams
+from benchmarks import (
+    chaos,
+    cold,
+    fleet,
+    longrun,
+    messages,
+    mix,
+    profile,
+    reading,
+    scaling,
+    stages,
+    streams,
+)
 
 __all__ = ["MODES", "build_parser", "main"]
 
@@ -31,6 +43,7 @@ MODES: dict[str, Mode] = {
     "fleet": fleet.run_fleet,
     "chaos": chaos.run_chaos,
     "cold": cold.run_cold,
+    "profile": profile.run_profile,
 }
 LONG_RUN: Mode = longrun.run_long
 
@@ -86,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(--duration seconds, default 20): images/s, server RSS, the read stage alone with and "
         "without read-ahead",
     )
+    modes.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy on a local server streaming --pipeline (train, val or the no-decode "
+        "stand-in nodecode) to one loader: where its time and interpreter lock go",
+    )
     _add_options(parser)
     return parser
 
@@ -96,7 +115,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=float,
         help="alone: stream from a local server this many seconds, memory at start and end; "
-        "with --streams, --mix or --chaos: how long they run",
+        "with --streams, --mix or --chaos: how long they run; with --profile: seconds of "
+        "each recording",
     )
     parser.add_argument(
         "--size", type=int, help="with --streams or --chaos: the pipeline's output size"

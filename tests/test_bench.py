@@ -32,6 +32,7 @@ _RESEARCH = (
     "--fleet",
     "--chaos",
     "--cold",
+    "--profile",
 )
 
 
@@ -318,6 +319,18 @@ def test_cold_reads_the_dataset_cold_and_warm_and_its_read_stage_alone(
         assert row[figure] > 0, (figure, row)
     assert row["rss_cold_mib"] > 0 and row["rss_warm_mib"] > 0
     assert row["read_ahead_records_per_s"] > 0 and row["one_at_a_time_records_per_s"] > 0
+
+
+def test_profile_says_where_a_servers_time_and_lock_go(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    args = ["--profile", "--pipeline", "nodecode", "--photos", "48", "--images", "64"]
+    assert benchmarks.main([*args, "--batch-size", "16", "--duration", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "every running thread" in out and "lock held" in out, out
+    # The functions on the batch path are named, with their share of the samples.
+    assert "Runner.run (batchwire/server/core/_runner.py" in out, out
 
 
 def test_benchmarks_need_a_mode(capsys: pytest.CaptureFixture[str]) -> None:
