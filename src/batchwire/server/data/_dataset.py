@@ -20,7 +20,6 @@ The server opens shards read-only and never writes to a dataset.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -36,6 +35,7 @@ import numpy as np
 
 from batchwire.common.stream import NAME_PATTERN
 from batchwire.server.data._datum import datum_image
+from batchwire.server.data._environments import ENVIRONMENTS, DatasetError, copied
 from batchwire.server.data._formats import ScreenedRecords
 from batchwire.server.data._lmdb_index import ShardIndex, index_shard, last_commit
 
@@ -58,10 +58,6 @@ MANIFEST = "manifest.json"
 FORMAT = "batchwire-dataset"
 FORMAT_VERSION = 1
 MAX_LABEL = 2**31 - 1  # the largest class index: Datum.label is an int32
-
-
-class DatasetError(Exception):
-    """A dataset directory is missing, unreadable or not in batchwire's format."""
 
 
 def manifest_version(manifest: bytes) -> str:
@@ -201,7 +197,7 @@ class Dataset:
         self.screened = ScreenedRecords(self.manifest.num_samples)
         try:
             for shard in self.manifest.shards:
-                self._envs.append(_ENVIRONMENTS.acquire(self.directory / shard.path))
+                self._envs.append(ENVIRONMENTS.acquire(self.directory / shard.path))
                 self._files.append(_open_file(self.directory / shard.path / "data.mdb"))
             # An ingest --overwrite that swapped the directory while the shards were being
             # opened would leave this Dataset with the old manifest and new shards.
@@ -287,7 +283,7 @@ class Dataset:
         shard = bisect.bisect_right(self._starts, sample_id) - 1
         with self._envs[shard].begin(buffers=True) as txn:
             value = txn.get(sample_key(sample_id))
-            return memoryview(b"" if value is None else _copied(value))
+            return memoryview(b"" if value is None else copied(value))
 
     def locate(self, sample_id: int) -> tuple[int, int, int] | None:
         """Where the record of ``sample_id`` lies on disk: (file descriptor of its shard's
@@ -314,7 +310,7 @@ class Dataset:
 
     def close(self) -> None:
         for env in self._envs:
-            _ENVIRONMENTS.release(env)
+            ENVIRONMENTS.release(env)
         self._envs.clear()
         for fd in self._files:
             os.close(fd)
@@ -325,63 +321,6 @@ class Dataset:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class _SharedEnvironments:
-    """LMDB forbids opening one environment twice in a process, so every
-    Dataset over the same shard (two servers in one process, a test beside a
-    server) shares one read-only handle, closed with its last user.
-
-    A shard is known by its path and its ``data.mdb``'s inode: a dataset replaced
-    under the same path has new files, which must not be read through the old
-    handle (still open for the streams of the old version).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: dict[str, tuple[lmdb.Environment, int]] = {}
-
-    def acquire(self, path: pathlib.Path) -> lmdb.Environment:
-        try:
-            stat = (path / "data.mdb").stat()
-        except OSError:
-            stat = None
-        if stat is None or not (path / "data.mdb").is_file():
-            raise DatasetError(f"shard {path} has no data.mdb: the dataset is incomplete")
-        real = os.path.realpath(path)
-        key = f"{real}@{stat.st_dev}:{stat.st_ino}"
-        with self._lock:
-            env, users = self._open.get(key, (None, 0))
-            if env is None:
-                try:
-                    # lock=False: datasets are immutable once ingested, so readers
-                    # need no lock file (and the volume may be mounted read-only).
-                    env = lmdb.open(
-                        real,
-                        readonly=True,
-                        lock=False,
-                        readahead=False,
-                        meminit=False,
-                        max_readers=512,
-                    )
-                except lmdb.Error as exc:
-                    raise DatasetError(f"cannot open LMDB shard {path}: {exc}") from exc
-            self._open[key] = (env, users + 1)
-            return env
-
-    def release(self, env: lmdb.Environment) -> None:
-        with self._lock:
-            for key, (known, users) in list(self._open.items()):
-                if known is env:
-                    if users > 1:
-                        self._open[key] = (known, users - 1)
-                    else:
-                        del self._open[key]
-                        env.close()
-                    return
-
-
-_ENVIRONMENTS = _SharedEnvironments()
 
 
 def _open_file(path: pathlib.Path) -> int:
@@ -411,14 +350,3 @@ def _pread(fd: int, buffer: memoryview, offset: int) -> tuple[int, bool]:
             return got, True
     rest = os.preadv(fd, [buffer[got:]], offset + got) if got < len(buffer) else 0
     return got + rest, False
-
-
-def _copied(value: memoryview) -> bytearray:
-    """The bytes of a record in the LMDB map, copied with the interpreter lock released
-    (ctypes drops it): where the record's pages are not in memory yet, the disk is waited
-    for while the server's other threads, its read-ahead's among them, run on."""
-    copy = bytearray(len(value))
-    if copy:
-        source = np.frombuffer(value, dtype=np.uint8).ctypes.data
-        ctypes.memmove((ctypes.c_char * len(copy)).from_buffer(copy), source, len(copy))
-    return copy
