@@ -141,7 +141,7 @@ def draw_chart(path: pathlib.Path, summary: dict[str, dict[str, Any]], title: st
 
     names = [n for n in LABELS if n in summary and summary[n]["images_per_s"]]
     width, bar_height, left = 900, 46, 300
-    image = Image.new("RGB", (width, 80 + bar_height * len(names) + 90), "white")
+    image = Image.new("RGB", (width, 100 + bar_height * len(names) + 16 * len(TARGETS)), "white")
     draw = ImageDraw.Draw(image)
     draw.text((20, 20), title, fill="black")
     top = max(summary[n]["images_per_s"] for n in names)
