@@ -3,7 +3,6 @@
     python -m benchmarks --messages                       # gRPC message sizes, parts vs whole
     python -m benchmarks --scaling                        # one server vs two pinned to their own core
     python -m benchmarks --duration 600                   # a long run: memory at start and end
-    python -m benchmarks --reading                        # the server's record path: inline or parallel
     python -m benchmarks --stages                         # CPU per image of each stage, DALI vs PIL
     python -m benchmarks --streams 1,64,256 [--size 64]   # one server under K concurrent streams
     python -m benchmarks --mix                            # one server shared by several pipelines

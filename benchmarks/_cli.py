@@ -21,7 +21,6 @@ from benchmarks import (
     messages,
     mix,
     profile,
-    reading,
     scaling,
     stages,
     streams,
@@ -36,7 +35,6 @@ Mode = Callable[[argparse.Namespace], int]
 MODES: dict[str, Mode] = {
     "messages": messages.run_messages,
     "scaling": scaling.run_scaling,
-    "reading": reading.run_reading,
     "stages": stages.run_stages,
     "streams": streams.run_streams,
     "mix": mix.run_mix,
@@ -59,11 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
     modes.add_argument(
         "--stages", action="store_true", help="CPU per image of each stage, DALI next to PIL"
-    )
-    modes.add_argument(
-        "--reading",
-        action="store_true",
-        help="the server's record path (LMDB, parse, screen) inline vs threads vs DALI workers",
     )
     modes.add_argument(
         "--streams",

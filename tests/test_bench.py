@@ -9,8 +9,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from conftest import start_server
@@ -26,7 +24,6 @@ _CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 _RESEARCH = (
     "--messages",
     "--scaling",
-    "--reading",
     "--stages",
     "--streams",
     "--fleet",
@@ -133,49 +130,6 @@ def test_against_a_dataset_smaller_than_a_batch_stops_and_says_why(
     # The loader itself refuses a batch larger than its share, before any stream opens.
     assert "batch_size 16 is larger than this rank's share" in err
     assert "(8 samples over 1 ranks)" in err and "Lower batch_size" in err
-
-
-def test_reading_measures_the_record_path_inline_threaded_and_in_dali_workers(
-    tmp_path: pathlib.Path,
-) -> None:
-    # A child process: DALI forks its workers, which must not inherit this test
-    # process's gRPC threads or LMDB environments.
-    result = tmp_path / "reading.json"
-    env = {**os.environ, "BATCHWIRE_CACHE": str(tmp_path / "cache")}
-    args = ["--reading", "--photos", "48", "--images", "96", "--batch-size", "16"]
-    args += ["--repeats", "1", "--json", str(result)]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", *args],
-        cwd=_CHECKOUT,  # run from a checkout, as they are not installed
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "records/s" in done.stdout and "decode rate" in done.stdout
-    measured = json.loads(result.read_text())
-    rows = {row["run"]: row for row in measured["reading"]}
-    cores = os.cpu_count() or 1
-    reading = [
-        "inline",
-        f"threads-{cores}",
-        "dali-inline",
-        "dali-workers-1",
-        f"dali-workers-{cores}",
-    ]
-    assert set(rows) == {*reading, "decode"}
-    for name in reading:
-        # Every way of reading hands over every record of the 96 asked for.
-        assert rows[name]["records"] == 96, name
-    # The parallel runs did their reading in worker processes; the others in this one.
-    assert rows["dali-workers-1"]["worker_processes"] == 1
-    assert rows[f"dali-workers-{cores}"]["worker_processes"] == cores
-    assert rows["inline"]["worker_processes"] == rows["dali-inline"]["worker_processes"] == 0
-    # And the product itself: a server reading inline, and one with --read-workers.
-    serving = {row["server"]: row for row in measured["serving"]}
-    assert set(serving) == {"inline", f"read_workers={cores}"}
-    assert all(row["images_per_s"] > 0 for row in serving.values())
 
 
 def test_compare_can_run_a_subset_to_profile_it(

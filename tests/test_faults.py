@@ -221,16 +221,15 @@ def test_a_pipeline_that_cannot_be_built_ends_each_call_unavailable_never_unknow
     assert metric(faulty_server, "batchwire_pipeline_faults_total", kind="build") >= 1
 
 
-def test_a_pipeline_that_cannot_be_built_while_opening_a_stream_is_unavailable(
+def test_a_stream_whose_pipeline_cannot_be_built_is_unavailable(
     data_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    # With read_workers, a StreamBatches call builds its pipeline while it opens.
     (tmp_path / "faulty.py").write_text(FAULTY)
     pipelines = pipelines_from_config(
         {"val": {"preset": "val"}, "unbuildable": {"function": "faulty.py:unbuildable"}},
         base_dir=tmp_path,
     )
-    server = start_server(data_dir, pipelines=pipelines, read_workers=1)
+    server = start_server(data_dir, pipelines=pipelines)
     try:
         code, details = stream_status(server.target, "unbuildable")
         assert code == grpc.StatusCode.UNAVAILABLE, details

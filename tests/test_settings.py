@@ -13,6 +13,7 @@ from processes import PYTHON_BATCHWIRE
 
 from batchwire.cli import _serve, build_parser
 from batchwire.server import ConfigError, ServerConfig, settings
+from batchwire.server.core import EngineConfig
 
 # A valid value other than the default for every setting, as text and as parsed.
 EXAMPLES: dict[str, tuple[str, object]] = {
@@ -124,3 +125,11 @@ def test_grace_is_a_config_file_key(tmp_path: pathlib.Path) -> None:
     config_file.write_text("server:\n  data_dir: /d\n  grace: 7\n")
     args = _parser().parse_args(["serve", "--config", str(config_file)])
     assert _serve.resolve_config(args, {}).grace == 7
+
+
+def test_read_workers_is_ignored_with_a_warning() -> None:
+    """The setting of the second record path, removed, still parses: it warns and does
+    nothing, so that a config written for an earlier release still starts."""
+    with pytest.warns(FutureWarning, match="read_workers .* is ignored"):
+        config = ServerConfig(data_dir=pathlib.Path("/data"), read_workers=2)
+    assert not hasattr(EngineConfig.of(config), "read_workers")

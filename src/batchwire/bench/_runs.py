@@ -222,7 +222,6 @@ class LocalServer:
         threads: int = 0,
         max_message_bytes: int | None = None,
         max_streams: int | None = None,
-        read_workers: int = 0,
         read_ahead_reads: int | None = None,
         port: int = 0,
         device: str = "auto",
@@ -236,7 +235,6 @@ class LocalServer:
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
         settings: dict[str, object] = {
             "num_threads": threads,
-            "read_workers": read_workers,
             "device": device,
             "max_message_bytes": max_message_bytes,
             "max_streams": max_streams,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -154,8 +155,8 @@ class ServerConfig:
     prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
     read_workers: int = _setting(
         0,
-        "processes per StreamBatches stream that read its records through DALI's parallel "
-        "external_source (default 0: read in the thread feeding the pipeline)",
+        "deprecated and ignored (removed in the next release): every stream reads its "
+        "records through the one record path, which reads a batch ahead of the pipelines",
         bounds=(0, 64),
     )
     read_ahead_reads: int = _setting(
@@ -295,6 +296,14 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.read_workers:
+            warnings.warn(
+                "read_workers (--read-workers, BATCHWIRE_READ_WORKERS) is ignored and will be "
+                "removed: every stream reads its records in the server's one record path; "
+                "leave it out",
+                FutureWarning,
+                stacklevel=2,
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,6 @@ from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import FAULTS_IN_A_ROW, STAGES, PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._parallel import PlannedSource
 from batchwire.server.core._pipelines import (
     PRESETS,
     BuildContext,
@@ -65,7 +64,6 @@ __all__ = [
     "PipelineFault",
     "PipelineHealth",
     "PipelineSpec",
-    "PlannedSource",
     "Result",
     "Runner",
     "RunnerKey",

@@ -49,20 +49,11 @@ def build_pipeline(
     prefetch: int,
     source: Any,
     synchronous: bool = False,
-    read_workers: int = 0,
 ) -> Any:
     """A built pipeline of ``spec``'s graph fed by ``source``; PipelineFault (kind "build",
     or "out_of_memory"/"cuda" when DALI says so) when it cannot be built."""
     from nvidia.dali import Pipeline
 
-    parallel: dict[str, Any] = {}
-    if read_workers:
-        # Each worker reads whole batches; keep every worker busy and DALI fed.
-        parallel = {
-            "parallel": True,
-            "batch_info": True,
-            "prefetch_queue_depth": max(prefetch, read_workers),
-        }
     try:
         pipe = Pipeline(
             batch_size=batch_size,
@@ -73,14 +64,8 @@ def build_pipeline(
             # nothing in flight: what the probe that looks for bad samples needs.
             exec_pipelined=not synchronous,
             exec_async=not synchronous,
-            # Parallel sources run in worker processes. They are started with
-            # "spawn": pipelines are built while the server runs, when its process
-            # has threads and may hold a CUDA context, and DALI's "fork" is only
-            # safe before either.
-            py_num_workers=max(read_workers, 1),
-            py_start_method="spawn",
         )
-        _define(pipe, spec, params, ctx, parallel, source)
+        _define(pipe, spec, params, ctx, source)
     except Exception as exc:  # DALI's own, or whatever the pipeline's function raised
         raise PipelineFault(spec.name, fault_kind(exc) or "build", error_line(exc)) from exc
     return pipe
@@ -91,7 +76,6 @@ def _define(
     spec: PipelineSpec,
     params: dict[str, float],
     ctx: BuildContext,
-    parallel: dict[str, Any],
     source: Any,
 ) -> None:
     """Define ``spec``'s graph on ``pipe``, fed by ``source``, and build it."""
@@ -105,7 +89,6 @@ def _define(
             batch=True,
             dtype=[types.UINT8, types.INT64, types.INT64],
             ndim=[1, 0, 1],
-            **parallel,
         )
         images, labels = spec.function(encoded, labels, ctx, params)
         pipe.set_outputs(images, labels, meta)

@@ -18,8 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.server.core._catalog import Catalog, Change, DatasetDescription, check_version
@@ -30,13 +28,11 @@ from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
     OverCapacity,
-    PipelineFault,
 )
 from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import PipelineHealth, StageTimes
-from batchwire.server.core._jobs import Job, read_job
+from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
-from batchwire.server.core._parallel import ParallelRunner, PlannedSource
 from batchwire.server.core._pipelines import BuildContext, OutputSpec, PipelineSpec
 from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
@@ -158,9 +154,8 @@ class Engine:
         """Validate ``request`` and start its stream.
 
         ``batches(plan)`` are the batches it runs, asked for at open (by default its whole
-        share from its cursor; a ``StreamBatches`` call's are its lane's); with
-        ``read_workers`` they are read in worker processes. None: its client asks for them
-        as it goes (:meth:`BatchStream.want`). The stream hands out ``encode(batch)`` for
+        share from its cursor; a ``StreamBatches`` call's are its lane's). None: its client
+        asks for them as it goes (:meth:`BatchStream.want`). The stream hands out ``encode(batch)`` for
         each batch, called while the images are still in DALI's output buffer, so that
         they are copied once, into what it builds (by default Batches of their own)."""
         if self._drain.is_set():
@@ -195,10 +190,7 @@ class Engine:
         ahead: StreamReadAhead | None = None
         try:
             key = dataclasses.replace(key, device_id=next(self._device_cycle))
-            workers = None
-            if self.config.read_workers and batches is not None:
-                workers = functools.partial(self._build_parallel, key, dataset)
-            elif self.readahead is not None:
+            if self.readahead is not None:
                 ahead = self.readahead.open(dataset)
             # A stream asks for a few batches beyond the pipelines' own prefetch, so that
             # one stream alone keeps more than one pipeline busy.
@@ -211,13 +203,11 @@ class Engine:
                 schedule=functools.partial(self._stream_ticket, key, ahead, window=window),
                 release=functools.partial(self._release, dataset, ahead),
                 draining=self._drain.is_set,
-                window=window,
             )
             stream = BatchStream(
                 setup,
                 self.stages.timed("encode", encode),
                 None if batches is None else batches(plan),
-                workers,
             )
             self._open_streams.add(stream)
             if ahead is not None:
@@ -257,24 +247,6 @@ class Engine:
             stages=self.stages,
             health=self.health,
         )
-
-    def _build_parallel(
-        self, key: RunnerKey, dataset: Dataset, batches: list[np.ndarray]
-    ) -> ParallelRunner:
-        spec, ctx = self._context(key)
-        try:
-            return ParallelRunner(
-                key,
-                spec,
-                ctx,
-                PlannedSource(str(dataset.directory), batches, read_job, dataset.version),
-                num_threads=self.threads,
-                prefetch=self.config.prefetch,
-                workers=self.config.read_workers,
-            )
-        except PipelineFault as fault:  # the stream that opens it ends UNAVAILABLE
-            self.health.failed(key, fault, batches=0)
-            raise
 
     def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:
         return self.scheduler.ticket(key, 0, self.stages.timed("read", read), window)

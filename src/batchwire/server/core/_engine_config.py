@@ -26,7 +26,6 @@ class EngineConfig:
     decoder_device_padding_mib: int
     hw_decoder_load: float
     prefetch: int
-    read_workers: int
     read_ahead_reads: int
     read_ahead_mib: int
     max_batch_size: int

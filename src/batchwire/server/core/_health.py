@@ -31,8 +31,7 @@ Three stages, summed over every batch the server's pipelines make:
     building the stream's messages, the one copy from DALI's buffer included.
 
 The sums are exported as ``batchwire_stage_seconds_total{stage}``; their rates divided
-by the rate of samples sent give the seconds per image of each stage. Records read in
-worker processes (``read_workers``) are not counted under ``read``.
+by the rate of samples sent give the seconds per image of each stage.
 
 Thread-safe: runners report from their own threads; listeners are called from them.
 """

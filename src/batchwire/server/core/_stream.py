@@ -5,9 +5,6 @@ on the scheduler's pipelines, and hands them out in that order: awaited on the e
 (:meth:`BatchStream.next_async`), or by iteration in a thread of the caller's. Who opened
 it says which batches: a pulling client asks as it goes; a ``StreamBatches`` call asks for
 its lane's at once, and in-process use for its whole share (:func:`share_batches`).
-Batches asked for when the stream opens may instead be read in DALI's worker processes
-(``read_workers``, :class:`~batchwire.server.core._parallel.WorkerFeed`), falling back to
-the scheduler's pipelines from the batch where that fails.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.core._errors import Draining, InvalidRequest
 from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result, read_job
-from batchwire.server.core._parallel import ParallelRunner, WorkerFeed
 from batchwire.server.data._dataset import Dataset
 
 __all__ = ["Batch", "BatchStream", "share_batches"]
@@ -79,7 +75,6 @@ class StreamSetup:
     schedule: Callable[[Callable[[int], Job[Any]]], Ticket]
     release: Callable[[], None]
     draining: Callable[[], bool]
-    window: int  # batches read ahead of those handed out, by worker processes
 
 
 class BatchStream(Generic[P]):
@@ -96,11 +91,9 @@ class BatchStream(Generic[P]):
         setup: StreamSetup,
         encode: Callable[[Batch], P],
         batches: Sequence[int] | None = None,
-        workers: Callable[[list[np.ndarray]], ParallelRunner] | None = None,
     ) -> None:
         """``batches``: those asked for at open, with no more to come (else the client
-        asks, :meth:`want`); ``workers`` builds a pipeline that reads them in worker
-        processes (PipelineFault when it cannot)."""
+        asks, :meth:`want`)."""
         self._setup = setup
         self._encode = encode
         self._planned: list[PlannedBatch] = []
@@ -113,16 +106,11 @@ class BatchStream(Generic[P]):
         self.produced = 0  # batches handed out so far
         self._next_seq = 0  # the batch to hand out next, in the order asked
         self._ticket = setup.schedule(self._read)
-        self._feed: WorkerFeed[P] | None = None
         try:
             if batches is not None:
                 self.want(batches)
                 self.end_wants()
-            if workers is not None and self._planned:
-                runner = workers([planned.ids for planned in self._planned])
-                self._feed = WorkerFeed(runner, self._ticket, self._finish, setup.window)
-            else:
-                self._ticket.start(0)
+            self._ticket.start(0)
         except BaseException:
             self._ticket.close()
             raise
@@ -214,8 +202,6 @@ class BatchStream(Generic[P]):
             return None
         self._next_seq += 1
         self.produced += 1
-        if self._feed is not None:
-            self._feed.took()
         self._ticket.more()
         return result.payload
 
@@ -263,7 +249,5 @@ class BatchStream(Generic[P]):
             if self._closed:
                 return
             self._closed = True
-            if self._feed is not None:
-                self._feed.close()
             self._ticket.close()
             self._setup.release()

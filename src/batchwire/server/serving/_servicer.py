@@ -204,7 +204,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         self, request: pb.StreamBatchesRequest, context: grpc.aio.ServicerContext
     ) -> None:
         """A lane of a share: a stream that asks for the lane's batches, in order, as it
-        opens (and reads them in worker processes with ``read_workers``)."""
+        opens."""
         spec = request_from_proto(request)
         lane = lane_from_proto(request)
         stream = await self._open(spec, lane.batches)

@@ -250,7 +250,7 @@ class WorkerUnit(Listening):
             target=run_worker,
             args=(spec, self._states, theirs),
             name=f"batchwire-worker-{index}",
-            # Not daemonic: a worker's read_workers are processes of its own.
+            # Not daemonic: the parent stops its workers itself, draining them first.
             daemon=False,
         )
         process.start()
