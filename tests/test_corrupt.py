@@ -39,6 +39,15 @@ def corrupt(dataset: pathlib.Path | str, damage: dict[int, bytes]) -> None:
         env.close()
 
 
+def health(server: BatchwireServer) -> int:
+    """The server's overall status, as the standard health service answers."""
+    with grpc.insecure_channel(server.target) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    return int(reply.status)
+
+
 def truncated_png(fraction: float = 0.1) -> bytes:
     """The head of a PNG, as a copy cut short leaves it: Pillow reads its header."""
     from PIL import Image
@@ -164,11 +173,7 @@ def test_corrupt_records_are_skipped_reported_and_the_server_keeps_serving(
         delivered = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(loader.skipped_ids) == sorted(damage)
         assert sorted(delivered) == sorted(set(range(520)) - set(damage))
-        with grpc.insecure_channel(server.target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert health(server) == health_pb2.HealthCheckResponse.SERVING
         # The next epoch is delivered the same way: the pipeline recovered.
         again = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(again) == sorted(delivered)
@@ -223,11 +228,7 @@ def test_records_that_rot_after_they_were_screened_are_screened_again(
         second = [int(i) for _, _, ids in loader for i in ids]
         assert sorted(loader.skipped_ids) == sorted(damaged)
         assert sorted(second) == sorted(set(range(520)) - damaged)
-        with grpc.insecure_channel(server.target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert health(server) == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(grace=1.0)
 
