@@ -28,7 +28,7 @@ first ``_FIRST_BATCHES``; from then on it advises up to a horizon of batches pas
 batch whose read found records missing from the page cache (``Dataset.misses``), the
 horizon doubling (up to ``_MAX_HORIZON``) each time the first batch past it, read without
 advice, misses again. Where the dataset sits in the page cache, a stream's reads find
-every record there and its read-ahead stays idle: its bookkeeping per record cost a third
+every record there and its read-ahead stays idle: its bookkeeping per record cost a quarter
 of the rate of small images from memory (docs/performance.md).
 """
 
