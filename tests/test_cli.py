@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import pathlib
+import pty
 import re
 import signal
 import socket
+import struct
 import subprocess
+import termios
 
 import pytest
 from processes import PYTHON_BATCHWIRE, serve_process
@@ -121,6 +126,53 @@ def test_demo_builds_serves_and_prints_a_rate(
     out = capsys.readouterr().out
     assert "has 96 images, not 48: making it again" in out
     assert re.search(r"streamed 48 images ", out), out
+
+
+def _demo_stderr(cache: pathlib.Path, *flags: str, terminal: bool) -> str:
+    """What ``batchwire demo`` writes to stderr: a terminal (a pseudo-terminal) or a pipe."""
+    command = [*PYTHON_BATCHWIRE, "demo", "--cache", str(cache), "--images", "32"]
+    command += ["--batch-size", "8", "--device", "cpu", *flags]
+    if not terminal:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+    leader, follower = pty.openpty()
+    # A terminal of 24 x 100: a new one has 0 columns, into which tqdm draws nothing.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower)
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert process.wait(300) == 0
+    finally:
+        os.close(leader)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_only_on_a_terminal_and_never_with_no_progress(
+    tmp_path: pathlib.Path,
+) -> None:
+    bar = re.compile(r"\d+%\|")  # tqdm's "42%|███"
+    assert bar.search(_demo_stderr(tmp_path, "--rebuild", terminal=True))
+    assert not bar.search(_demo_stderr(tmp_path, "--rebuild", terminal=False))
+    assert not bar.search(_demo_stderr(tmp_path, "--rebuild", "--no-progress", terminal=True))
+    for command in ("ingest", "demo", "bench"):
+        assert "--no-progress" in _help(command), command
+
+
+def _help(command: str) -> str:
+    done = subprocess.run(
+        [*PYTHON_BATCHWIRE, command, "--help"], capture_output=True, text=True, timeout=60
+    )
+    return done.stdout
 
 
 def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import logging
 import os
 import pathlib
+import pty
 import re
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from typing import Any
 
@@ -383,38 +387,52 @@ def test_interrupted_ingest_leaves_no_dataset_and_no_temporary_directory(
         "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "from batchwire.cli import main; sys.exit(main(sys.argv[1:]))"
     )
+    # stderr a terminal, where the progress bar is drawn: its first update says the ingest
+    # is under way.
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-c", ctrl_c, "ingest", str(src), str(out), "--name", "big"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=follower,
         cwd=tmp_path,
     )
+    os.close(follower)
     try:
-        seen = _read_until(proc, re.compile(rb"\b[1-9]\d*/%d\b" % count), timeout=60)
+        seen = _read_until(leader, re.compile(rb"\b[1-9]\d*/%d\b" % count), timeout=60)
         proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=60)
+        proc.wait(60)
+        rest = _read_until(leader, None, timeout=10)
     finally:
         proc.kill()
         proc.wait()
+        os.close(leader)
     stderr = (seen + rest).decode(errors="replace")
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert list(out.iterdir()) == [], stderr
 
 
-def _read_until(proc: subprocess.Popen[bytes], pattern: re.Pattern[bytes], timeout: float) -> bytes:
-    """The child's stderr up to the first match of ``pattern`` (a progress update)."""
-    assert proc.stderr is not None
+def _read_until(terminal: int, pattern: re.Pattern[bytes] | None, timeout: float) -> bytes:
+    """What the child wrote to the ``terminal`` (a pseudo-terminal's leader) up to the first
+    match of ``pattern`` (a progress update), or with None to its end."""
     deadline = time.monotonic() + timeout
     seen = b""
     with selectors.DefaultSelector() as selector:
-        selector.register(proc.stderr, selectors.EVENT_READ)
-        while not pattern.search(seen):
+        selector.register(terminal, selectors.EVENT_READ)
+        while pattern is None or not pattern.search(seen):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not selector.select(remaining):
+                if pattern is None:
+                    return seen
                 pytest.fail(f"no progress within {timeout} s: {seen.decode(errors='replace')}")
-            chunk = os.read(proc.stderr.fileno(), 65536)
+            try:
+                chunk = os.read(terminal, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                chunk = b""
             if not chunk:
+                if pattern is None:
+                    return seen
                 pytest.fail(f"ingest ended before any progress: {seen.decode(errors='replace')}")
             seen += chunk
     return seen

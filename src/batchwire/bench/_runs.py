@@ -90,10 +90,12 @@ def bench_dataset(
     dataset: str | None,
     photos: int,
     size: tuple[int, int] = (500, 375),
+    *,
+    progress: bool = True,
 ) -> tuple[pathlib.Path, str]:
     """The data directory and dataset name to measure on: ``data_dir``'s ``dataset``, or
     ``photos`` generated JPEGs of ``size`` pixels (default ImageNet-sized), built once in
-    :func:`cache_dir`."""
+    :func:`cache_dir` (with progress bars where ``progress`` and stderr is a terminal)."""
     if data_dir is not None:
         if not dataset:
             raise SystemExit("error: --data-dir needs --dataset NAME")
@@ -108,9 +110,10 @@ def bench_dataset(
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="batchwire-bench-", dir=root.parent) as tmp:
             source = pathlib.Path(tmp) / "images"
-            with tqdm(total=photos, desc="generating photos", unit="img") as bar:
+            show = None if progress else True  # None: off where stderr is no terminal
+            with tqdm(total=photos, desc="generating photos", unit="img", disable=show) as bar:
                 write_photo_folders(source, count=photos, size=size, on_image=lambda: bar.update())
-            ingest(source, root, name=name, overwrite=True, progress=True)
+            ingest(source, root, name=name, overwrite=True, progress=progress)
     return root, name
 
 
@@ -134,11 +137,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-def progress(total: int, desc: str) -> Any:
-    """A transient progress bar counting images (``total`` 0: no end known)."""
+def progress(total: int, desc: str, *, show: bool = True) -> Any:
+    """A transient progress bar counting images (``total`` 0: no end known); shown only
+    where ``show`` and stderr is a terminal."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="img", leave=False)
+    return tqdm(total=total, desc=desc, unit="img", leave=False, disable=None if show else True)
 
 
 @dataclasses.dataclass(frozen=True)

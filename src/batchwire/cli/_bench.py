@@ -77,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", type=pathlib.Path, help="with --compare: write the results as JSON"
     )
     parser.add_argument("--plot", type=pathlib.Path, help="with --compare: draw a chart (PNG)")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they are off anyway where output is not a terminal)",
+    )
     credentials.add_arguments(parser)
 
 
@@ -134,7 +139,7 @@ def _measure_against(args: argparse.Namespace) -> int:
     images = nbytes = 0
     first = None
     started = time.perf_counter()
-    with progress(0 if deadline else target, "streaming") as bar:
+    with progress(0 if deadline else target, "streaming", show=not args.no_progress) as bar:
         while (deadline and time.monotonic() < deadline) or (not deadline and images < target):
             batches = 0
             for batch, _ in loader:
@@ -195,12 +200,13 @@ def _compare(args: argparse.Namespace) -> int:
     if not wanted or set(wanted) - set(_RUNS):
         print(f"error: --runs takes names from {', '.join(_RUNS)}", file=sys.stderr)
         return 2
-    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
+    show = not args.no_progress
+    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos, progress=show)
     num_samples = Manifest.load(data_dir / dataset).num_samples
     if num_samples < args.batch_size:
         print(_no_batch_error(dataset, num_samples, args.batch_size), file=sys.stderr)
         return 2
-    small_dir, small = bench_dataset(None, None, args.photos, SMALL_PHOTO)
+    small_dir, small = bench_dataset(None, None, args.photos, SMALL_PHOTO, progress=show)
     with contextlib.ExitStack() as stack:
         work = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchwire-")))
         server = stack.enter_context(LocalServer(data_dir, work, pipelines=NO_DECODE_TOML))

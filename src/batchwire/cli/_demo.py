@@ -60,9 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rebuild", action="store_true", help="generate and ingest the dataset again"
     )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they are off anyway where output is not a terminal)",
+    )
 
 
-def _ensure_dataset(data_dir: pathlib.Path, images: int | None, rebuild: bool) -> None:
+def _ensure_dataset(
+    data_dir: pathlib.Path, images: int | None, rebuild: bool, progress: bool
+) -> None:
     """The dataset of ``images`` images (None: the cached one, whatever its size) in
     ``data_dir/shapes``, generated and ingested unless it is there already."""
     from tqdm import tqdm
@@ -93,9 +100,14 @@ def _ensure_dataset(data_dir: pathlib.Path, images: int | None, rebuild: bool) -
     data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="batchwire-demo-", dir=data_dir.parent) as tmp:
         source = pathlib.Path(tmp) / "images"
-        with tqdm(total=per_class * len(SHAPES), desc="generating images", unit="img") as bar:
+        with tqdm(
+            total=per_class * len(SHAPES),
+            desc="generating images",
+            unit="img",
+            disable=None if progress else True,  # None: off where stderr is no terminal
+        ) as bar:
             write_image_folders(source, per_class=per_class, on_image=lambda: bar.update())
-        report = ingest(source, data_dir, name=DATASET, overwrite=True, progress=True)
+        report = ingest(source, data_dir, name=DATASET, overwrite=True, progress=progress)
     print(f"ingested {report.num_samples} images in {len(report.classes)} classes into {target}")
 
 
@@ -109,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     data_dir = cache / "datasets"
     if args.rebuild and (data_dir / DATASET).exists():
         shutil.rmtree(data_dir / DATASET)
-    _ensure_dataset(data_dir, args.images, args.rebuild)
+    _ensure_dataset(data_dir, args.images, args.rebuild, not args.no_progress)
     server = BatchwireServer(
         ServerConfig(data_dir=data_dir, host="localhost", port=0, device=args.device)
     )
@@ -134,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
             counts = [0] * len(loader.classes)
             started = time.perf_counter()
             with tqdm(
-                total=len(loader), desc=f"streaming {DATASET}/{args.pipeline}", unit="batch"
+                total=len(loader),
+                desc=f"streaming {DATASET}/{args.pipeline}",
+                unit="batch",
+                disable=True if args.no_progress else None,  # None: off where no terminal
             ) as bar:
                 for batch, labels in loader:
                     images += len(labels)

@@ -44,7 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, metavar="N", help="DALI decoding threads"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is off anyway where output is not a terminal)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -109,7 +109,7 @@ def _write_shards(
         desc=f"ingest {options.name}",
         unit="file",
         file=sys.stderr,
-        disable=not options.progress,
+        disable=None if options.progress else True,  # None: off where stderr is no terminal
         dynamic_ncols=True,
     )
     try:
