@@ -46,10 +46,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from certs import make_authority
+from conftest import start_server
 from PIL import Image, ImageDraw
 from processes import serve_process
 from sybil import Example, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
+
+from batchwire.server.data import ingest, write_photo_folders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -245,6 +248,29 @@ def test_example(example: Example, pages: Callable[[str], Page]) -> None:
         # pytest reports a skip at the line that raised it, here; the page's own line is
         # what a reader of `pytest -rs` needs.
         pytest.skip(f"{_where(example)}: {skipped}")
+
+
+@pytest.mark.parametrize("classes", [3, 7])
+def test_readmes_training_snippet_trains_one_output_per_class(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, classes: int
+) -> None:
+    """Quick start 2's training loop, run on datasets of other class counts than the pages'
+    own: its head has one output per class, so cross_entropy never sees a label past it."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (snippet,) = [block for block in blocks if "cross_entropy" in block]
+    write_photo_folders(tmp_path / "images", count=16 * classes, classes=classes, size=(64, 48))
+    ingest(tmp_path / "images", tmp_path / "datasets", name="pets")
+    server = start_server(tmp_path / "datasets")
+    try:
+        monkeypatch.chdir(tmp_path)
+        code = compile(snippet.replace("localhost:50051", server.target), "README.md", "exec")
+        exec(code, {"__name__": "__readme__"})
+    finally:
+        server.stop(grace=1.0)
+    import torch
+
+    head = torch.load(tmp_path / "ckpt.pt")["model"]["3.weight"]
+    assert tuple(head.shape) == (classes, 8)
 
 
 def test_what_readme_makes_in_a_checkout_is_ignored_by_git() -> None:
