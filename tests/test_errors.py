@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -103,6 +105,28 @@ def test_client_raises_its_own_errors_with_codes(server: BatchwireServer) -> Non
         list(RemoteLoader(server.target, dataset="shapes", batch_size=4, params={"size": 0}))
     assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert_serving(server)
+
+
+def test_a_users_traceback_starts_with_batchwires_public_error(server: BatchwireServer) -> None:
+    """An uncaught error in a training script: its traceback names the class as users
+    import it and says the server's message, with no gRPC call object printed first; the
+    gRPC error stays on it for whoever needs it."""
+    script = (
+        "from batchwire.client import RemoteLoader\n"
+        f"list(RemoteLoader({server.target!r}, dataset='imagenet', batch_size=4))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("batchwire.client.NotFoundError: NOT_FOUND: "), done.stderr
+    assert "imagenet" in last
+    assert "_InactiveRpcError" not in done.stderr and "_exceptions" not in done.stderr
+    with pytest.raises(NotFoundError) as caught:
+        list(RemoteLoader(server.target, dataset="imagenet", batch_size=4))
+    assert isinstance(caught.value.rpc_error, grpc.RpcError)
+    assert caught.value.rpc_error.code() == grpc.StatusCode.NOT_FOUND
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@
 Each class carries its ``default_code``: ``NotFoundError("no dataset 'x'")`` has
 ``code == grpc.StatusCode.NOT_FOUND``. ``error_for`` picks the class for a status code;
 ``batchwire.client._transport.map_rpc_errors`` is the one place where a
-``grpc.RpcError`` becomes one of these.
+``grpc.RpcError`` becomes one of these (kept as its ``rpc_error``). The classes say
+``batchwire.client`` is their module, where users import them from.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class BatchwireError(Exception):
     """
 
     default_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    # The gRPC error this one was made from, where it was (``map_rpc_errors``).
+    rpc_error: grpc.RpcError | None = None
 
     @overload
     def __init__(self, details: str, /, *, code: grpc.StatusCode | None = None) -> None: ...
@@ -63,7 +66,9 @@ class BatchwireError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Exception pickles its args (the formatted message); rebuild from code and details.
-        return type(self), (self.code, self.details), self.__dict__
+        # gRPC's call objects do not pickle: rpc_error stays behind.
+        state = {k: v for k, v in self.__dict__.items() if k != "rpc_error"}
+        return type(self), (self.code, self.details), state
 
 
 class NotFoundError(BatchwireError):
@@ -109,6 +114,19 @@ _BY_CODE: dict[grpc.StatusCode, type[BatchwireError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
 }
+
+
+# Tracebacks and reprs name the classes where users import them from.
+for _error in (
+    BatchwireError,
+    NotFoundError,
+    InvalidArgumentError,
+    BadImagesError,
+    ResourceExhaustedError,
+    UnavailableError,
+    AuthenticationError,
+):
+    _error.__module__ = "batchwire.client"
 
 
 def error_for(code: grpc.StatusCode, details: str) -> BatchwireError:

@@ -60,21 +60,24 @@ _URL_SCHEME = re.compile(r"(https?|grpcs?)://", re.IGNORECASE)
 @contextlib.contextmanager
 def map_rpc_errors(address: str = "") -> Iterator[None]:
     """Raise a ``grpc.RpcError`` from the block as the ``BatchwireError`` that fits its
-    status code (``from`` the original), its message saying what to do where it can:
-    a server at ``address`` that is down or refuses the TLS handshake, a request over
-    the server's size limit."""
+    status code, its message saying what to do where it can: a server at ``address`` that
+    is down or refuses the TLS handshake, a request over the server's size limit. The
+    original is the error's ``rpc_error``, not printed before it: a user's traceback
+    starts with batchwire's error and its message."""
     try:
         yield
     except grpc.RpcError as exc:
         code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
         details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-        raise error_for(code, _advice(code, details, address)) from exc
+        error = error_for(code, _advice(code, details, address))
+        error.rpc_error = exc
+        raise error from None
 
 
 def rpc_details(error: BatchwireError) -> str:
     """What gRPC or the server said, for an ``error`` from ``map_rpc_errors``, before it
     was worded for a user (a retried failure is logged as it was)."""
-    cause = error.__cause__
+    cause = error.rpc_error
     return (cause.details() if isinstance(cause, grpc.Call) else None) or error.details
 
 
