@@ -127,6 +127,22 @@ def test_grace_is_a_config_file_key(tmp_path: pathlib.Path) -> None:
     assert _serve.resolve_config(args, {}).grace == 7
 
 
+def test_an_unknown_config_key_names_the_one_meant(tmp_path: pathlib.Path) -> None:
+    config_file = tmp_path / "server.toml"
+    args = _parser().parse_args(["serve", "--config", str(config_file)])
+    config_file.write_text('[server]\ndata_dir = "/d"\nmax_stream = 8\n')
+    with pytest.raises(
+        ConfigError, match=r"unknown \[server\] key 'max_stream': did you mean 'max_streams'\?"
+    ):
+        _serve.resolve_config(args, {})
+    config_file.write_text('[server]\ndata_dir = "/d"\nlog_level = "DEBUG"\n')
+    with pytest.raises(ConfigError, match="give --log-level or BATCHWIRE_LOG_LEVEL"):
+        _serve.resolve_config(args, {})
+    config_file.write_text('[server]\ndata_dir = "/d"\nzzzz = 1\n')
+    with pytest.raises(ConfigError, match="`batchwire serve --help` lists them"):
+        _serve.resolve_config(args, {})
+
+
 def test_read_workers_is_ignored_with_a_warning() -> None:
     """The setting of the second record path, removed, still parses: it warns and does
     nothing, so that a config written for an earlier release still starts."""

@@ -36,6 +36,7 @@ Without a ``[pipelines]`` table the server offers the ``train`` and ``val`` pres
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import pathlib
 import tomllib
 from collections.abc import Mapping
@@ -82,12 +83,23 @@ def load_file(path: pathlib.Path | str) -> dict[str, Any]:
     if not isinstance(server, dict):
         raise ConfigError(f"config file {path}: [server] must be a table")
     known = {setting.name for setting in settings()}
-    bad = set(server) - known
+    bad = sorted(set(server) - known)
     if bad:
-        raise ConfigError(
-            f"config file {path}: unknown [server] keys {sorted(bad)} (known: {sorted(known)})"
-        )
+        raise ConfigError(f"config file {path}: {'; '.join(_unknown(key, known) for key in bad)}")
     return data
+
+
+def _unknown(key: str, known: set[str]) -> str:
+    """What to say of an unknown ``[server]`` key: the known one it is closest to, or
+    where the flags that are not file keys go."""
+    if key in ("log_level", "log_format"):
+        return (
+            f"{key} is not a [server] key: logging starts before the file is read; give "
+            f"--{key.replace('_', '-')} or BATCHWIRE_{key.upper()}"
+        )
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else "`batchwire serve --help` lists them"
+    return f"unknown [server] key {key!r}: {hint}"
 
 
 def pipelines_from_config(
