@@ -129,7 +129,7 @@ def test_against_a_dataset_smaller_than_a_batch_stops_and_says_why(
     err = capsys.readouterr().err
     # The loader itself refuses a batch larger than its share, before any stream opens.
     assert "batch_size 16 is larger than this rank's share" in err
-    assert "(8 samples over 1 ranks)" in err and "Lower batch_size" in err
+    assert "(8 samples over 1 rank)" in err and "Lower batch_size" in err
 
 
 def test_compare_can_run_a_subset_to_profile_it(

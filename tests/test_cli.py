@@ -93,6 +93,13 @@ def test_serve_without_a_data_directory_says_what_to_do(
     assert "--data-dir" in capsys.readouterr().err
     assert main(["serve", "--data-dir", str(tmp_path / "missing"), "--port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # As a process: its one line, no log lines of a server that never started before it.
+    command = [*PYTHON_BATCHWIRE, "serve", "--data-dir", str(tmp_path / "missing")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"error: data directory {tmp_path / 'missing'} does not exist or is not a directory"
+    ], done.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("[server]\nmax_streams = 0\n")
     assert main(["serve", "--data-dir", str(tmp_path), "--config", str(bad)]) == 2

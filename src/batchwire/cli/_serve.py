@@ -124,13 +124,14 @@ class _Signals:
 
 def run(args: argparse.Namespace) -> int:
     from batchwire.server import BatchwireServer, ConfigError, ServerError
-    from batchwire.server.core import DeviceError
+    from batchwire.server.core import DeviceError, check_data_dir
     from batchwire.server.data import DatasetError
     from batchwire.server.serving import plan_workers, tune_for_large_buffers
 
     tune_for_large_buffers()
     try:
         config = resolve_config(args, dict(os.environ))
+        check_data_dir(config.data_dir)  # before anything starts (and logs)
         if len(plan_workers(config)) > 1:
             return _run_unit(args, config)
         server = BatchwireServer(config)

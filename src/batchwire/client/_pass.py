@@ -296,10 +296,12 @@ class ServerPuller(threading.Thread):
             # Once per outage, and whenever batches move: not every retry of a dead server.
             log.log(
                 logging.WARNING if returned or not attempt else logging.DEBUG,
-                "%s failed (%s); %d batches it held go to other servers",
+                "%s failed (%s); %s",
                 self.server.address,
                 failure[1],
-                len(returned),
+                f"{len(returned)} batches it held go to other servers"
+                if returned
+                else "retrying it, and any other server, for the batches left",
             )
             if self._halt.wait(backoff(attempt)):
                 return

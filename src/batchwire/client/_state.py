@@ -219,7 +219,8 @@ class Position:
         if plan.num_batches == 0 and place.origin == 0:
             raise InvalidArgumentError(
                 f"batch_size {spec.batch_size} is larger than this rank's share of the "
-                f"dataset ({plan.num_samples} samples over {spec.world_size} ranks) and "
+                f"dataset ({plan.num_samples} samples over {spec.world_size} "
+                f"{'rank' if spec.world_size == 1 else 'ranks'}) and "
                 "drop_last=True leaves no batch: every epoch would be empty. Lower batch_size "
                 "or pass drop_last=False"
             )

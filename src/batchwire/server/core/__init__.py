@@ -12,7 +12,7 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 
 from __future__ import annotations
 
-from batchwire.server.core._catalog import DatasetDescription
+from batchwire.server.core._catalog import DatasetDescription, check_data_dir
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
 from batchwire.server.core._engine import Engine
@@ -72,6 +72,7 @@ __all__ = [
     "ServiceError",
     "StageTimes",
     "Ticket",
+    "check_data_dir",
     "pipeline_threads",
     "read_job",
     "share_batches",

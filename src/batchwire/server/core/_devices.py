@@ -8,12 +8,10 @@ CUDA, through DALI.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 
 __all__ = ["DeviceError", "DevicePlan", "visible_gpu_count"]
 
-log = logging.getLogger(__name__)
 
 MODES = ("auto", "cpu", "gpu")
 
@@ -55,7 +53,6 @@ class DevicePlan:
                     "--device gpu was asked for but no CUDA GPU is visible; "
                     "check the driver and CUDA_VISIBLE_DEVICES, or use --device auto"
                 )
-            log.info("no GPU visible: pipelines run on the CPU")
             return cls("cpu", (None,))
         ids = tuple(range(count)) if not devices else tuple(devices)
         missing = [i for i in ids if not 0 <= i < count]

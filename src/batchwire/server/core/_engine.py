@@ -60,7 +60,10 @@ class Engine:
             config.num_threads, self.devices.kind, len(self.devices.device_ids), self.usable_cpus
         )
         log.info(
-            "pipelines run %d DALI threads each (%d CPUs usable by this process%s)",
+            "pipelines run on %s, %d DALI threads each (%d CPUs usable by this process%s)",
+            "the CPU: no GPU visible"
+            if self.devices.kind == "cpu" and config.device == "auto"
+            else ("the CPU" if self.devices.kind == "cpu" else f"GPUs {self.devices.device_ids}"),
             self.threads,
             self.usable_cpus,
             "; --num-threads" if config.num_threads else "",

@@ -194,7 +194,8 @@ class Scheduler:
         evicted = False
         if runner is None:
             log.info(
-                "building pipeline %s for batch size %d on %s",
+                "%s building pipeline %s for batch size %d on %s",
+                threading.current_thread().name,  # each slot builds its own
                 key.pipeline,
                 key.batch_size,
                 key.device,
