@@ -252,3 +252,48 @@ def test_a_process_exits_cleanly_whatever_it_leaves_running(
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+_LEDGER_OF_A_LOADER = """
+import glob, os, sys, tempfile
+from batchwire.client import RemoteLoader
+loader = RemoteLoader(sys.argv[1], dataset="shapes", batch_size=8)
+for batch in loader:
+    break  # a pass began: the loader's ledger file is in use
+shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+print(*glob.glob(f"{shm}/batchwire-loader-{os.getpid()}-*"), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_killed_loaders_file_does_not_outlive_the_next_loader(server: BatchwireServer) -> None:
+    """A loader killed with SIGKILL leaves its ledger file behind (no finalizer runs); the
+    next process that makes a loader removes it."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _LEDGER_OF_A_LOADER, server.target],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        (path,) = trainer.stdout.readline().split()
+        assert os.path.exists(path)
+    finally:
+        trainer.kill()
+        trainer.wait(60)
+    assert os.path.exists(path)  # SIGKILL: nothing removed it
+    survivor = subprocess.Popen(
+        [sys.executable, "-c", _LEDGER_OF_A_LOADER, server.target],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert survivor.stdout is not None
+        (own,) = survivor.stdout.readline().split()
+        assert not os.path.exists(path) and os.path.exists(own)
+    finally:
+        survivor.stdin.close()  # type: ignore[union-attr]
+        survivor.wait(60)
+    assert not os.path.exists(own)  # a clean exit removes its own

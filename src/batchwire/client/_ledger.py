@@ -6,7 +6,10 @@ runs the pass. Without something shared, the loader in the training process
 would never learn that a pass happened, and every epoch would replay the
 first. The ledger is that shared thing: a few integers in a small file
 (``/dev/shm`` where it exists), read and written under ``flock``, which works
-across fork, spawn and forkserver alike.
+across fork, spawn and forkserver alike. The file is removed when its loader goes; the
+files of processes killed before they could (``kill -9``) are removed by the next
+process that makes a ledger: a creator holds a POSIX lock on its file for life, and a
+file nobody holds is a dead process's.
 
 Only the process that created a ledger and the DataLoader workers of that
 process share it. Any other process holding a copy of the loader (a spawned
@@ -32,6 +35,9 @@ __all__ = ["Ledger", "Record"]
 
 _FORMAT = struct.Struct("<9q")
 _DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+_PREFIX = "batchwire-loader-"  # then the creating process's pid, "-" and mkstemp's letters
+_LIVE = _FORMAT.size  # the byte its creator holds a read lock on while it lives
+_swept = False  # this process removed the files of dead processes already
 
 
 @dataclasses.dataclass
@@ -93,6 +99,31 @@ def _settle_before_fork() -> None:
 os.register_at_fork(before=_settle_before_fork)
 
 
+def _sweep(directory: str) -> None:
+    """Remove the ledger files no live process holds: one killed (``kill -9``, an
+    out-of-memory kill) never ran the finalizer that removes its file. Each creator holds
+    a POSIX read lock on a byte past its record for life (``_LIVE``); the kernel drops it
+    with the process. This process holds no ledger yet: closing a file here releases no
+    lock of its own."""
+    for name in os.listdir(directory):
+        if not name.startswith(_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # gone already, or another user's
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _LIVE)
+        except OSError:  # its creator is alive
+            continue
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+
+
 def _remove(path: str, owner: int) -> None:
     # Finalizers are inherited by forked children: only the creator removes the file.
     if os.getpid() == owner:
@@ -108,7 +139,18 @@ class Ledger:
         _ledgers.add(self)
 
     def _create(self, initial: Record) -> None:
-        fd, self._path = tempfile.mkstemp(prefix="batchwire-loader-", dir=_DIR)
+        global _swept
+        if not _swept:
+            _swept = True
+            with contextlib.suppress(OSError):
+                _sweep(_DIR or tempfile.gettempdir())
+        # Locked before it takes the name a sweep looks for, so that no sweep finds it
+        # unheld. The lock is for life: the kernel releases it when this process goes,
+        # however it goes (POSIX locks are independent of the flock that guards the record).
+        fd, made = tempfile.mkstemp(prefix=f".{_PREFIX}{os.getpid()}-", dir=_DIR)
+        fcntl.lockf(fd, fcntl.LOCK_SH, 1, _LIVE)
+        self._path = os.path.join(os.path.dirname(made), os.path.basename(made)[1:])
+        os.rename(made, self._path)
         os.write(fd, initial.pack())
         self._fd = fd
         self._snapshot = initial
