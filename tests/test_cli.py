@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import os
 import pathlib
@@ -242,3 +243,28 @@ def test_a_port_in_use_is_one_line_without_tracebacks(
     assert done.returncode == 2
     assert "another process is using the port" in done.stderr
     assert "Traceback" not in done.stderr and "Failed to add port" not in done.stderr
+
+
+def test_the_commands_agree_on_their_common_options() -> None:
+    """One tool: the same option means the same default and reads the same in every
+    command's help, and each command's help gives its own log level."""
+    commands = _subcommands()
+    for name in ("health", "preview", "bench"):
+        address = commands[name]._option_string_actions["--address"]
+        assert address.default in (None, "localhost:50051"), name
+    assert commands["preview"]._option_string_actions["--address"].default == "localhost:50051"
+    for name in ("demo", "bench", "preview"):
+        assert commands[name]._option_string_actions["--pipeline"].default == "train", name
+        assert commands[name]._option_string_actions["--batch-size"].metavar == "N", name
+    for name, command in commands.items():
+        level = command._option_string_actions["--log-level"].help or ""
+        expected = "WARNING" if name in ("demo", "bench") else "INFO"
+        assert f"(default {expected})" in level, (name, level)
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from batchwire.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)

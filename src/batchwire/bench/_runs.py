@@ -69,11 +69,19 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline and batch size, and how many images and repetitions."""
     parser.add_argument("--dataset", help="dataset name (default: the generated one)")
     parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
-    parser.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
     parser.add_argument(
-        "--images", type=int, default=4096, help="images per run (default 4096: one epoch)"
+        "--batch-size", type=int, default=128, metavar="N", help="batch size (default 128)"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions (default 3)")
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="images per run (default 4096: one epoch)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, metavar="N", help="alternated repetitions (default 3)"
+    )
     parser.add_argument(
         "--data-dir", type=pathlib.Path, help="datasets (default: generated photos)"
     )
@@ -81,6 +89,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--photos",
         type=int,
         default=4096,
+        metavar="N",
         help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
     )
 

@@ -38,12 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
     )
     parser.add_argument("--version", action="version", version=f"batchwire {batchwire.__version__}")
-    _add_log_options(parser, default=None)
+    modules = {name: importlib.import_module(f"batchwire.cli._{name}") for name in _COMMANDS}
+    quieter = sorted(n for n, m in modules.items() if hasattr(m, "DEFAULT_LOG_LEVEL"))
+    _add_log_options(parser, None, f"INFO; WARNING for {' and '.join(quieter)}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in _COMMANDS:
+    for name, module in modules.items():
         # A command is a module with HELP, DESCRIPTION, add_arguments(parser) and run(args)
         # (and DEFAULT_LOG_LEVEL where it logs less than INFO by default).
-        module = importlib.import_module(f"batchwire.cli._{name}")
         raw = getattr(module, "RAW_DESCRIPTION", False)
         command = subparsers.add_parser(
             name,
@@ -57,18 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
         )
     # Also after the command (`batchwire serve --log-format json`), as a container's
     # arguments follow its `batchwire serve` entrypoint.
-    for subparser in subparsers.choices.values():
-        _add_log_options(subparser, default=argparse.SUPPRESS)
+    for name, subparser in subparsers.choices.items():
+        level = getattr(modules[name], "DEFAULT_LOG_LEVEL", "INFO")
+        _add_log_options(subparser, argparse.SUPPRESS, level)
     return parser
 
 
-def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
+def _add_log_options(parser: argparse.ArgumentParser, default: object, level: str) -> None:
     group = parser.add_argument_group("logging")
     group.add_argument(
         "--log-level",
         choices=_logs.LEVELS,
         default=default,
-        help="log verbosity (default INFO; WARNING for demo) [BATCHWIRE_LOG_LEVEL]",
+        help=f"log verbosity (default {level}) [BATCHWIRE_LOG_LEVEL]",
     )
     group.add_argument(
         "--log-format",

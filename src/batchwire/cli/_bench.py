@@ -1,15 +1,25 @@
-"""``batchwire bench``: a running server as a trainer sees it, and runs (a)..(e) side by side.
+"""batchwire bench: a running server as a trainer sees it, or the runs side by side.
 
-    batchwire bench --address HOST:PORT --dataset D     # a running server, as a trainer sees it
-    batchwire bench --address HOST:PORT --dataset D --duration 600   # ... for 10 minutes
-    batchwire bench --compare [--json F] [--plot F.png] # (a)..(e) alternated on this host
+  batchwire bench --address HOST:PORT --dataset D          a running server, as a trainer
+                                                           sees it (rate, first batch, CPU)
+  batchwire bench --address HOST:PORT --dataset D --duration 600   the same for 10 minutes
+  batchwire bench --compare [--json F] [--plot F.png]      the runs below, alternated on
+                                                           this host, medians printed
 
-Without ``--data-dir``, ``--compare`` builds a dataset of generated ImageNet-sized JPEGs
-once in the cache (``~/.cache/batchwire/bench``).
+--compare runs, on the same data and cores:
+  (a) dali       DALI's own pipeline in this process, as a DALI user writes it (its caffe
+                 reader over the dataset's shards, the same graph, its PyTorch iterator)
+  (b) remote     a local batchwire serve streaming to RemoteLoader
+  (c) pil        a torch DataLoader decoding with PIL from the same LMDB (--workers)
+  (d) transport  batchwire's streaming path over batches already in memory, no decoding
+  (e) raw        plain gRPC with messages of the same sizes: the ceiling
+  and engine (batchwire's engine in this process, no gRPC) and the stand-ins nodecode
+  (records cut to one image, no decoding) and small (48-pixel JPEGs), each beside DALI's
+  own pipeline. It prints the ratios against their targets. Without --data-dir it builds
+  generated ImageNet-sized photos once in the cache (~/.cache/batchwire/bench).
 
-The research modes (``--messages``, ``--scaling``, ``--reading``, ``--stages``,
-``--streams``, ``--fleet``, ``--chaos`` and the long run) are not installed: run them
-from a checkout of batchwire as ``python -m benchmarks``, with the same flags.
+More benchmarks (message sizes, scaling, many streams, profiles) run from a checkout of
+batchwire as python -m benchmarks.
 """
 
 from __future__ import annotations

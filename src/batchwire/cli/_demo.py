@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"cached dataset, else {DEFAULT_IMAGES}); another number than the cached dataset's "
         "makes it again",
     )
-    parser.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, metavar="N", help="batch size (default 64)"
+    )
     parser.add_argument(
         "--pipeline",
         default="train",

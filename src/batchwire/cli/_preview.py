@@ -60,9 +60,11 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", required=True, help="server HOST:PORT")
+    parser.add_argument(
+        "--address", default="localhost:50051", help="HOST:PORT (default localhost:50051)"
+    )
     parser.add_argument("--dataset", required=True, help="dataset name on the server")
-    parser.add_argument("--pipeline", default="val", help="pipeline name (default val)")
+    parser.add_argument("--pipeline", default="train", help="pipeline name (default train)")
     parser.add_argument(
         "--out", required=True, type=pathlib.Path, metavar="PNG", help="where to write the grid"
     )
