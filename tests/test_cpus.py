@@ -50,7 +50,7 @@ def test_a_server_limited_by_taskset_to_one_cpu_builds_pipelines_with_one_thread
         info = server_info(int(match.group(1)))
     assert info["usable_cpus"] == "1"
     assert info["threads"] == "1"
-    assert "pipelines run 1 DALI threads each (1 CPUs usable" in served.log.read_text()
+    assert "pipelines run on the CPU, 1 DALI threads each (1 CPUs usable" in served.log.read_text()
 
 
 def write(path: pathlib.Path, text: str) -> None:
