@@ -266,32 +266,29 @@ sys.stdin.read()  # until killed
 """
 
 
+def _loader_process(target: str) -> tuple[subprocess.Popen[str], str]:
+    """A process whose loader began a pass and waits on its stdin; its ledger file's path."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LEDGER_OF_A_LOADER, target],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    (path,) = process.stdout.readline().split()
+    return process, path
+
+
 def test_a_killed_loaders_file_does_not_outlive_the_next_loader(server: BatchwireServer) -> None:
     """A loader killed with SIGKILL leaves its ledger file behind (no finalizer runs); the
     next process that makes a loader removes it."""
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", _LEDGER_OF_A_LOADER, server.target],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert trainer.stdout is not None
-        (path,) = trainer.stdout.readline().split()
-        assert os.path.exists(path)
-    finally:
-        trainer.kill()
-        trainer.wait(60)
+    trainer, path = _loader_process(server.target)
+    assert os.path.exists(path)
+    trainer.kill()
+    trainer.wait(60)
     assert os.path.exists(path)  # SIGKILL: nothing removed it
-    survivor = subprocess.Popen(
-        [sys.executable, "-c", _LEDGER_OF_A_LOADER, server.target],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    survivor, own = _loader_process(server.target)
     try:
-        assert survivor.stdout is not None
-        (own,) = survivor.stdout.readline().split()
         assert not os.path.exists(path) and os.path.exists(own)
     finally:
         survivor.stdin.close()  # type: ignore[union-attr]
