@@ -26,7 +26,7 @@ from batchwire.bench._dali import (
     SMALL_PHOTO,
     SMALL_SIZE,
     no_decode,
-    no_decode_spec,
+    pipeline_spec,
     run_dali,
 )
 from batchwire.bench._pil import LmdbPilDataset, pil_train_sample, run_pil
@@ -70,8 +70,8 @@ __all__ = [
     "draw_chart",
     "machine",
     "no_decode",
-    "no_decode_spec",
     "pil_train_sample",
+    "pipeline_spec",
     "process_cpu_seconds",
     "process_tree",
     "progress",

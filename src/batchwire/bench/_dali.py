@@ -27,17 +27,21 @@ __all__ = [
     "SMALL_PHOTO",
     "SMALL_SIZE",
     "no_decode",
-    "no_decode_spec",
+    "pipeline_spec",
     "run_dali",
 ]
 
 SMALL_PHOTO = (48, 48)  # the small-image stand-in's photos, pixels
 SMALL_SIZE = 32  # and its train pipeline's output size
 
-# The stand-in pipeline as a server config's [pipelines] table names it.
+# The server's presets and the stand-in pipeline, as a server config's [pipelines] table
+# names them: what the bench's servers serve, and what run_dali builds.
 NO_DECODE_TOML = """
 [pipelines.train]
 preset = "train"
+
+[pipelines.val]
+preset = "val"
 
 [pipelines.nodecode]
 function = "batchwire.bench._dali:no_decode"
@@ -62,15 +66,13 @@ def no_decode(encoded: Any, labels: Any, ctx: Any, p: Mapping[str, float]) -> tu
     return ctx.finish(images), labels
 
 
-def no_decode_spec() -> Any:
-    """:func:`no_decode` as the server's config declares it (:data:`NO_DECODE_TOML`)."""
-    from batchwire.server.core import Param, PipelineSpec
+def pipeline_spec(name: str) -> Any:
+    """The PipelineSpec named ``name`` as the bench's servers declare it (:data:`NO_DECODE_TOML`)."""
+    import tomllib
 
-    return PipelineSpec(
-        name="nodecode",
-        function=no_decode,
-        params={"size": Param(default=224, low=8, high=1024, integer=True)},
-    )
+    from batchwire.server import pipelines_from_config
+
+    return pipelines_from_config(tomllib.loads(NO_DECODE_TOML)["pipelines"])[name]
 
 
 def run_dali(
@@ -139,7 +141,6 @@ def _caffe_pipeline(
 
     from batchwire.server import ServerConfig
     from batchwire.server.core import (
-        PRESETS,
         BuildContext,
         OutputSpec,
         pipeline_threads,
@@ -147,7 +148,7 @@ def _caffe_pipeline(
     )
     from batchwire.server.data import Manifest
 
-    spec = no_decode_spec() if pipeline == "nodecode" else PRESETS[pipeline]
+    spec = pipeline_spec(pipeline)
     load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
     ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
     shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]

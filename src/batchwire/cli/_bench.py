@@ -216,12 +216,15 @@ def _compare(args: argparse.Namespace) -> int:
     if num_samples < args.batch_size:
         print(_no_batch_error(dataset, num_samples, args.batch_size), file=sys.stderr)
         return 2
-    small_dir, small = bench_dataset(None, None, args.photos, SMALL_PHOTO, progress=show)
+    # The small-image stand-in's photos are made only where it runs.
+    small_dir, small = data_dir, dataset
+    if "small" in wanted:
+        small_dir, small = bench_dataset(None, None, args.photos, SMALL_PHOTO, progress=show)
     with contextlib.ExitStack() as stack:
         work = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchwire-")))
         server = stack.enter_context(LocalServer(data_dir, work, pipelines=NO_DECODE_TOML))
         small_server = server
-        if small_dir != data_dir and "small" in wanted:
+        if small_dir != data_dir:
             small_server = stack.enter_context(LocalServer(small_dir, work))
         transport = stack.enter_context(transport_server(dataset, num_samples))
         raw = stack.enter_context(raw_server(_per_message(args.batch_size) * IMAGE_BYTES))
