@@ -145,7 +145,7 @@ class StreamPass:
 
     def _add_pullers(self, servers: list[Server]) -> None:
         with self._pullers_lock:
-            if self._stop.is_set():
+            if self._stopped:
                 return
             for server in servers:
                 if server not in self.pullers:
@@ -197,19 +197,19 @@ class StreamPass:
             if self._stopped:
                 return
             self._stopped = True
-        with self._pullers_lock:
+        with self._pullers_lock:  # no puller is added once _stopped is set
             pullers = list(self.pullers.values())
             finished = self.book.finished
-            if not finished:
-                self._stop.set()
         me = threading.current_thread()
         if finished:  # their request streams have ended: the servers end the calls
             for puller in pullers:
                 if puller.is_alive() and puller is not me:
                     puller.join(_CLOSE_TIMEOUT)
-        self._stop.set()
+        # The calls are cancelled before _stop is set: _stop ends their request streams,
+        # and a server that saw that half-close first would end the stream OK.
         for puller in pullers:
             puller.cancel()
+        self._stop.set()
         for puller in pullers:
             if puller.is_alive() and puller is not me:
                 puller.join(_JOIN_TIMEOUT)
@@ -243,7 +243,8 @@ class ServerPuller(threading.Thread):
         self._book = book
         self._credit = credit
         self._servers = servers
-        self._halt = stop
+        self._pass_stop = stop  # the pass's (not _stop: Thread has one)
+        self._cancelled = threading.Event()  # this puller's: set before the pass's stop
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
         self.delivered = 0  # batches this server delivered in this pass
@@ -261,7 +262,7 @@ class ServerPuller(threading.Thread):
 
     def _pull(self) -> None:
         attempt = 0
-        while not self._halt.is_set() and not self._book.finished:
+        while not self._halted() and not self._book.finished:
             held = Held()
             over = threading.Event()  # the call is over: its request stream asks for nothing
             accepted = threading.Event()  # the server opened the stream: ask it for batches
@@ -270,7 +271,7 @@ class ServerPuller(threading.Thread):
             try:
                 with map_rpc_errors(self.server.address):
                     with self._lock:
-                        if self._halt.is_set():
+                        if self._halted():
                             return
                         call = self._call = self._transport.open_pull(
                             self.server, self._requests(held, over, accepted)
@@ -280,7 +281,7 @@ class ServerPuller(threading.Thread):
                     self._receive(call, held, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except BatchwireError as exc:
-                if self._halt.is_set():
+                if self._halted():
                     return
                 if exc.code not in RETRIABLE:
                     raise
@@ -303,7 +304,7 @@ class ServerPuller(threading.Thread):
                 if returned
                 else "retrying it, and any other server, for the batches left",
             )
-            if self._halt.wait(backoff(attempt)):
+            if self._pass_stop.wait(backoff(attempt)):
                 return
             attempt += 1
 
@@ -324,19 +325,23 @@ class ServerPuller(threading.Thread):
         is over."""
         yield pb.PullRequest(stream=self._spec)
         while not accepted.wait(_POLL):
-            if over.is_set() or self._halt.is_set():
+            if over.is_set() or self._pass_stop.is_set():
                 return
         while True:
             batches = self._book.claim(
-                held, self._credit, lambda: over.is_set() or self._halt.is_set()
+                held, self._credit, lambda: over.is_set() or self._pass_stop.is_set()
             )
             if batches is None:
                 return
             yield pb.PullRequest(batches=batches)
 
+    def _halted(self) -> bool:
+        return self._cancelled.is_set() or self._pass_stop.is_set()
+
     def cancel(self) -> None:
-        """Stop pulling and cancel the call (from any thread)."""
-        self._halt.set()
+        """Stop pulling and cancel the call (from any thread), before its request stream
+        ends: the server logs and counts the stream as cancelled, not as finished."""
         with self._lock:
+            self._cancelled.set()
             if self._call is not None:
                 self._call.cancel()

@@ -213,8 +213,10 @@ class BatchStream(Generic[P]):
             # More is asked for, or the asking ends; a drain or close is seen within the
             # poll even while nothing is asked.
             self._wanted.clear()
+            # Not wait_for: on Python 3.11 it loses a cancel that meets the event.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wanted.wait(), _POLL_S)
+                async with asyncio.timeout(_POLL_S):
+                    await self._wanted.wait()
         return self._took(await asyncio.wrap_future(self._ticket.future(self._next_seq)))
 
     def __iter__(self) -> BatchStream[P]:

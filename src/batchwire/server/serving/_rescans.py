@@ -46,8 +46,10 @@ class Rescans:
     async def run(self) -> None:
         """Rescan on the timer and on request until cancelled (the server stops)."""
         while True:
+            # Not wait_for: on Python 3.11 it loses a cancel that meets the event.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wanted.wait(), self._interval)
+                async with asyncio.timeout(self._interval):
+                    await self.wanted.wait()
             self.wanted.clear()
             try:
                 await self.once()
