@@ -9,6 +9,7 @@ streams a disjoint share of every epoch, and all ranks get the same number of ba
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,10 @@ def main() -> None:
                 samples += len(labels)
             print(f"rank {rank}/{loader.world_size} epoch {epoch}: {samples} samples")
     dist.barrier()  # every rank done before the group goes
+    # Free the DDP model (and its last collectives) while Python runs: left to the
+    # interpreter's exit, a gloo thread can abort the process (pytorch/pytorch#190489).
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -106,6 +106,12 @@ def recipe(args: argparse.Namespace, recorder: Recorder) -> None:
             if epoch == args.save_epoch and progress.batches == args.kill_after:
                 die_together(recorder, epoch=epoch, batches=progress.batches)
         progress.epoch, progress.batches = epoch + 1, 0
+    loader.close()
+    # The DDP model and its last collectives are freed while Python runs, then the group:
+    # left to the interpreter's exit, a gloo thread that frees a collective then aborts the
+    # process ("terminate called without an active exception", pytorch/pytorch#190489).
+    model, optimizer = accelerator.free_memory(model, optimizer)
+    accelerator.end_training()
     recorder.event("finished", epoch=progress.epoch)
 
 
@@ -122,6 +128,7 @@ def prepare(args: argparse.Namespace, recorder: Recorder) -> None:
         recorder.event("error", type=type(error).__name__, message=str(error), batches=batches)
         dist.monitored_barrier(timeout=PEER_WAIT)
         raise
+    accelerator.end_training()
     recorder.event("finished", batches=batches)
 
 
