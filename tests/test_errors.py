@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
+import re
 import subprocess
 import sys
 
@@ -105,6 +107,39 @@ def test_client_raises_its_own_errors_with_codes(server: BatchwireServer) -> Non
         list(RemoteLoader(server.target, dataset="shapes", batch_size=4, params={"size": 0}))
     assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "words"),
+    [
+        ({"params": {"size": 100_000}}, "parameter 'size' must be in [8, 1024], got 100000"),
+        ({"params": {"size": 31.5}}, "parameter 'size' must be a whole number, got 31.5"),
+        ({"params": {"code": 1}}, "pipeline 'train' has no parameter 'code' (it has: area_max,"),
+        ({"batch_size": 5000}, "batch_size 5000 exceeds this server's limit of 1024"),
+    ],
+)
+def test_a_request_the_server_would_refuse_fails_before_any_stream(
+    server: BatchwireServer,
+    stub: pb_grpc.BatchwireStub,
+    caplog: pytest.LogCaptureFixture,
+    request_fields: dict[str, object],
+    words: str,
+) -> None:
+    """Bad params and a batch over the server's limit fail at the loader's first question to
+    the server (here len(); also classes or iter()), in the words the server uses when a
+    stream asks for the same, and before any stream opens."""
+    caplog.set_level(logging.INFO)
+    fields = {"batch_size": 4, **request_fields}
+    loader = RemoteLoader(server.target, dataset="shapes", drop_last=False, **fields)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError) as caught:
+        len(loader)
+    assert words in str(caught.value)
+    with pytest.raises(InvalidArgumentError, match=re.escape(words)):
+        list(loader)
+    assert not [r for r in caplog.records if "stream start" in r.getMessage()]
+    refused = stream_error(stub, pipeline="train", **fields)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in refused.details()
 
 
 def test_a_users_traceback_starts_with_batchwires_public_error(server: BatchwireServer) -> None:

@@ -195,11 +195,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """The dataset as the first server that answers describes it (cached)."""
         if self._info is None or again:
             self._info = describe_dataset(
-                self._transport,
-                self._servers,
-                self._spec.dataset,
-                self._spec.pipeline,
-                timeout=self.timeout,
+                self._transport, self._servers, self._spec, timeout=self.timeout
             )
         return self._info
 

@@ -10,6 +10,7 @@ where a ``grpc.RpcError`` becomes the client's own exception (see ``_exceptions`
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,8 @@ from batchwire.client._exceptions import (
 )
 from batchwire.client._security import ChannelSecurity
 from batchwire.client._servers import RETRIABLE, Server, ServerSet
+from batchwire.common.params import ParamRange, check_batch_size, check_params
+from batchwire.common.stream import StreamSpec
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc
 
@@ -216,29 +219,49 @@ class Transport:
 
 
 def describe_dataset(
-    transport: Transport, servers: ServerSet, dataset: str, pipeline: str, *, timeout: float
+    transport: Transport, servers: ServerSet, spec: StreamSpec, *, timeout: float
 ) -> pb.DatasetInfo:
-    """``dataset`` as the first server that answers describes it; NOT_FOUND if that
-    server has no such dataset or no pipeline ``pipeline``."""
+    """``spec``'s dataset as the first server that answers describes it, with ``spec``
+    checked against what that server announces: NOT_FOUND if it has no such dataset or
+    no such pipeline, INVALID_ARGUMENT (in the server's words) for a parameter the
+    pipeline lacks or out of its range, or a batch over the server's limit."""
     error: BatchwireError | None = None
     for start in range(len(servers.servers())):
         server = servers.pick(start)
         try:
-            info = transport.describe(server, dataset, timeout=timeout)
+            info = transport.describe(server, spec.dataset, timeout=timeout)
         except BatchwireError as exc:
             if exc.code not in RETRIABLE:
                 raise
             error = exc
             servers.mark_failed(server)
             continue
-        if not any(p.name == pipeline for p in info.pipelines):
+        pipeline = next((p for p in info.pipelines if p.name == spec.pipeline), None)
+        if pipeline is None:
             known = ", ".join(p.name for p in info.pipelines)
             raise NotFoundError(
-                f"server {server.address} has no pipeline {pipeline!r} (it has: {known})"
+                f"server {server.address} has no pipeline {spec.pipeline!r} (it has: {known})"
             )
+        try:
+            check_params(spec.pipeline, spec.params, announced_ranges(pipeline))
+            check_batch_size(spec.batch_size, info.max_batch_size)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{server.address}: {exc}") from None
         return info
     assert error is not None
     raise error
+
+
+def announced_ranges(pipeline: pb.PipelineInfo) -> dict[str, ParamRange]:
+    """The ranges of ``pipeline``'s parameters as its server announces them; a server that
+    names a parameter without its range (an older one) leaves only finite values checked."""
+    unknown = ParamRange(low=-math.inf, high=math.inf)
+    return {
+        name: ParamRange.from_proto(pipeline.param_ranges[name])
+        if name in pipeline.param_ranges
+        else unknown
+        for name in pipeline.params
+    }
 
 
 def check_health(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from batchwire.common.params import check_batch_size
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.server.core._catalog import Catalog, Change, DatasetDescription, check_version
@@ -180,11 +181,10 @@ class Engine:
     ) -> BatchStream[Any]:
         check_version(request.dataset, request.dataset_version, dataset)
         spec = pipeline_named(self.pipelines, request.pipeline)
-        if request.batch_size > self.config.max_batch_size:
-            raise InvalidRequest(
-                f"batch_size {request.batch_size} exceeds this server's limit of "
-                f"{self.config.max_batch_size} (server flag --max-batch-size)"
-            )
+        try:
+            check_batch_size(request.batch_size, self.config.max_batch_size)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         plan = self._plan(request, dataset)
         key, output = runner_key(
             spec, request, batch_size=request.batch_size, device=self.devices.kind

@@ -15,13 +15,13 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import math
 import pathlib
 import sys
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from batchwire.common.params import ParamRange, check_params
 from batchwire.common.stream import LAYOUTS as WIRE_LAYOUTS
 from batchwire.common.stream import OUTPUT_DTYPES
 
@@ -51,25 +51,16 @@ class ParamError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Param:
-    """A tunable parameter: its default and the closed range a request may set."""
+class Param(ParamRange):
+    """A tunable parameter: its default and the closed range a request may set (checked
+    with the client's wording, batchwire.common.params)."""
 
     default: float
-    low: float
-    high: float
-    integer: bool = False
     help: str = ""
 
-    def check(self, name: str, value: float) -> float:
-        if not math.isfinite(value) or not self.low <= value <= self.high:
-            raise ParamError(
-                f"parameter {name!r} must be in [{self.low}, {self.high}], got {value}"
-            )
-        if self.integer:
-            if value != int(value):
-                raise ParamError(f"parameter {name!r} must be a whole number, got {value}")
-            return float(int(value))
-        return float(value)
+    @property
+    def range(self) -> ParamRange:
+        return ParamRange(low=self.low, high=self.high, integer=self.integer)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,14 +169,10 @@ class PipelineSpec:
     def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
         """Defaults updated by ``overrides``; unknown names or bad values raise ParamError."""
         values = {name: param.default for name, param in self.params.items()}
-        for name, value in (overrides or {}).items():
-            param = self.params.get(name)
-            if param is None:
-                known = ", ".join(sorted(self.params)) or "none"
-                raise ParamError(
-                    f"pipeline {self.name!r} has no parameter {name!r} (it has: {known})"
-                )
-            values[name] = param.check(name, float(value))
+        try:
+            values.update(check_params(self.name, overrides or {}, self.params))
+        except ValueError as exc:
+            raise ParamError(str(exc)) from None
         if self.check is not None:
             self.check(values)
         return values

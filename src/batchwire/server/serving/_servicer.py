@@ -158,6 +158,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 mean=spec.mean,
                 std=spec.std,
                 params={k: p.default for k, p in spec.params.items()},
+                param_ranges={k: p.range.to_proto() for k, p in spec.params.items()},
             )
             for spec in self._engine.pipelines.values()
         ]
@@ -168,6 +169,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             pipelines=pipelines,
             format_version=summary.format_version,
             version=summary.version,
+            max_batch_size=self._engine.config.max_batch_size,
         )
 
     @_ends_with_status("listing its datasets")
