@@ -24,18 +24,15 @@ from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, load_file, pipelines_from_config
 from batchwire.server.core import (
     FAULTS_IN_A_ROW,
-    PRESETS,
-    BuildContext,
     Job,
-    OutputSpec,
     PipelineFault,
     PipelineHealth,
-    PipelineSpec,
     Runner,
     RunnerKey,
 )
 from batchwire.server.core._dali import fault_kind
 from batchwire.server.data import Dataset
+from batchwire.server.pipelines import PRESETS, BuildContext, OutputSpec, PipelineSpec
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -43,7 +40,7 @@ from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 FAULTY = '''
 import nvidia.dali.fn as fn
 
-from batchwire.server.core import PRESETS
+from batchwire.server.pipelines import PRESETS
 
 
 def _device_lost(images):

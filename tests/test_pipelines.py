@@ -14,8 +14,8 @@ from PIL import Image
 
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-from batchwire.server.core import PRESETS, BuildContext, OutputSpec
 from batchwire.server.data import Dataset, ingest
+from batchwire.server.pipelines import PRESETS, BuildContext, OutputSpec
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "hubble_deep_field")
 

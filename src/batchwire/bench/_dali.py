@@ -140,13 +140,9 @@ def _caffe_pipeline(
     from nvidia.dali import Pipeline, fn
 
     from batchwire.server import ServerConfig
-    from batchwire.server.core import (
-        BuildContext,
-        OutputSpec,
-        pipeline_threads,
-        usable_cpus,
-    )
+    from batchwire.server.core import pipeline_threads, usable_cpus
     from batchwire.server.data import Manifest
+    from batchwire.server.pipelines import BuildContext, OutputSpec
 
     spec = pipeline_spec(pipeline)
     load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load

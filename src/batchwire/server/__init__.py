@@ -12,9 +12,14 @@ Needs the ``server`` extra (``pip install "batchwire[server]"``): DALI, LMDB, uv
 
 Its parts, by role:
 
+- :mod:`batchwire.server.config`: the settings and the config file (no DALI, LMDB or grpc);
 - :mod:`batchwire.server.data`: datasets on disk, ingest (no grpc, no server);
-- :mod:`batchwire.server.core`: DALI pipelines, the scheduler and the engine (no grpc);
+- :mod:`batchwire.server.pipelines`: what a named pipeline is, and the presets (no grpc);
+- :mod:`batchwire.server.core`: the scheduler that runs pipelines, and the engine (no grpc);
 - :mod:`batchwire.server.serving`: the gRPC server, its security and metrics.
+
+A package is used through what its ``__init__`` exports, never through another package's
+private modules (tests/test_layout.py holds it).
 
 ``BatchwireServer`` and ``ServerError`` load on first use, so importing the data or
 core parts never loads grpc; the settings (``ServerConfig``, ``settings``) load without
@@ -26,17 +31,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from batchwire.common import __version__
-from batchwire.server._config import (
+from batchwire.server.config import (
     ConfigError,
     ServerConfig,
     Setting,
     boolean,
     device_ids,
+    load_file,
+    pipelines_from_config,
+    resolve,
     settings,
 )
 
 if TYPE_CHECKING:
-    from batchwire.server._config_file import load_file, pipelines_from_config, resolve
     from batchwire.server.serving import BatchwireServer, ServerError
 
 __all__ = [
@@ -56,10 +63,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("load_file", "pipelines_from_config", "resolve"):
-        from batchwire.server import _config_file
-
-        return getattr(_config_file, name)
     if name in ("BatchwireServer", "ServerError"):
         from batchwire.server import serving
 

@@ -12,7 +12,7 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 
 from __future__ import annotations
 
-from batchwire.server.core._catalog import DatasetDescription, check_data_dir
+from batchwire.server.core._catalog import Change, DatasetDescription, check_data_dir
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
 from batchwire.server.core._engine import Engine
@@ -24,30 +24,23 @@ from batchwire.server.core._errors import (
     OverCapacity,
     PipelineFault,
     ServiceError,
+    VersionMismatch,
 )
 from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import FAULTS_IN_A_ROW, STAGES, PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._pipelines import (
-    PRESETS,
-    BuildContext,
-    OutputSpec,
-    Param,
-    ParamError,
-    PipelineSpec,
-)
+from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
 from batchwire.server.core._stream import Batch, BatchStream, share_batches
 
 __all__ = [
     "FAULTS_IN_A_ROW",
-    "PRESETS",
     "STAGES",
     "Batch",
     "BatchStream",
-    "BuildContext",
+    "Change",
     "DatasetDescription",
     "DeviceError",
     "DevicePlan",
@@ -57,13 +50,11 @@ __all__ = [
     "InvalidRequest",
     "Job",
     "NotFound",
-    "OutputSpec",
     "OverCapacity",
-    "Param",
-    "ParamError",
     "PipelineFault",
     "PipelineHealth",
-    "PipelineSpec",
+    "PreprocessRequest",
+    "PreprocessResult",
     "Result",
     "Runner",
     "RunnerKey",
@@ -72,6 +63,7 @@ __all__ = [
     "ServiceError",
     "StageTimes",
     "Ticket",
+    "VersionMismatch",
     "check_data_dir",
     "pipeline_threads",
     "read_job",

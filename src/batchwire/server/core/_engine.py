@@ -34,14 +34,13 @@ from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
-from batchwire.server.core._pipelines import BuildContext, OutputSpec, PipelineSpec
 from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
-from batchwire.server.data._dataset import Dataset
-from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
+from batchwire.server.data import Dataset, ReadAhead, StreamReadAhead
+from batchwire.server.pipelines import BuildContext, OutputSpec, PipelineSpec
 
 __all__ = ["DatasetDescription", "Engine"]
 

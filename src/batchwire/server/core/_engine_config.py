@@ -7,7 +7,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from batchwire.server.core._pipelines import PipelineSpec
+from batchwire.server.pipelines import PipelineSpec
 
 __all__ = ["EngineConfig"]
 

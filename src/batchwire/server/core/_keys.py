@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from batchwire.server.core._errors import InvalidRequest, NotFound
-from batchwire.server.core._pipelines import OutputSpec, ParamError, PipelineSpec
+from batchwire.server.pipelines import OutputSpec, ParamError, PipelineSpec
 
 __all__ = ["OutputRequest", "RunnerKey", "pipeline_named", "runner_key"]
 

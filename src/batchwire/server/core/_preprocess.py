@@ -40,14 +40,14 @@ from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity
 from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
-from batchwire.server.core._pipelines import PipelineSpec
 from batchwire.server.core._preprocess_request import (
     Pending,
     PreprocessRequest,
     PreprocessResult,
     settle,
 )
-from batchwire.server.data._formats import unsupported_reason
+from batchwire.server.data import unsupported_reason
+from batchwire.server.pipelines import PipelineSpec
 
 __all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]
 

@@ -34,7 +34,7 @@ from batchwire.server.core._errors import PipelineFault
 from batchwire.server.core._health import PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job, Result, empty_result
 from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._pipelines import BuildContext, PipelineSpec
+from batchwire.server.pipelines import BuildContext, PipelineSpec
 
 __all__ = ["Runner"]
 

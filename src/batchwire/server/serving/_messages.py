@@ -18,10 +18,18 @@ from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec, output_fields
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
-from batchwire.server.core import _errors as errors
-from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
-from batchwire.server.core._stream import share_batches
-from batchwire.server.data._dataset import DatasetError
+from batchwire.server.core import (
+    Draining,
+    InvalidRequest,
+    NotFound,
+    OverCapacity,
+    PipelineFault,
+    PreprocessRequest,
+    PreprocessResult,
+    VersionMismatch,
+    share_batches,
+)
+from batchwire.server.data import DatasetError
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
@@ -43,12 +51,12 @@ __all__ = [
 # a client to go on elsewhere (RemoteLoader resumes from its cursor on another server);
 # anything not listed is a bug: INTERNAL, with the server's log to say more.
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.Draining: grpc.StatusCode.UNAVAILABLE,
-    errors.VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.PipelineFault: grpc.StatusCode.UNAVAILABLE,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    OverCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    PipelineFault: grpc.StatusCode.UNAVAILABLE,
     DatasetError: grpc.StatusCode.DATA_LOSS,
 }
 
@@ -82,12 +90,10 @@ def tolerant(parse: Callable[[bytes], Message]) -> Callable[[bytes], Message | M
 def check_message(request: Message | Malformed) -> None:
     """A request must parse and carry only fields this server knows."""
     if isinstance(request, Malformed):
-        raise errors.InvalidRequest(
-            f"the request is not a valid protobuf message: {request.reason}"
-        )
+        raise InvalidRequest(f"the request is not a valid protobuf message: {request.reason}")
     unknown = sorted({field.field_number for field in UnknownFieldSet(request)})
     if unknown:
-        raise errors.InvalidRequest(
+        raise InvalidRequest(
             f"the request has fields this server does not know (numbers {unknown}); "
             "the client speaks a newer protocol: upgrade the server or drop those fields"
         )
@@ -98,7 +104,7 @@ def check_name(kind: str, name: str) -> None:
     try:
         check_spec_name(kind, name)
     except ValueError as exc:
-        raise errors.InvalidRequest(str(exc)) from exc
+        raise InvalidRequest(str(exc)) from exc
 
 
 MAX_LANES = 1024  # lanes a StreamBatches client may split a share into
@@ -124,9 +130,9 @@ def lane_from_proto(request: pb.StreamBatchesRequest) -> Lane:
     """The lane a request names (unset: the whole share); out of range is InvalidRequest."""
     lanes = request.lanes or 1
     if lanes > MAX_LANES:
-        raise errors.InvalidRequest(f"lanes must be at most {MAX_LANES}, got {lanes}")
+        raise InvalidRequest(f"lanes must be at most {MAX_LANES}, got {lanes}")
     if not 0 <= request.lane < lanes:
-        raise errors.InvalidRequest(f"lane must be in [0, lanes), got {request.lane} of {lanes}")
+        raise InvalidRequest(f"lane must be in [0, lanes), got {request.lane} of {lanes}")
     return Lane(request.lane, lanes)
 
 
@@ -137,7 +143,7 @@ def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSp
     try:
         return StreamSpec.from_proto(request)
     except ValueError as exc:
-        raise errors.InvalidRequest(str(exc)) from exc
+        raise InvalidRequest(str(exc)) from exc
 
 
 def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> PreprocessRequest:
@@ -148,7 +154,7 @@ def preprocess_request_from_proto(request: pb.PreprocessRequest | Malformed) -> 
     try:
         output = output_fields(request)
     except ValueError as exc:
-        raise errors.InvalidRequest(str(exc)) from exc
+        raise InvalidRequest(str(exc)) from exc
     return PreprocessRequest(pipeline=request.pipeline, images=request.images, **output)
 
 

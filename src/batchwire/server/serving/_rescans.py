@@ -8,9 +8,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from batchwire.server.core._catalog import Change
-from batchwire.server.core._engine import Engine
-from batchwire.server.data._dataset import DatasetError
+from batchwire.server.core import Change, Engine
+from batchwire.server.data import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 
 __all__ = ["Rescans"]

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health
 
 from batchwire.common.tokens import parse_tokens
-from batchwire.server._config import ConfigError, ServerConfig
+from batchwire.server.config import ConfigError, ServerConfig
 
 __all__ = ["ServerSecurity", "TokenInterceptor", "read_token_file"]
 

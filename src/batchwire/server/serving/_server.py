@@ -31,10 +31,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from batchwire.server._config import ServerConfig
-from batchwire.server.core._catalog import Change
-from batchwire.server.core._engine import Engine
-from batchwire.server.core._engine_config import EngineConfig
+from batchwire.server.config import ServerConfig
+from batchwire.server.core import Change, Engine, EngineConfig
 from batchwire.server.serving import _runtime
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._rescans import Rescans

@@ -25,10 +25,14 @@ import grpc
 
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core._catalog import DatasetDescription
-from batchwire.server.core._engine import Engine
-from batchwire.server.core._errors import InvalidRequest, OverCapacity, ServiceError
-from batchwire.server.core._stream import BatchStream
+from batchwire.server.core import (
+    BatchStream,
+    DatasetDescription,
+    Engine,
+    InvalidRequest,
+    OverCapacity,
+    ServiceError,
+)
 from batchwire.server.serving._messages import (
     Malformed,
     check_message,

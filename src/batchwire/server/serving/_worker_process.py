@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from batchwire.server._config import ConfigError, ServerConfig
+from batchwire.server.config import ConfigError, ServerConfig
 from batchwire.server.core import DeviceError
 from batchwire.server.data import DatasetError
 from batchwire.server.serving._malloc import tune_for_large_buffers

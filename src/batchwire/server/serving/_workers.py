@@ -38,9 +38,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from batchwire.server._config import ServerConfig
-from batchwire.server.core import DevicePlan
-from batchwire.server.core._cpus import pipeline_threads, usable_cpus
+from batchwire.server.config import ServerConfig
+from batchwire.server.core import DevicePlan, pipeline_threads, usable_cpus
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
 from batchwire.server.serving._runtime import Listening, ServerError, check_port_free
 from batchwire.server.serving._worker_metrics import WorkerMetricsCollector

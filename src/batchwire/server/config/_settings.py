@@ -3,7 +3,7 @@
 Every setting is a field of :class:`ServerConfig`, declared once with its help, how it
 is parsed from text and the values it takes; ``batchwire serve`` derives from that
 declaration a flag ``--name``, an environment variable ``BATCHWIRE_NAME`` and a key
-``name`` of a config file's ``[server]`` table (see :mod:`batchwire.server._config_file`).
+``name`` of a config file's ``[server]`` table (see :mod:`batchwire.server.config._file`).
 Precedence: flags > environment > file > defaults.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from batchwire.server.core._pipelines import PipelineSpec
+    from batchwire.server.pipelines import PipelineSpec
 
 
 __all__ = [
@@ -85,7 +85,7 @@ def _setting(
 def _presets() -> dict[str, PipelineSpec]:
     # Imported when a config is built: the declaration of the settings (and so the
     # CLI's flags) needs no DALI, LMDB or server code.
-    from batchwire.server.core._pipelines import PRESETS
+    from batchwire.server.pipelines import PRESETS
 
     return dict(PRESETS)
 

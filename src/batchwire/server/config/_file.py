@@ -42,8 +42,8 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from batchwire.server._config import ConfigError, ServerConfig, settings
-from batchwire.server.core._pipelines import (
+from batchwire.server.config._settings import ConfigError, ServerConfig, settings
+from batchwire.server.pipelines import (
     PRESETS,
     Param,
     ParamError,
