@@ -22,7 +22,7 @@ from photos import encode, impossible_huffman_table
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
 from batchwire.server.data import Dataset, Manifest, sample_key, unsupported_reason
-from batchwire.server.data._datum import datum_image
+from batchwire.server.data.records._datum import datum_image
 from batchwire.v1 import datum_pb2
 
 

@@ -262,7 +262,11 @@ def test_a_batch_crosses_at_most_twenty_files(data_dir: pathlib.Path) -> None:
     # record in its file, the Datum walk that locates the image in the record, the screen)
     # and its read-ahead; the client: the loop, the pass and its book, _delivery, and the
     # codec.
-    for path in ("server/core/_runner.py", "server/data/_dataset.py", "client/_delivery.py"):
+    for path in (
+        "server/core/_runner.py",
+        "server/data/records/_dataset.py",
+        "client/_delivery.py",
+    ):
         assert path in seen, sorted(seen)
     assert len(seen) <= 22, "\n".join(sorted(seen))
     client = {path for path in seen if path.startswith(("client/", "common/"))}

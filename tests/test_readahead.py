@@ -17,7 +17,7 @@ from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
 from batchwire.server.core import read_job
 from batchwire.server.data import Dataset
-from batchwire.server.data._readahead import ReadAhead, StreamReadAhead
+from batchwire.server.data.records._readahead import ReadAhead, StreamReadAhead
 from batchwire.v1 import datum_pb2
 from benchmarks.cold import evict
 

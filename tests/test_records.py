@@ -10,7 +10,7 @@ import lmdb
 import numpy as np
 
 from batchwire.server.data import Dataset, Manifest, sample_key
-from batchwire.server.data._datum import datum_image
+from batchwire.server.data.records._datum import datum_image
 from batchwire.v1 import datum_pb2
 
 

@@ -39,7 +39,7 @@ from batchwire.server.core._preprocess_request import PreprocessRequest, Preproc
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
-from batchwire.server.data import Dataset, ReadAhead, StreamReadAhead
+from batchwire.server.data.records import Dataset, ReadAhead, StreamReadAhead
 from batchwire.server.pipelines import BuildContext, OutputSpec, PipelineSpec
 
 __all__ = ["DatasetDescription", "Engine"]

@@ -23,7 +23,7 @@ Three stages, summed over every batch the server's pipelines make:
 ``read``
     the record path (:func:`~batchwire.server.core.read_job`): LMDB, parse, screen; and
     the read-ahead's threads, looking up the records of the streams' next batches and
-    asking the disk for them (:mod:`batchwire.server.data._readahead`);
+    asking the disk for them (:mod:`batchwire.server.data.records._readahead`);
 ``pipeline``
     DALI's own run (decode, augment, normalize, on the CPU or the GPU), that is the
     time in ``Pipeline.run`` less the time it spent asking for its input;

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from batchwire.server.data import Dataset
+from batchwire.server.data.records import Dataset
 
 __all__ = ["Job", "Result", "empty_result", "read_job"]
 

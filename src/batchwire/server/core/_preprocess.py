@@ -46,7 +46,7 @@ from batchwire.server.core._preprocess_request import (
     PreprocessResult,
     settle,
 )
-from batchwire.server.data import unsupported_reason
+from batchwire.server.data.records import unsupported_reason
 from batchwire.server.pipelines import PipelineSpec
 
 __all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]

@@ -9,35 +9,43 @@ build job): it needs LMDB, Pillow and DALI's CPU decoder, and never loads grpc::
     manifest = read_manifest("data/pets")              # its manifest.json, checked
     with Dataset("data/pets") as dataset:
         images, labels = dataset.read([0, 1, 2])       # encoded bytes and labels
+
+Two subpackages, gathered here for scripts: :mod:`batchwire.server.data.ingestion`, the
+offline tool that writes datasets, and :mod:`batchwire.server.data.records`, a dataset's
+records as a server reads them. The server's own code imports the subpackage it needs.
 """
 
 from __future__ import annotations
 
-import pathlib
-
-from batchwire.server.data._dataset import (
+from batchwire.server.data.ingestion import (
+    DEFAULT_SHARD_SIZE,
+    SHAPES,
+    DatasetSummary,
+    IngestError,
+    IngestReport,
+    ShardSummary,
+    UnsafePickle,
+    ingest,
+    safe_loads,
+    summarize,
+    write_image_folders,
+    write_photo_folders,
+)
+from batchwire.server.data.records import (
     MANIFEST,
     NAME_PATTERN,
     Dataset,
     DatasetError,
     Manifest,
+    ReadAhead,
+    ReadAheadStats,
     Shard,
+    StreamReadAhead,
     manifest_version,
+    read_manifest,
     sample_key,
+    unsupported_reason,
 )
-from batchwire.server.data._formats import unsupported_reason
-from batchwire.server.data._ingest import DEFAULT_SHARD_SIZE, IngestError, IngestReport, ingest
-from batchwire.server.data._inspect import DatasetSummary, ShardSummary, summarize
-from batchwire.server.data._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
-from batchwire.server.data._safe_pickle import UnsafePickle, safe_loads
-from batchwire.server.data._synthetic import SHAPES, write_image_folders, write_photo_folders
-
-
-def read_manifest(directory: pathlib.Path | str) -> Manifest:
-    """The checked ``manifest.json`` of the dataset in ``directory`` (``DatasetError`` if
-    it is missing or malformed)."""
-    return Manifest.load(pathlib.Path(directory))
-
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",

@@ -49,7 +49,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
-from batchwire.server.data import ReadAhead
+from batchwire.server.data.records import ReadAhead
 
 __all__ = ["HealthCollector", "ReadAheadCollector", "SchedulerCollector", "StageCollector"]
 

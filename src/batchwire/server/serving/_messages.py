@@ -29,7 +29,7 @@ from batchwire.server.core import (
     VersionMismatch,
     share_batches,
 )
-from batchwire.server.data import DatasetError
+from batchwire.server.data.records import DatasetError
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [

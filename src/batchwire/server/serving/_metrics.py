@@ -63,7 +63,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
 from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
-from batchwire.server.data import ReadAhead
+from batchwire.server.data.records import ReadAhead
 from batchwire.server.serving._collectors import (
     HealthCollector,
     ReadAheadCollector,

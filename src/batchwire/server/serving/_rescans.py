@@ -9,7 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from batchwire.server.core import Change, Engine
-from batchwire.server.data import DatasetError
+from batchwire.server.data.records import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 
 __all__ = ["Rescans"]

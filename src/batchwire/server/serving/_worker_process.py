@@ -22,7 +22,7 @@ from typing import Any
 
 from batchwire.server.config import ConfigError, ServerConfig
 from batchwire.server.core import DeviceError
-from batchwire.server.data import DatasetError
+from batchwire.server.data.records import DatasetError
 from batchwire.server.serving._malloc import tune_for_large_buffers
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
 from batchwire.server.serving._server import BatchwireServer, ServerError

@@ -44,7 +44,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from batchwire.server.data._dataset import Dataset
+from batchwire.server.data.records._dataset import Dataset
 
 __all__ = ["ReadAhead", "ReadAheadStats", "StreamReadAhead"]
 

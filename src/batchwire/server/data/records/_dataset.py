@@ -34,10 +34,10 @@ import lmdb
 import numpy as np
 
 from batchwire.common.stream import NAME_PATTERN
-from batchwire.server.data._datum import datum_image
-from batchwire.server.data._environments import ENVIRONMENTS, DatasetError, copied
-from batchwire.server.data._formats import ScreenedRecords
-from batchwire.server.data._lmdb_index import ShardIndex, index_shard, last_commit
+from batchwire.server.data.records._datum import datum_image
+from batchwire.server.data.records._environments import ENVIRONMENTS, DatasetError, copied
+from batchwire.server.data.records._formats import ScreenedRecords
+from batchwire.server.data.records._lmdb_index import ShardIndex, index_shard, last_commit
 
 __all__ = [
     "FORMAT_VERSION",
@@ -289,7 +289,7 @@ class Dataset:
         """Where the record of ``sample_id`` lies on disk: (file descriptor of its shard's
         ``data.mdb``, byte offset, length), or None where that is not known (a missing
         record, a shard not in ingest's shape); for reading it ahead
-        (:mod:`batchwire.server.data._readahead`). Reads no record: the first call for a
+        (:mod:`batchwire.server.data.records._readahead`). Reads no record: the first call for a
         shard reads its B-tree's pages. The descriptor stays open until :meth:`close`."""
         shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
         if shard < 0 or not 0 <= sample_id < self.num_samples:

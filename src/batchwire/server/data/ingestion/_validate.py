@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchwire.server.data._formats import unsupported_reason
+from batchwire.server.data.records import unsupported_reason
 
 if TYPE_CHECKING:
     from nvidia.dali import Pipeline

@@ -7,7 +7,7 @@ import pathlib
 
 import lmdb
 
-from batchwire.server.data._dataset import Shard, sample_key
+from batchwire.server.data.records import Shard, sample_key
 
 __all__ = ["ShardWriter"]
 

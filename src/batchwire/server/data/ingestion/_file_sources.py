@@ -13,9 +13,9 @@ import pathlib
 import stat
 from collections.abc import Iterator
 
-from batchwire.server.data._batches import Rejected, bounded_batches
-from batchwire.server.data._dataset import MAX_LABEL
-from batchwire.server.data._ingest_error import IngestError
+from batchwire.server.data.ingestion._batches import Rejected, bounded_batches
+from batchwire.server.data.ingestion._ingest_error import IngestError
+from batchwire.server.data.records import MAX_LABEL
 
 __all__ = [
     "SourceFile",

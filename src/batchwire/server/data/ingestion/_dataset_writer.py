@@ -18,13 +18,13 @@ import pathlib
 import sys
 from collections.abc import Iterator, Sequence
 
-from batchwire.server.data._batches import Rejected
-from batchwire.server.data._dataset import MANIFEST, Manifest, Shard
-from batchwire.server.data._file_sources import SourceFile, Sources
-from batchwire.server.data._ingest_error import IngestError
-from batchwire.server.data._lmdb_sources import LmdbSource, LmdbSourceError, SourceRecord
-from batchwire.server.data._shard_writer import ShardWriter
-from batchwire.server.data._validate import Decoded, ImageValidator
+from batchwire.server.data.ingestion._batches import Rejected
+from batchwire.server.data.ingestion._file_sources import SourceFile, Sources
+from batchwire.server.data.ingestion._ingest_error import IngestError
+from batchwire.server.data.ingestion._lmdb_sources import LmdbSource, LmdbSourceError, SourceRecord
+from batchwire.server.data.ingestion._shard_writer import ShardWriter
+from batchwire.server.data.ingestion._validate import Decoded, ImageValidator
+from batchwire.server.data.records import MANIFEST, Manifest, Shard
 from batchwire.v1 import datum_pb2
 
 __all__ = ["WriteOptions", "write_dataset"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from batchwire.server.data._dataset import Dataset, Manifest
+from batchwire.server.data.records import Dataset, Manifest
 
 __all__ = ["DatasetSummary", "ShardSummary", "summarize"]
 

@@ -32,14 +32,22 @@ import pathlib
 import shutil
 import time
 
-from batchwire.server.data._batches import Rejected
-from batchwire.server.data._dataset import NAME_PATTERN, Manifest
-from batchwire.server.data._dataset_writer import WriteOptions, write_dataset
-from batchwire.server.data._file_sources import Sources, read_file_list, scan_class_folders
-from batchwire.server.data._ingest_error import IngestError
-from batchwire.server.data._lmdb_sources import LmdbSource, LmdbSourceError, open_lmdb_source
-from batchwire.server.data._publish import check_replaceable, new_dir, publish
-from batchwire.server.data._validate import DEFAULT_BATCH_SIZE
+from batchwire.server.data.ingestion._batches import Rejected
+from batchwire.server.data.ingestion._dataset_writer import WriteOptions, write_dataset
+from batchwire.server.data.ingestion._file_sources import (
+    Sources,
+    read_file_list,
+    scan_class_folders,
+)
+from batchwire.server.data.ingestion._ingest_error import IngestError
+from batchwire.server.data.ingestion._lmdb_sources import (
+    LmdbSource,
+    LmdbSourceError,
+    open_lmdb_source,
+)
+from batchwire.server.data.ingestion._publish import check_replaceable, new_dir, publish
+from batchwire.server.data.ingestion._validate import DEFAULT_BATCH_SIZE
+from batchwire.server.data.records import NAME_PATTERN, Manifest
 
 __all__ = ["DEFAULT_SHARD_SIZE", "IngestError", "IngestReport", "ingest"]
 

@@ -31,9 +31,9 @@ from collections.abc import Iterator
 
 import lmdb
 
-from batchwire.server.data._batches import Rejected, bounded_batches
-from batchwire.server.data._dataset import MAX_LABEL
-from batchwire.server.data._safe_pickle import UnsafePickle, safe_loads
+from batchwire.server.data.ingestion._batches import Rejected, bounded_batches
+from batchwire.server.data.ingestion._safe_pickle import UnsafePickle, safe_loads
+from batchwire.server.data.records import MAX_LABEL
 from batchwire.v1 import datum_pb2
 
 __all__ = ["LmdbSource", "LmdbSourceError", "SourceRecord", "is_lmdb", "open_lmdb_source"]

@@ -2,7 +2,7 @@
 
 For reading records by file offset: the server reads a batch's records with one ``pread``
 each, straight into the batch's buffer (:meth:`Dataset.read`), and its read-ahead
-(:mod:`batchwire.server.data._readahead`) asks the kernel for them before that. Looking a
+(:mod:`batchwire.server.data.records._readahead`) asks the kernel for them before that. Looking a
 record up through py-lmdb cannot give either: ``Transaction.get`` reads the whole value in
 (a page at a time, the map being opened without the kernel's read-ahead, holding the
 interpreter lock) before it returns. So the shard's branch and leaf pages (a few hundred for

@@ -1,0 +1,52 @@
+"""Records: a dataset as it lies on disk (LMDB shards and a manifest) and the one path its
+records take while a server serves it: located by offset from each shard's B-tree index,
+read with one ``pread`` each (read ahead while reads wait for the disk), and screened once
+per dataset version before any reaches a decoder. Needs LMDB; never loads grpc::
+
+    from batchwire.server.data.records import Dataset
+
+    with Dataset("data/pets") as dataset:
+        images, labels = dataset.read([0, 1, 2])       # encoded bytes and labels
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from batchwire.server.data.records._dataset import (
+    MANIFEST,
+    MAX_LABEL,
+    NAME_PATTERN,
+    Dataset,
+    DatasetError,
+    Manifest,
+    Shard,
+    manifest_version,
+    sample_key,
+)
+from batchwire.server.data.records._formats import unsupported_reason
+from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
+
+
+def read_manifest(directory: pathlib.Path | str) -> Manifest:
+    """The checked ``manifest.json`` of the dataset in ``directory`` (``DatasetError`` if
+    it is missing or malformed)."""
+    return Manifest.load(pathlib.Path(directory))
+
+
+__all__ = [
+    "MANIFEST",
+    "MAX_LABEL",
+    "NAME_PATTERN",
+    "Dataset",
+    "DatasetError",
+    "Manifest",
+    "ReadAhead",
+    "ReadAheadStats",
+    "Shard",
+    "StreamReadAhead",
+    "manifest_version",
+    "read_manifest",
+    "sample_key",
+    "unsupported_reason",
+]
