@@ -105,10 +105,6 @@ class BuildContext:
     # unless configured).
     hw_decoder_load: float = 0.65
 
-    @property
-    def decoder_device(self) -> str:
-        return "mixed" if self.device == "gpu" else "cpu"
-
     def decoder_args(self) -> dict[str, Any]:
         """Keyword arguments for a DALI image decoder: its device, and on the GPU the
         sizes of the buffers it keeps per thread (``host_memory_padding``: two pinned host

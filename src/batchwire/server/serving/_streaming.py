@@ -31,7 +31,7 @@ from batchwire.v1 import batchwire_pb2 as pb
 __all__ = ["EncodedBatch", "StreamMetrics", "encode_parts", "serve_stream", "write"]
 
 # The stream start and end lines are the servicer's: operators find and filter them
-# under this logger name (it is in the JSON log lines, see the README).
+# under this logger name (it is in the JSON log lines: docs/operations.md, Logs).
 log = logging.getLogger("batchwire.server.serving._servicer")
 
 # How long a stream whose write failed waits for gRPC to report the client gone (see write).
