@@ -26,7 +26,6 @@ from batchwire.server.core._errors import (
     ServiceError,
     VersionMismatch,
 )
-from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import FAULTS_IN_A_ROW, STAGES, PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
@@ -34,6 +33,7 @@ from batchwire.server.core._preprocess_request import PreprocessRequest, Preproc
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
 from batchwire.server.core._stream import Batch, BatchStream, share_batches
+from batchwire.server.core._ticket import Ticket
 
 __all__ = [
     "FAULTS_IN_A_ROW",

@@ -30,7 +30,6 @@ from batchwire.server.core._errors import (
     InvalidRequest,
     OverCapacity,
 )
-from batchwire.server.core._fair import Ticket
 from batchwire.server.core._health import PipelineHealth, StageTimes
 from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
@@ -39,6 +38,7 @@ from batchwire.server.core._preprocess_request import PreprocessRequest, Preproc
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
+from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import Dataset, ReadAhead, StreamReadAhead
 from batchwire.server.pipelines import BuildContext, OutputSpec, PipelineSpec
 

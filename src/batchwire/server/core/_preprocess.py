@@ -37,7 +37,6 @@ import numpy as np
 
 from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
-from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._preprocess_request import (
@@ -46,6 +45,7 @@ from batchwire.server.core._preprocess_request import (
     PreprocessResult,
     settle,
 )
+from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import unsupported_reason
 from batchwire.server.pipelines import PipelineSpec
 

@@ -1,7 +1,7 @@
 """The server's pipelines: a fixed set per device, shared fairly by every stream.
 
 A stream does not get a pipeline of its own. It asks for its next batches through a
-:class:`~batchwire.server.core._fair.Ticket`, at most ``window`` ahead of what its client
+:class:`~batchwire.server.core._ticket.Ticket`, at most ``window`` ahead of what its client
 has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` RPC's
 batches all go through the same tickets. Each device has ``slots`` pipeline slots; a slot
 is a thread that takes requests in the order of the fairness policy
@@ -29,10 +29,11 @@ import time
 from collections.abc import Callable, Iterator
 
 from batchwire.server.core._errors import PipelineFault
-from batchwire.server.core._fair import FairQueue, Ticket
+from batchwire.server.core._fair import FairQueue
 from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._runner import Runner
+from batchwire.server.core._ticket import Ticket
 
 __all__ = ["Scheduler", "SchedulerStats"]
 

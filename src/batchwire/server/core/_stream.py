@@ -22,8 +22,8 @@ import numpy as np
 
 from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.core._errors import Draining, InvalidRequest
-from batchwire.server.core._fair import Ticket
 from batchwire.server.core._jobs import Job, Result, read_job
+from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import Dataset
 
 __all__ = ["Batch", "BatchStream", "share_batches"]

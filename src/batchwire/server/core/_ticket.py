@@ -1,0 +1,145 @@
+"""A :class:`Ticket`: one stream's requests to the server's pipelines, and their results.
+
+A stream (or a Preprocess queue) asks for its batches through its ticket, at most
+``window`` ahead of what it has taken, so a slow client never makes the server hold more.
+The scheduler takes the requests of every ticket in the order its fair queue says
+(:mod:`batchwire.server.core._fair`), and hands each result back to its ticket.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from batchwire.server.core._jobs import Job, Result
+from batchwire.server.core._keys import RunnerKey
+
+__all__ = ["Ticket"]
+
+
+class _Requests(Protocol):
+    """The scheduler, as a ticket sees it."""
+
+    def request(self, ticket: Ticket, room: int, *, more: int = 0) -> None: ...
+
+    def forget(self, ticket: Ticket) -> None: ...
+
+
+class Ticket:
+    """One stream's requests and results.
+
+    ``read(seq)`` gives the job of the stream's batch ``seq`` (its records read); results
+    come back through :meth:`future`, each batch's once (:meth:`deliver` hands them in).
+    A ticket is not a pipeline: the scheduler's slots run its requests on theirs.
+
+    The fairness policy's state lives here too, guarded by the scheduler's lock:
+    ``pending`` holds the batches asked for and not yet taken by a pipeline, with when each
+    was asked, and ``served`` counts those taken (see ``batchwire.server.core._fair``).
+    """
+
+    def __init__(
+        self,
+        key: RunnerKey,
+        count: int,
+        read: Callable[[int], Job],
+        window: int,
+        scheduler: _Requests,
+    ) -> None:
+        self.key = key
+        self.count = count
+        self.read = read
+        self._window = window
+        self._scheduler = scheduler
+        self.pending: collections.deque[tuple[int, float]] = collections.deque()
+        self.served = 0
+        self.queued: int | None = None  # the fair queue's entry for this ticket, if any
+        self._results: dict[int, Result | BaseException] = {}
+        # Results someone awaits (``future``): set on delivery instead of kept.
+        self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
+        self._requested = 0  # batches before this one have been asked of the pipelines
+        self._allowed = 0  # ... and those before this one may be
+        self._lock = threading.Lock()
+        self._started = False
+        self.closed = False
+
+    def start(self, first: int) -> None:
+        """Ask for batches ``first``, ``first + 1``, … (``window`` of them to begin with)."""
+        self._requested = self._allowed = first
+        self._started = True
+        self._scheduler.request(self, self._window)
+
+    def extend(self, count: int) -> None:
+        """The stream has ``count`` more batches (a pulling client asked for them); they are
+        asked of the pipelines as the window allows."""
+        self._scheduler.request(self, 0, more=count)
+
+    def next_requests(self, room: int, more: int = 0) -> list[int]:
+        """Further batch numbers to ask for, ``room`` more allowed and ``more`` batches more
+        in the stream (called under the scheduler's lock); they join ``pending``."""
+        self.count += more
+        self._allowed += room
+        seqs = list(range(self._requested, min(self._allowed, self.count)))
+        self._requested += len(seqs)
+        now = time.monotonic()
+        self.pending.extend((seq, now) for seq in seqs)
+        return seqs
+
+    def deliver(self, seq: int, result: Result | BaseException) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            future = self._futures.pop(seq, None)
+            if future is None:
+                self._results[seq] = result
+        if future is not None:
+            _settle(future, result)
+
+    def future(self, seq: int) -> concurrent.futures.Future[Result | None]:
+        """Batch ``seq``'s result as a future (None once the ticket is closed); for a
+        caller that awaits it instead of holding a thread. Ask for the next batch with
+        :meth:`more` once it is taken."""
+        future: concurrent.futures.Future[Result | None] = concurrent.futures.Future()
+        with self._lock:
+            if self.closed:
+                _settle(future, None)
+                return future
+            if seq not in self._results:
+                self._futures[seq] = future
+                return future
+            result = self._results.pop(seq)
+        _settle(future, result)
+        return future
+
+    def more(self) -> None:
+        """One batch taken: ask for one more (once :meth:`start` was called)."""
+        if self._started:
+            self._scheduler.request(self, 1)
+
+    def close(self) -> None:
+        """Drop what is asked for and not yet run; results still running are discarded."""
+        with self._lock:
+            self.closed = True
+            self._results.clear()
+            waiting = list(self._futures.values())
+            self._futures.clear()
+        for future in waiting:
+            _settle(future, None)
+        self._scheduler.forget(self)
+
+
+def _settle(
+    future: concurrent.futures.Future[Result | None], result: Result | BaseException | None
+) -> None:
+    """Set ``future``, unless its awaiter gave up on it (the stream's handler was cancelled,
+    which cancels the future)."""
+    try:
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
