@@ -26,12 +26,13 @@ from batchwire.server.core._errors import (
     ServiceError,
     VersionMismatch,
 )
-from batchwire.server.core._health import FAULTS_IN_A_ROW, STAGES, PipelineHealth, StageTimes
+from batchwire.server.core._health import FAULTS_IN_A_ROW, PipelineHealth
 from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._keys import RunnerKey
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
+from batchwire.server.core._stages import STAGES, StageTimes
 from batchwire.server.core._stream import Batch, BatchStream, share_batches
 from batchwire.server.core._ticket import Ticket
 

@@ -30,13 +30,14 @@ from batchwire.server.core._errors import (
     InvalidRequest,
     OverCapacity,
 )
-from batchwire.server.core._health import PipelineHealth, StageTimes
+from batchwire.server.core._health import PipelineHealth
 from batchwire.server.core._jobs import Job
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler
+from batchwire.server.core._stages import StageTimes
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
 from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import Dataset, ReadAhead, StreamReadAhead

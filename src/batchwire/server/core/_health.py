@@ -1,5 +1,4 @@
-"""What the server's pipelines have shown: faults, broken devices, a sample known to run,
-and where their time goes.
+"""What the server's pipelines have shown: faults, broken devices, a sample known to run.
 
 Every :class:`~batchwire.server.core._runner.Runner` of a server reports here each batch
 it ran and each :class:`PipelineFault` that ended its run. From that:
@@ -15,43 +14,22 @@ it ran and each :class:`PipelineFault` that ended its run. From that:
   runs there again). While a device is broken the server reports NOT_SERVING.
 * **Counts** of faults by pipeline and kind, and of the batches they failed, for metrics.
 
-**Where the time goes** (:class:`StageTimes`): seconds the server's threads spent in each
-stage of making batches.
-
-Three stages, summed over every batch the server's pipelines make:
-
-``read``
-    the record path (:func:`~batchwire.server.core.read_job`): LMDB, parse, screen; and
-    the read-ahead's threads, looking up the records of the streams' next batches and
-    asking the disk for them (:mod:`batchwire.server.data.records._readahead`);
-``pipeline``
-    DALI's own run (decode, augment, normalize, on the CPU or the GPU), that is the
-    time in ``Pipeline.run`` less the time it spent asking for its input;
-``encode``
-    building the stream's messages, the one copy from DALI's buffer included.
-
-The sums are exported as ``batchwire_stage_seconds_total{stage}``; their rates divided
-by the rate of samples sent give the seconds per image of each stage.
-
 Thread-safe: runners report from their own threads; listeners are called from them.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import ParamSpec, TypeVar
 
 import numpy as np
 
 from batchwire.server.core._errors import FAULT_KINDS, PipelineFault
 from batchwire.server.core._keys import RunnerKey
 
-__all__ = ["FAULTS_IN_A_ROW", "STAGES", "PipelineHealth", "StageTimes", "device_label"]
+__all__ = ["FAULTS_IN_A_ROW", "PipelineHealth", "device_label"]
 
 log = logging.getLogger(__name__)
 
@@ -174,41 +152,3 @@ class PipelineHealth:
         """Batches failed by faults so far, by pipeline."""
         with self._lock:
             return dict(self._batches_failed)
-
-
-STAGES = ("read", "pipeline", "encode")
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-class StageTimes:
-    """Seconds spent in each of :data:`STAGES`, summed; safe to add to from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seconds = dict.fromkeys(STAGES, 0.0)
-
-    def add(self, stage: str, seconds: float) -> None:
-        if stage not in self._seconds:
-            raise ValueError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)})")
-        with self._lock:
-            self._seconds[stage] += seconds
-
-    def timed(self, stage: str, function: Callable[_P, _R]) -> Callable[_P, _R]:
-        """``function``, with the time of each call added to ``stage``."""
-
-        @functools.wraps(function)
-        def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.add(stage, time.perf_counter() - started)
-
-        return timed
-
-    def snapshot(self) -> dict[str, float]:
-        """The sums so far, by stage."""
-        with self._lock:
-            return dict(self._seconds)

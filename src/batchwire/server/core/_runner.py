@@ -31,9 +31,10 @@ import numpy as np
 from batchwire.server.core._culprits import Probe, find_culprits
 from batchwire.server.core._dali import build_pipeline, error_line, fault_kind, to_numpy, view
 from batchwire.server.core._errors import PipelineFault
-from batchwire.server.core._health import PipelineHealth, StageTimes
+from batchwire.server.core._health import PipelineHealth
 from batchwire.server.core._jobs import Job, Result, empty_result
 from batchwire.server.core._keys import RunnerKey
+from batchwire.server.core._stages import StageTimes
 from batchwire.server.pipelines import BuildContext, PipelineSpec
 
 __all__ = ["Runner"]
