@@ -80,8 +80,8 @@ class Engine:
         self.scheduler = Scheduler(
             self._build_runner,
             self.devices.device_ids,
-            slots=config.pipelines_per_device,
-            max_built=config.max_idle_pipelines,
+            pipelines_per_device=config.pipelines_per_device,
+            max_idle_pipelines=config.max_idle_pipelines,
         )
         self._streams = 0
         self._streams_lock = threading.Lock()

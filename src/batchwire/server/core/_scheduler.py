@@ -3,14 +3,14 @@
 A stream does not get a pipeline of its own. It asks for its next batches through a
 :class:`~batchwire.server.core._ticket.Ticket`, at most ``window`` ahead of what its client
 has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` RPC's
-batches all go through the same tickets. Each device has ``slots`` pipeline slots; a slot
-is a thread that takes requests in the order of the fairness policy
+batches all go through the same tickets. Each device has ``pipelines_per_device`` pipeline
+slots; a slot is a thread that takes requests in the order of the fairness policy
 (:mod:`batchwire.server.core._fair`: every stream an equal share of pipeline time, by
 measured cost), runs them, and hands each result back to its ticket.
 
 A slot keeps the pipelines (:class:`Runner`) it built for the keys it ran, at most
-``max_built``, the least recently used dropped first. Requests with different parameters
-(``size``, crop ranges, output dtype and layout, batch size) need pipelines of their own:
+``max_idle_pipelines``, the least recently used dropped first. Requests with different
+parameters (``size``, crop ranges, output dtype and layout, batch size) need pipelines of their own:
 DALI builds a graph for fixed arguments, and per-sample argument inputs would not cover a
 different output size or dtype. So a slot runs one key at a time, for at least the policy's
 quantum once it switched (longer when it dropped another key's pipeline to build this one).
@@ -75,7 +75,7 @@ class SchedulerStats:
 @dataclasses.dataclass
 class _Slot:
     """A thread of the scheduler's that runs requests on a device, and the runners it
-    built for the keys it ran (at most ``max_built``, least recently used first out)."""
+    built for the keys it ran (at most ``max_idle_pipelines``, least recently used first out)."""
 
     device_id: int | None
     runners: collections.OrderedDict[RunnerKey, Runner] = dataclasses.field(
@@ -87,23 +87,25 @@ class _Slot:
 
 
 class Scheduler:
-    """``slots`` pipelines for each device id, fed from every ticket by the fair policy."""
+    """``pipelines_per_device`` pipelines for each device id, fed from every ticket by the fair policy."""
 
     def __init__(
         self,
         build: Callable[[RunnerKey], Runner],
         device_ids: tuple[int | None, ...],
         *,
-        slots: int,
-        max_built: int = 4,
+        pipelines_per_device: int,
+        max_idle_pipelines: int = 4,
     ) -> None:
         self._build = build
-        self._max_built = max(1, max_built)
+        self._max_idle_pipelines = max(1, max_idle_pipelines)
         self._lock = threading.Condition()
         self._fair = FairQueue()
         self.stats = SchedulerStats()
         self._stopped = False
-        self._slots = [_Slot(device_id) for device_id in device_ids for _ in range(slots)]
+        self._slots = [
+            _Slot(device_id) for device_id in device_ids for _ in range(pipelines_per_device)
+        ]
         for index, slot in enumerate(self._slots):
             slot.thread = threading.Thread(
                 target=self._run_slot, args=(slot,), name=f"batchwire-pipeline-{index}", daemon=True
@@ -207,7 +209,7 @@ class Scheduler:
             self.stats.add("builds", key.pipeline)
             self.stats.add("build_seconds", key.pipeline, seconds)
         slot.runners[key] = runner
-        while len(slot.runners) > self._max_built:
+        while len(slot.runners) > self._max_idle_pipelines:
             dropped, _ = slot.runners.popitem(last=False)
             self.stats.add("evictions", dropped.pipeline)
             evicted = True
