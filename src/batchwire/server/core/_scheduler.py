@@ -10,9 +10,9 @@ measured cost), runs them, and hands each result back to its ticket.
 
 A slot keeps the pipelines (:class:`Runner`) it built for the keys it ran, at most
 ``max_idle_pipelines``, the least recently used dropped first. Requests with different
-parameters (``size``, crop ranges, output dtype and layout, batch size) need pipelines of their own:
-DALI builds a graph for fixed arguments, and per-sample argument inputs would not cover a
-different output size or dtype. So a slot runs one key at a time, for at least the policy's
+parameters (``size``, crop ranges, output dtype and layout, batch size) need pipelines of
+their own: DALI builds a graph for fixed arguments, and per-sample argument inputs would not
+cover a different output size or dtype. So a slot runs one key at a time, for at least the policy's
 quantum once it switched (longer when it dropped another key's pipeline to build this one).
 
 The records of a batch are read (LMDB, parse, screen) in the slot's thread, when its
