@@ -1,6 +1,6 @@
 """How soon a server that joins a ``dns:///`` name mid-epoch gets batches from a loader.
 
-    python scripts/dns_join.py [--resolve-every 5] [--data-dir DIR --dataset NAME]
+    python -m benchmarks.dns_join [--resolve-every 5] [--data-dir DIR --dataset NAME]
 
 Serves a dataset (default: ``batchwire bench``'s generated photos, built by any bench run)
 from 127.0.0.1:P, streams it through a loader on ``dns:///fleet.test:P``, and after a few

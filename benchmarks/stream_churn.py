@@ -1,6 +1,6 @@
 """Open and cancel hundreds of streams against a real server; report its RSS and threads.
 
-    python scripts/stream_churn.py --streams 300 --concurrency 8
+    python -m benchmarks.stream_churn --streams 300 --concurrency 8
 
 Starts `batchwire serve` as a child process over a small generated dataset (or
 --data-dir), warms it up at full concurrency, then runs rounds of streams that
@@ -23,7 +23,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from batchwire.cli._bench_runs import LocalServer
+from batchwire.bench import LocalServer
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -58,7 +58,9 @@ def churn(
     outcomes: dict[str, int] = {}
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(one_stream, address, batch_size) for _ in range(streams)]
-        for future in tqdm(concurrent.futures.as_completed(futures), total=streams, desc=desc):
+        done = concurrent.futures.as_completed(futures)
+        # disable=None: no bar where stderr is not a terminal (a log file, CI)
+        for future in tqdm(done, total=streams, desc=desc, disable=None):
             outcomes[future.result()] = outcomes.get(future.result(), 0) + 1
     return outcomes
 
