@@ -348,22 +348,3 @@ def test_the_slow_integration_tests_carry_their_markers() -> None:
         assert collected, f"-m {marker} selected no test:\n{out.stdout[-3000:]}"
         files = {line.split("::")[0].rsplit("/", 1)[-1] for line in collected}
         assert files == modules, f"-m {marker} selected tests in {sorted(files)}"
-
-
-def test_no_module_over_400_lines_and_no_function_over_60() -> None:
-    """Each module of the package reads in one sitting: at most 400 lines, and no function
-    (or method) over 60 (the code protoc generates aside)."""
-    too_long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).parts[0] == "v1":
-            continue
-        text = path.read_text()
-        name = str(path.relative_to(PACKAGE))
-        if len(text.splitlines()) > 400:
-            too_long.append(f"{name}: {len(text.splitlines())} lines")
-        for node in ast.walk(ast.parse(text, name)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > 60:
-                    too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
-    assert not too_long, "\n".join(too_long)

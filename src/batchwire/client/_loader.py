@@ -27,27 +27,6 @@ from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["LoaderOptions", "RemoteLoader"]
 
-# RemoteLoader's arguments that become its StreamSpec's and its LoaderOptions' fields as
-# they are (rank, world_size, params and device are converted first).
-_SPEC_ARGUMENTS = (
-    "dataset",
-    "pipeline",
-    "batch_size",
-    "seed",
-    "shuffle",
-    "drop_last",
-    "dtype",
-    "layout",
-)
-_OPTION_ARGUMENTS = (
-    "normalize",
-    "return_ids",
-    "prefetch",
-    "timeout",
-    "retry_timeout",
-    "resolve_every",
-)
-
 
 def _targets(address: str | Sequence[str]) -> tuple[str, ...]:
     addresses = (address,) if isinstance(address, str) else tuple(address)
@@ -127,19 +106,30 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     ) -> None:
         super().__init__()
         self._addresses = _targets(address)
-        given = locals()
         try:
             # The stream every pass asks for (rank, world, epoch and cursor filled in
             # then) and how it is delivered: validated once, here, read-only from now on.
             self._spec = StreamSpec(
-                **{name: given[name] for name in _SPEC_ARGUMENTS},
+                dataset=dataset,
+                pipeline=pipeline,
+                batch_size=batch_size,
+                seed=seed,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                dtype=dtype,
+                layout=layout,
                 rank=rank or 0,
                 world_size=1 if world_size is None else world_size,
                 params=dict(params or {}),
             )
             self._options = LoaderOptions(
-                **{name: given[name] for name in _OPTION_ARGUMENTS},
                 device=torch.device(device or "cpu"),
+                normalize=normalize,
+                return_ids=return_ids,
+                prefetch=prefetch,
+                timeout=timeout,
+                retry_timeout=retry_timeout,
+                resolve_every=resolve_every,
             )
         except (ValueError, RuntimeError) as exc:
             raise InvalidArgumentError(str(exc)) from exc
@@ -166,28 +156,100 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
 
-    addresses = property(lambda self: self._addresses, doc="The servers' targets, as given.")
-    spec = property(
-        lambda self: self._spec,
-        doc="The stream this loader asks for (rank, world size, epoch and cursor aside).",
-    )
-    options = property(lambda self: self._options, doc="How batches are delivered.")
-    dataset_name = property(lambda self: self._spec.dataset, doc="The dataset's name.")
-    pipeline = property(lambda self: self._spec.pipeline, doc="The pipeline's name.")
-    batch_size = property(lambda self: self._spec.batch_size, doc="Samples per batch.")
-    shuffle = property(lambda self: self._spec.shuffle)
-    drop_last = property(lambda self: self._spec.drop_last)
-    seed = property(lambda self: self._spec.seed)
-    dtype = property(lambda self: self._spec.dtype)
-    layout = property(lambda self: self._spec.layout)
-    params = property(lambda self: dict(self._spec.params))
-    device = property(lambda self: self._options.device)
-    normalize = property(lambda self: self._options.normalize)
-    return_ids = property(lambda self: self._options.return_ids)
-    prefetch = property(lambda self: self._options.prefetch)
-    timeout = property(lambda self: self._options.timeout)
-    retry_timeout = property(lambda self: self._options.retry_timeout)
-    resolve_every = property(lambda self: self._options.resolve_every)
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The servers' targets, as given."""
+        return self._addresses
+
+    @property
+    def spec(self) -> StreamSpec:
+        """The stream this loader asks for (rank, world size, epoch and cursor aside)."""
+        return self._spec
+
+    @property
+    def options(self) -> LoaderOptions:
+        """How batches are delivered."""
+        return self._options
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset's name."""
+        return self._spec.dataset
+
+    @property
+    def pipeline(self) -> str:
+        """The pipeline's name."""
+        return self._spec.pipeline
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch."""
+        return self._spec.batch_size
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether each epoch's order is shuffled."""
+        return self._spec.shuffle
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a last batch smaller than batch_size is dropped."""
+        return self._spec.drop_last
+
+    @property
+    def seed(self) -> int:
+        """The seed of every epoch's order."""
+        return self._spec.seed
+
+    @property
+    def dtype(self) -> str:
+        """The dtype images travel in."""
+        return self._spec.dtype
+
+    @property
+    def layout(self) -> str:
+        """The layout images travel in."""
+        return self._spec.layout
+
+    @property
+    def params(self) -> dict[str, float]:
+        """The pipeline parameters this loader overrides (a copy)."""
+        return dict(self._spec.params)
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches are delivered."""
+        return self._options.device
+
+    @property
+    def normalize(self) -> bool:
+        """Whether uint8 images are normalized on the device."""
+        return self._options.normalize
+
+    @property
+    def return_ids(self) -> bool:
+        """Whether each batch carries its sample ids."""
+        return self._options.return_ids
+
+    @property
+    def prefetch(self) -> int:
+        """Batches delivered ahead of the loop."""
+        return self._options.prefetch
+
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for a batch."""
+        return self._options.timeout
+
+    @property
+    def retry_timeout(self) -> float:
+        """Seconds of failed servers before an error."""
+        return self._options.retry_timeout
+
+    @property
+    def resolve_every(self) -> float:
+        """Seconds between resolutions of a dns:/// name."""
+        return self._options.resolve_every
 
     # -- dataset facts -----------------------------------------------------------------
 
@@ -219,10 +281,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     # -- position (batchwire.client._state) ----------------------------------------------
 
-    rank = property(
-        lambda self: self._sharing.resolve().rank, doc="This process's rank, as of now."
-    )
-    world_size = property(lambda self: self._sharing.resolve().world_size, doc="Ranks, as of now.")
+    @property
+    def rank(self) -> int:
+        """This process's rank, as of now."""
+        return self._sharing.resolve().rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks, as of now."""
+        return self._sharing.resolve().world_size
 
     @property
     def epoch(self) -> int:
