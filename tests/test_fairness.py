@@ -17,7 +17,7 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import ServerConfig
-from batchwire.server.core import Engine, EngineConfig, Job, RunnerKey, Ticket
+from batchwire.server.core import Engine, Job, RunnerKey, Ticket
 from batchwire.server.core._fair import FairQueue
 
 
@@ -159,7 +159,7 @@ def test_a_closed_stream_is_never_taken_and_its_key_goes_with_its_last_stream() 
 
 @pytest.fixture
 def engine(data_dir: pathlib.Path) -> Iterator[Engine]:
-    engine = Engine(EngineConfig.of(ServerConfig(data_dir=data_dir, device="cpu", num_threads=1)))
+    engine = Engine(ServerConfig(data_dir=data_dir, device="cpu", num_threads=1))
     engine.open_datasets()
     yield engine
     engine.close()

@@ -19,7 +19,7 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import Engine, EngineConfig, Job, Result, RunnerKey, Scheduler, Ticket
+from batchwire.server.core import Engine, Job, Result, RunnerKey, Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -156,7 +156,7 @@ def test_many_streams_share_one_pipeline_and_each_gets_its_exact_share(
     data_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = ServerConfig(data_dir=data_dir, device="cpu", num_threads=1, pipelines_per_device=1)
-    engine = Engine(EngineConfig.of(config))
+    engine = Engine(config)
     engine.open_datasets()
     caplog.set_level(logging.INFO, logger="batchwire.server.core._scheduler")
     try:

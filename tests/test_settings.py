@@ -13,7 +13,6 @@ from processes import PYTHON_BATCHWIRE
 
 from batchwire.cli import _serve, build_parser
 from batchwire.server import ConfigError, ServerConfig, settings
-from batchwire.server.core import EngineConfig
 
 # A valid value other than the default for every setting, as text and as parsed.
 EXAMPLES: dict[str, tuple[str, object]] = {
@@ -148,4 +147,7 @@ def test_read_workers_is_ignored_with_a_warning() -> None:
     nothing, so that a config written for an earlier release still starts."""
     with pytest.warns(FutureWarning, match="read_workers .* is ignored"):
         config = ServerConfig(data_dir=pathlib.Path("/data"), read_workers=2)
-    assert not hasattr(EngineConfig.of(config), "read_workers")
+    assert config.read_workers == 2
+    server = pathlib.Path(__file__).parents[1] / "src" / "batchwire" / "server"
+    readers = [p for p in server.rglob("*.py") if "read_workers" in p.read_text()]
+    assert readers == [server / "config" / "_settings.py"], "only its declaration names it"

@@ -183,9 +183,9 @@ def run_inprocess(
     path, scheduler and pipelines without gRPC."""
     from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine, EngineConfig
+    from batchwire.server.core import Engine
 
-    engine = Engine(EngineConfig.of(ServerConfig(data_dir=data_dir, device="auto")))
+    engine = Engine(ServerConfig(data_dir=data_dir, device="auto"))
     engine.open_datasets()
     try:
         cpu = CpuClock()

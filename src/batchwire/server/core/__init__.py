@@ -4,7 +4,7 @@ Takes plain arguments and yields NumPy arrays; it never loads grpc. The serving 
 (:mod:`batchwire.server.serving`) adapts messages to :class:`~batchwire.common.stream.StreamSpec` and
 :class:`Batch` and maps the errors below to status codes::
 
-    engine = Engine(EngineConfig.of(ServerConfig(data_dir="data")))
+    engine = Engine(ServerConfig(data_dir="data"))
     engine.open_datasets()
     for batch in engine.open_stream(StreamSpec(dataset="pets", batch_size=64)):
         ...
@@ -16,7 +16,6 @@ from batchwire.server.core._catalog import Change, DatasetDescription, check_dat
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
 from batchwire.server.core._engine import Engine
-from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -47,7 +46,6 @@ __all__ = [
     "DevicePlan",
     "Draining",
     "Engine",
-    "EngineConfig",
     "InvalidRequest",
     "Job",
     "NotFound",

@@ -21,10 +21,10 @@ from typing import Any
 from batchwire.common.params import check_batch_size
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
+from batchwire.server.config import ServerConfig
 from batchwire.server.core._catalog import Catalog, Change, DatasetDescription, check_version
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
-from batchwire.server.core._engine_config import EngineConfig
 from batchwire.server.core._errors import (
     Draining,
     InvalidRequest,
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class Engine:
     """Datasets discovered under the data directory, pipelines, and streams."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices = DevicePlan.resolve(config.device, config.devices)
         self.usable_cpus = usable_cpus()

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from batchwire.server.core._engine_config import EngineConfig
+from batchwire.server.config import ServerConfig
 from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.core._jobs import Job, Result
 from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
@@ -103,8 +103,8 @@ class PreprocessLimits:
     max_queued: int
 
     @classmethod
-    def of(cls, config: EngineConfig) -> PreprocessLimits:
-        """The limits a server's settings (an EngineConfig) set."""
+    def of(cls, config: ServerConfig) -> PreprocessLimits:
+        """The limits a server's settings set."""
         return cls(
             batch_size=config.preprocess_batch_size,
             max_delay=config.preprocess_max_delay_ms / 1000,

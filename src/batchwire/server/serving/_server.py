@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchwire.server.config import ServerConfig
-from batchwire.server.core import Change, Engine, EngineConfig
+from batchwire.server.core import Change, Engine
 from batchwire.server.serving import _runtime
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._rescans import Rescans
@@ -76,7 +76,7 @@ class BatchwireServer(Listening):
         self._slot = slot
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
-        self.engine = Engine(EngineConfig.of(config))
+        self.engine = Engine(config)
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
         self.metrics.watch_stages(self.engine.stages)
