@@ -59,10 +59,6 @@ class Param(ParamRange):
     default: float
     help: str = ""
 
-    @property
-    def range(self) -> ParamRange:
-        return ParamRange(low=self.low, high=self.high, integer=self.integer)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSpec:

@@ -162,7 +162,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 mean=spec.mean,
                 std=spec.std,
                 params={k: p.default for k, p in spec.params.items()},
-                param_ranges={k: p.range.to_proto() for k, p in spec.params.items()},
+                param_ranges={k: p.to_proto() for k, p in spec.params.items()},
             )
             for spec in self._engine.pipelines.values()
         ]
