@@ -14,11 +14,9 @@ import os
 import pathlib
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from batchwire.server.pipelines import PipelineSpec
-
+from batchwire.server.pipelines import PRESETS, PipelineSpec
 
 __all__ = [
     "ConfigError",
@@ -83,10 +81,6 @@ def _setting(
 
 
 def _presets() -> dict[str, PipelineSpec]:
-    # Imported when a config is built: the declaration of the settings (and so the
-    # CLI's flags) needs no DALI, LMDB or server code.
-    from batchwire.server.pipelines import PRESETS
-
     return dict(PRESETS)
 
 
