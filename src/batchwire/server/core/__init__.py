@@ -32,7 +32,7 @@ from batchwire.server.core._preprocess_request import PreprocessRequest, Preproc
 from batchwire.server.core._runner import Runner
 from batchwire.server.core._scheduler import Scheduler, SchedulerStats
 from batchwire.server.core._stages import STAGES, StageTimes
-from batchwire.server.core._stream import Batch, BatchStream, share_batches
+from batchwire.server.core._stream import Batch, BatchStream, share_batches, wait_event
 from batchwire.server.core._ticket import Ticket
 
 __all__ = [
@@ -69,4 +69,5 @@ __all__ = [
     "share_batches",
     "usable_cpus",
     "visible_gpu_count",
+    "wait_event",
 ]

@@ -26,7 +26,7 @@ from batchwire.server.core._jobs import Job, Result, read_job
 from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import Dataset
 
-__all__ = ["Batch", "BatchStream", "share_batches"]
+__all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
 
 P = TypeVar("P")  # what the stream hands out for each batch (its encode's return)
 
@@ -75,6 +75,16 @@ class StreamSetup:
     schedule: Callable[[Callable[[int], Job[Any]]], Ticket]
     release: Callable[[], None]
     draining: Callable[[], bool]
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Whether ``event`` is set within ``timeout`` seconds (None: no limit). Not
+    ``asyncio.wait_for``: on Python 3.11 it loses a cancel of the waiting task that meets the
+    event, and a stream's handler, a rescan or the unit follower would then not stop."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()
 
 
 class BatchStream(Generic[P]):
@@ -213,10 +223,7 @@ class BatchStream(Generic[P]):
             # More is asked for, or the asking ends; a drain or close is seen within the
             # poll even while nothing is asked.
             self._wanted.clear()
-            # Not wait_for: on Python 3.11 it loses a cancel that meets the event.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_POLL_S):
-                    await self._wanted.wait()
+            await wait_event(self._wanted, _POLL_S)
         return self._took(await asyncio.wrap_future(self._ticket.future(self._next_seq)))
 
     def __iter__(self) -> BatchStream[P]:

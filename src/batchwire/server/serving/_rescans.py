@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from batchwire.server.core import Change, Engine
+from batchwire.server.core import Change, Engine, wait_event
 from batchwire.server.data.records import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 
@@ -45,10 +44,7 @@ class Rescans:
     async def run(self) -> None:
         """Rescan on the timer and on request until cancelled (the server stops)."""
         while True:
-            # Not wait_for: on Python 3.11 it loses a cancel that meets the event.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._interval):
-                    await self.wanted.wait()
+            await wait_event(self.wanted, self._interval)
             self.wanted.clear()
             try:
                 await self.once()

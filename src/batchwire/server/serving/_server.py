@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchwire.server.config import ServerConfig
-from batchwire.server.core import Change, Engine
+from batchwire.server.core import Change, Engine, wait_event
 from batchwire.server.serving import _runtime
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._rescans import Rescans
@@ -358,10 +358,7 @@ class BatchwireServer(Listening):
         assert self._stop_requested is not None
         while not self._stop_requested.is_set():
             await self._report()
-            # Not wait_for: on Python 3.11 it loses a cancel that meets the event.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_UNIT_POLL_SECONDS):
-                    await self._stop_requested.wait()
+            await wait_event(self._stop_requested, _UNIT_POLL_SECONDS)
 
     async def _drain(self, server: grpc.aio.Server) -> None:
         """NOT_SERVING; new streams get UNAVAILABLE and streams in flight end with
