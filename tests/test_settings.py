@@ -47,6 +47,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "tls_client_ca": ("/etc/ca.pem", pathlib.Path("/etc/ca.pem")),
     "token_file": ("/etc/tokens", pathlib.Path("/etc/tokens")),
     "health_open": ("1", True),
+    "shared_memory": ("0", False),
 }
 
 
@@ -79,7 +80,11 @@ def test_a_setting_means_the_same_as_a_flag_a_variable_and_a_file_key(
     flags = []
     for name, raw in given.items():
         flag = "--" + name.replace("_", "-")
-        flags += [flag] if isinstance(EXAMPLES[name][1], bool) else [flag, raw]
+        example = EXAMPLES[name][1]
+        if isinstance(example, bool):  # a switch: --name, or --no-name for one on by default
+            flags.append(flag if example else "--no-" + flag[2:])
+        else:
+            flags += [flag, raw]
     by_flag = _serve.resolve_config(parser.parse_args(["serve", *flags]), {})
     environ = {f"BATCHWIRE_{name.upper()}": raw for name, raw in given.items()}
     by_variable = _serve.resolve_config(parser.parse_args(["serve"]), environ)

@@ -46,7 +46,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from batchwire.server import boolean, settings
+    from batchwire.server import ServerConfig, boolean, settings
 
     parser.add_argument(
         "--config", type=pathlib.Path, help="TOML or YAML config file [BATCHWIRE_CONFIG]"
@@ -54,7 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for setting in settings():
         help = f"{setting.help} [{setting.variable}]"
         if setting.parse is boolean:
-            parser.add_argument(setting.flag, action="store_true", default=None, help=help)
+            # A setting that is on by default is turned off with --no-NAME.
+            on = getattr(ServerConfig, setting.name) is True
+            action = argparse.BooleanOptionalAction if on else "store_true"
+            parser.add_argument(setting.flag, action=action, default=None, help=help)
             continue
         parser.add_argument(
             setting.flag,

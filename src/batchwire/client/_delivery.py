@@ -2,7 +2,9 @@
 to the tensors the loop yields, all of it here::
 
     Tensors.deliveries(messages)      a puller thread, per call: the bytes received
-      decode_batch                    the header parsed, the images a view (no copy)
+      decode_batch                    the header parsed, the images a view (no copy) of
+                                      the message, or of shared memory (a server on
+                                      this host; the buffer is released once copied)
       assemble                        a batch's parts joined: the one copy of the images,
                                       into pinned memory when bound for a GPU
       Tensors._finish                 CPU images normalized here, off the training loop
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from batchwire.client._exceptions import BatchwireError
+from batchwire.client._shared_memory import SharedMemory
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
@@ -54,6 +57,7 @@ class LoaderOptions:
     timeout: float = 300.0
     retry_timeout: float = 60.0
     resolve_every: float = 5.0
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         checks = (
@@ -186,12 +190,16 @@ class Tensors:
         self._allocate = _pinned_memory if self._cuda else _numpy_memory
         self._stats = stats
 
-    def deliveries(self, messages: Iterable[bytes]) -> Iterator[Delivery]:
+    def deliveries(
+        self, messages: Iterable[bytes], shared: SharedMemory | None = None
+    ) -> Iterator[Delivery]:
         """Runs in a puller thread: each batch of one call's ``messages`` (Batch message
-        bytes, a batch in one or more parts) once its last part arrived."""
+        bytes, a batch in one or more parts) once its last part arrived; a batch in the
+        call's ``shared`` memory is copied out of it and its buffer released."""
         parts: list[DecodedBatch] = []
+        view = None if shared is None else shared.view
         for raw in messages:
-            part = decode_batch(raw)
+            part = decode_batch(raw, view)
             if part.header.part != len(parts):
                 raise BatchwireError(
                     f"batch {part.header.index}: part {part.header.part} arrived "
@@ -200,8 +208,14 @@ class Tensors:
                 )
             parts.append(part)
             if len(parts) == (part.header.parts or 1):
-                yield self._finish(assemble(parts, self._allocate, self._stats))
+                delivery = assemble(parts, self._allocate, self._stats)
+                if shared is not None and part.header.HasField("shared_images"):
+                    shared.copied(part.header.shared_images.buffer)
+                # Let go of the views before yielding: a view of shared memory keeps the
+                # server's ring mapped for as long as this generator may be kept.
                 parts = []
+                del part
+                yield self._finish(delivery)
 
     def _finish(self, d: Delivery) -> Delivery:
         """Labels pinned for a GPU, or CPU images normalized: work kept off the loop."""

@@ -69,7 +69,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     batches reach the user in order whichever server carried them, and those of a
     server that fails or stalls are asked of the others. ``retry_timeout`` seconds
     without any batch, or one batch slower than ``timeout``, raise ``UnavailableError``;
-    every error is a ``BatchwireError`` with a ``code``. ``token`` and ``tls_*`` (PEM
+    every error is a ``BatchwireError`` with a ``code``. A server on this host sends the
+    images through shared memory (/dev/shm) rather than the socket, unless
+    ``shared_memory=False``. ``token`` and ``tls_*`` (PEM
     paths or bytes) authenticate to secured servers. The settings are read-only
     (``spec``, ``options``); see the client guide for the whole contract.
     """
@@ -97,6 +99,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         timeout: float = 300.0,
         retry_timeout: float = 60.0,
         resolve_every: float = 5.0,
+        shared_memory: bool = True,
         token: str | None = None,
         tls_ca: PemSource | None = None,
         tls_cert: PemSource | None = None,
@@ -130,6 +133,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 timeout=timeout,
                 retry_timeout=retry_timeout,
                 resolve_every=resolve_every,
+                shared_memory=shared_memory,
             )
         except (ValueError, RuntimeError) as exc:
             raise InvalidArgumentError(str(exc)) from exc
@@ -250,6 +254,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def resolve_every(self) -> float:
         """Seconds between resolutions of a dns:/// name."""
         return self._options.resolve_every
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether servers on this host may send batches through shared memory."""
+        return self._options.shared_memory
 
     # -- dataset facts -----------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from batchwire.client._book import Book, Held
 from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._exceptions import BatchwireError
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
+from batchwire.client._shared_memory import SharedMemory
 from batchwire.client._transport import Transport, map_rpc_errors, rpc_details
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -268,17 +269,22 @@ class ServerPuller(threading.Thread):
             accepted = threading.Event()  # the server opened the stream: ask it for batches
             failure: tuple[grpc.StatusCode, str] | None = None
             before = self.delivered
+            # Each call offers shared memory anew: a server on this host takes it.
+            offer = self._tensors.options.shared_memory
+            shared = SharedMemory.offer(self._credit + 1) if offer else None
             try:
                 with map_rpc_errors(self.server.address):
                     with self._lock:
                         if self._halted():
                             return
                         call = self._call = self._transport.open_pull(
-                            self.server, self._requests(held, over, accepted)
+                            self.server, self._requests(held, over, accepted, shared)
                         )
                     call.initial_metadata()  # sent once it opened
                     accepted.set()
-                    self._receive(call, held, recovering=attempt > 0)
+                    if shared is not None:
+                        shared.remove_probe()  # the server has looked at it
+                    self._receive(call, held, shared, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except BatchwireError as exc:
                 if self._halted():
@@ -292,6 +298,8 @@ class ServerPuller(threading.Thread):
             finally:
                 over.set()  # before giving back, so the request stream claims no more
                 returned = self._book.give_back(held, failure)
+                if shared is not None:
+                    shared.close()
             assert failure is not None  # the one way here: a failure to retry
             self._servers.mark_failed(self.server)
             # Once per outage, and whenever batches move: not every retry of a dead server.
@@ -308,9 +316,16 @@ class ServerPuller(threading.Thread):
                 return
             attempt += 1
 
-    def _receive(self, call: Iterable[bytes], held: Held, *, recovering: bool) -> None:
+    def _receive(
+        self,
+        call: Iterable[bytes],
+        held: Held,
+        shared: SharedMemory | None,
+        *,
+        recovering: bool,
+    ) -> None:
         """Hand the call's batches to the book as their last parts arrive, until it ends."""
-        for delivery in self._tensors.deliveries(call):
+        for delivery in self._tensors.deliveries(call, shared):
             self._book.deliver(held, delivery)
             self.delivered += 1
             if recovering:
@@ -318,12 +333,18 @@ class ServerPuller(threading.Thread):
                 self._servers.mark_ok(self.server)
 
     def _requests(
-        self, held: Held, over: threading.Event, accepted: threading.Event
+        self,
+        held: Held,
+        over: threading.Event,
+        accepted: threading.Event,
+        shared: SharedMemory | None,
     ) -> Iterator[pb.PullRequest]:
-        """The call's request stream (read by gRPC's own thread): the stream, then batches
-        as the server has room. Ends (half-closes) once the pass is finished or the call
-        is over."""
-        yield pb.PullRequest(stream=self._spec)
+        """The call's request stream (read by gRPC's own thread): the stream (and an offer
+        of shared memory), then batches as the server has room, each request releasing
+        the shared memory buffers copied out since the last. Ends (half-closes) once the
+        pass is finished or the call is over."""
+        offer = None if shared is None else shared.message()
+        yield pb.PullRequest(stream=self._spec, shared_memory=offer)
         while not accepted.wait(_POLL):
             if over.is_set() or self._pass_stop.is_set():
                 return
@@ -333,7 +354,8 @@ class ServerPuller(threading.Thread):
             )
             if batches is None:
                 return
-            yield pb.PullRequest(batches=batches)
+            released = () if shared is None else shared.take_released()
+            yield pb.PullRequest(batches=batches, released_buffers=released)
 
     def _halted(self) -> bool:
         return self._cancelled.is_set() or self._pass_stop.is_set()

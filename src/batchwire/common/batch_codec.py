@@ -12,19 +12,22 @@ serialized. For a 77 MB batch those copies cost more CPU than the network.
   lengths only), parses the small fields with protobuf, and returns the image
   data as a read-only NumPy view into the received bytes: no copy. The caller
   copies it once, into the tensor it hands to the user.
+* A batch sent through shared memory (to a client on the server's host) has
+  ``shared_images`` set and no ``images.data``: ``decode_batch`` views its
+  images where ``shared_images`` says they lie, and the caller copies them out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from batchwire.common.tensors import DTYPES, to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["DecodedBatch", "decode_batch", "encode_batch"]
+__all__ = ["DecodedBatch", "SharedView", "decode_batch", "encode_batch", "images_head"]
 
 _LENGTH_DELIMITED = 2
 _BATCH_IMAGES = pb.Batch.DESCRIPTOR.fields_by_name["images"].number
@@ -98,11 +101,17 @@ def _split(buffer: memoryview, wanted: int) -> tuple[bytes, tuple[int, int] | No
     return b"".join(rest), found
 
 
-def encode_batch(header: pb.Batch, images: np.ndarray, layout: str) -> bytes:
-    """``header`` (every field but images) plus ``images``, as Batch message bytes."""
-    tensor = to_proto("images", images[:0], layout)  # name, dtype, layout: no data
+def images_head(images: np.ndarray, layout: str) -> pb.Tensor:
+    """The images Tensor of ``images`` without its data: name, dtype, shape, layout."""
+    tensor = to_proto("images", images[:0], layout)
     del tensor.shape[:]
     tensor.shape.extend(images.shape)
+    return tensor
+
+
+def encode_batch(header: pb.Batch, images: np.ndarray, layout: str) -> bytes:
+    """``header`` (every field but images) plus ``images``, as Batch message bytes."""
+    tensor = images_head(images, layout)
     # The bytes as a flat uint8 view (no copy); memoryview.cast refuses an empty batch's
     # zero-length dimension.
     data = memoryview(np.ascontiguousarray(images).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
@@ -123,8 +132,13 @@ class DecodedBatch:
     layout: str
 
 
-def decode_batch(raw: bytes) -> DecodedBatch:
-    """Parse Batch message bytes without copying the image data."""
+# shared(where, dtype, count) -> the images as a flat read-only view of the shared memory
+SharedView = Callable[[pb.SharedImages, np.dtype, int], np.ndarray]
+
+
+def decode_batch(raw: bytes, shared: SharedView | None = None) -> DecodedBatch:
+    """Parse Batch message bytes without copying the image data. Images that lie in
+    shared memory (``Batch.shared_images``) are viewed there with ``shared``."""
     buffer = memoryview(raw)
     header_bytes, images_span = _split(buffer, _BATCH_IMAGES)
     header = pb.Batch.FromString(header_bytes)
@@ -138,6 +152,15 @@ def decode_batch(raw: bytes) -> DecodedBatch:
         raise ValueError(f"unknown images dtype {tensor.dtype}")
     shape = tuple(tensor.shape)
     count = int(np.prod(shape, dtype=np.int64))
+    if header.HasField("shared_images"):
+        where = header.shared_images
+        if shared is None or data_span is not None:
+            raise ValueError("a batch in shared memory that this client did not ask for")
+        if where.length != count * dtype.itemsize:
+            raise ValueError(f"images: {where.length} bytes do not hold shape {shape} of {dtype}")
+        return DecodedBatch(
+            header, shared(where, dtype, count).reshape(shape), tensor.layout or "NCHW"
+        )
     start, end = (0, 0) if data_span is None else data_span
     if end - start != count * dtype.itemsize:
         raise ValueError(f"images: {end - start} bytes do not hold shape {shape} of {dtype}")

@@ -218,6 +218,12 @@ class ServerConfig:
         "larger batches travel as several messages of this size (default 8 MiB)",
         bounds=(65536, 1073741824),
     )
+    shared_memory: bool = _setting(
+        True,
+        "send batches to clients on this host through shared memory (/dev/shm), not in "
+        "their messages (default on; --no-shared-memory: always in the messages)",
+        boolean,
+    )
     grace: float = _setting(
         30.0,
         "seconds in-flight streams get on SIGTERM or SIGINT (default 30)",
@@ -286,6 +292,7 @@ class ServerConfig:
                 "tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too",
             ),
             (isinstance(self.health_open, bool), "health_open must be true or false"),
+            (isinstance(self.shared_memory, bool), "shared_memory must be true or false"),
         )
         for ok, message in checks:
             if not ok:

@@ -15,6 +15,9 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
 ``batchwire_batches_sent_total``                  counter    batches handed to gRPC for clients
 ``batchwire_samples_sent_total``                  counter    samples in those batches
 ``batchwire_bytes_sent_total``                    counter    serialized bytes of those batches
+``batchwire_shared_memory_bytes_total``           counter    image bytes of those batches sent
+                                                             through shared memory (clients on
+                                                             this host), not in their messages
 ``batchwire_skipped_samples_total``               counter    undecodable samples left out
 ``batchwire_batches_with_skipped_samples_total``  counter    batches sent with a sample left out
                                                              (empty when all were)
@@ -113,6 +116,11 @@ class ServerMetrics:
         self.samples_sent = counter("batchwire_samples_sent", "Samples in the batches sent.")
         self.bytes_sent = counter(
             "batchwire_bytes_sent", "Serialized bytes of the batches sent (before gRPC framing)."
+        )
+        self.shared_memory_bytes = counter(
+            "batchwire_shared_memory_bytes",
+            "Image bytes of the batches sent through shared memory to clients on this host "
+            "(not in their messages).",
         )
         self.skipped_samples = counter(
             "batchwire_skipped_samples",

@@ -256,6 +256,7 @@ class BatchwireServer(Listening):
             self._executor,
             self.metrics,
             max_message_bytes=self.config.max_message_bytes,
+            shared_memory=self.config.shared_memory,
         )
         add_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

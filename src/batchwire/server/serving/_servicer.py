@@ -26,6 +26,7 @@ import grpc
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.server.core import (
+    Batch,
     BatchStream,
     DatasetDescription,
     Engine,
@@ -45,6 +46,7 @@ from batchwire.server.serving._messages import (
     tolerant,
 )
 from batchwire.server.serving._metrics import ServerMetrics
+from batchwire.server.serving._shared_memory import SharedRing, accept_offer
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts, serve_stream
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -148,11 +150,13 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         metrics: ServerMetrics | None = None,
         *,
         max_message_bytes: int,
+        shared_memory: bool = True,
     ) -> None:
         self._engine = engine
         self._executor = executor
         self._metrics = metrics or ServerMetrics()
         self._encode = functools.partial(encode_parts, max_message_bytes=max_message_bytes)
+        self._shared_memory = shared_memory
 
     def _info(self, summary: DatasetDescription) -> pb.DatasetInfo:
         pipelines = [
@@ -234,18 +238,37 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             raise InvalidRequest(
                 "a pulled stream names batches, not lanes: leave lane and lanes unset"
             )
-        stream = await self._open(spec, None)
-        reading = asyncio.create_task(self._read_wants(first, requests, stream))
+        ring = None
+        if self._shared_memory and first.HasField("shared_memory"):
+            ring = accept_offer(first.shared_memory)
+        if first.released_buffers:
+            raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
         try:
-            await serve_stream(stream, spec, context, self._executor, self._metrics, None)
+            encode = self._encode if ring is None else ring.encoder(self._encode)
+            stream = await self._open(spec, None, encode)
+            reading = asyncio.create_task(self._read_wants(first, requests, stream, ring))
+            try:
+                await serve_stream(
+                    stream,
+                    spec,
+                    context,
+                    self._executor,
+                    self._metrics,
+                    None,
+                    shared_memory=ring is not None,
+                )
+            finally:
+                reading.cancel()
         finally:
-            reading.cancel()
+            if ring is not None:
+                ring.close()
 
     @staticmethod
     async def _read_wants(
         first: pb.PullRequest,
         requests: AsyncIterator[pb.PullRequest | Malformed],
         stream: BatchStream[EncodedBatch],
+        ring: SharedRing | None,
     ) -> None:
         """Hand a pulling client's requests to its stream until it half-closes; a bad one
         ends the stream with its status."""
@@ -256,6 +279,13 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 assert not isinstance(message, Malformed)
                 if message.HasField("stream"):
                     raise InvalidRequest("only the first PullRequest names the stream")
+                if message.released_buffers:
+                    if ring is None:
+                        raise InvalidRequest(
+                            "released shared memory buffers on a stream that sends its "
+                            "batches in their messages"
+                        )
+                    ring.release(message.released_buffers)
                 _want(stream, message.batches)
             # A client that cancels ends the requests too; its cancellation comes from gRPC
             # with the same reads, so one turn of the loop lets it land before the stream
@@ -276,13 +306,18 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             opening.result().close()
 
     async def _open(
-        self, spec: StreamSpec, batches: Callable[[Plan], Sequence[int]] | None
+        self,
+        spec: StreamSpec,
+        batches: Callable[[Plan], Sequence[int]] | None,
+        encode: Callable[[Batch], EncodedBatch] | None = None,
     ) -> BatchStream[EncodedBatch]:
         """``spec``'s stream, opened off the event loop (it may build a pipeline)."""
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(
             self._executor,
-            functools.partial(self._engine.open_stream, spec, encode=self._encode, batches=batches),
+            functools.partial(
+                self._engine.open_stream, spec, encode=encode or self._encode, batches=batches
+            ),
         )
         try:
             return await asyncio.shield(opening)

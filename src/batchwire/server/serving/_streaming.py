@@ -28,7 +28,7 @@ from batchwire.server.serving._messages import Lane, status_for
 from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["EncodedBatch", "StreamMetrics", "encode_parts", "serve_stream", "write"]
+__all__ = ["EncodedBatch", "StreamMetrics", "batch_header", "encode_parts", "serve_stream", "write"]
 
 # The stream start and end lines are the servicer's: operators find and filter them
 # under this logger name (it is in the JSON log lines: docs/operations.md, Logs).
@@ -46,6 +46,7 @@ class EncodedBatch:
     samples: int
     nbytes: int
     skipped: int = 0  # samples left out of the batch (undecodable)
+    shared: int = 0  # bytes of images in shared memory, not in the messages
 
 
 def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
@@ -58,22 +59,27 @@ def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
     messages = []
     for part in range(parts):
         lo, hi = part * step, min(total, (part + 1) * step)
-        last = part == parts - 1
-        header = pb.Batch(
-            index=batch.index,
-            ids=batch.ids[lo:hi].tolist(),
-            labels=to_proto("labels", batch.labels[lo:hi], "N"),
-            cursor=batch.cursor if last else 0,
-            skipped_ids=batch.skipped_ids if last else (),
-            normalized=batch.normalized,
-            num_batches=batch.num_batches,
-            part=part,
-            parts=parts,
-            samples=total,
-        )
+        header = batch_header(batch, slice(lo, hi), part, parts)
         messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
     return EncodedBatch(
         messages, total, sum(len(m) for m in messages), skipped=len(batch.skipped_ids)
+    )
+
+
+def batch_header(batch: Batch, samples: slice, part: int, parts: int) -> pb.Batch:
+    """The Batch message of part ``part`` of ``parts`` (its ``samples``), but its images."""
+    last = part == parts - 1
+    return pb.Batch(
+        index=batch.index,
+        ids=batch.ids[samples].tolist(),
+        labels=to_proto("labels", batch.labels[samples], "N"),
+        cursor=batch.cursor if last else 0,
+        skipped_ids=batch.skipped_ids if last else (),
+        normalized=batch.normalized,
+        num_batches=batch.num_batches,
+        part=part,
+        parts=parts,
+        samples=len(batch.ids),
     )
 
 
@@ -116,6 +122,7 @@ class StreamMetrics:
         self._batches = metrics.batches_sent.labels(**labels)
         self._samples = metrics.samples_sent.labels(**labels)
         self._bytes = metrics.bytes_sent.labels(**labels)
+        self._shared = metrics.shared_memory_bytes.labels(**labels)
         self._skipped = metrics.skipped_samples.labels(**labels)
         self._skipped_batches = metrics.batches_with_skipped.labels(**labels)
         self._pipeline = metrics.pipeline_seconds.labels(**labels)
@@ -137,11 +144,14 @@ class StreamMetrics:
             self._skipped.inc(skipped)
             self._skipped_batches.inc()
 
-    def sent(self, samples: int, nbytes: int) -> None:
-        """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC."""
+    def sent(self, samples: int, nbytes: int, shared: int = 0) -> None:
+        """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC, its
+        images in ``shared`` bytes of shared memory if not in the messages."""
         self._batches.inc()
         self._samples.inc(samples)
         self._bytes.inc(nbytes)
+        if shared:
+            self._shared.inc(shared)
 
     def waited(self, seconds: float) -> None:
         """gRPC took a batch's messages after ``seconds`` (flow control: a slow client)."""
@@ -155,6 +165,8 @@ async def serve_stream(
     executor: concurrent.futures.ThreadPoolExecutor,
     server_metrics: ServerMetrics,
     lane: Lane | None,
+    *,
+    shared_memory: bool = False,
 ) -> None:
     """Write the stream's batches until its end, and close it: the batches of ``lane``
     (asked for as the stream opened), or, with None, a pulled stream's (its client asks
@@ -166,7 +178,7 @@ async def serve_stream(
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
-    fields = _log_start(stream_request, context.peer(), lane)
+    fields = _log_start(stream_request, context.peer(), lane, shared_memory)
     metrics = StreamMetrics(server_metrics, stream_request.dataset, stream_request.pipeline)
     metrics.opened()
     progress = _Progress()
@@ -214,7 +226,7 @@ async def _write_batches(
         # before this handler resumes after its last write.
         progress.sent += encoded.samples
         progress.batches += 1
-        metrics.sent(encoded.samples, encoded.nbytes)
+        metrics.sent(encoded.samples, encoded.nbytes, encoded.shared)
         waited = 0.0  # each write returns once gRPC has taken the message
         try:
             for part, message in enumerate(encoded.messages):
@@ -229,7 +241,9 @@ async def _write_batches(
             metrics.waited(waited)
 
 
-def _log_start(stream_request: StreamSpec, peer: str, lane: Lane | None) -> dict[str, Any]:
+def _log_start(
+    stream_request: StreamSpec, peer: str, lane: Lane | None, shared_memory: bool
+) -> dict[str, Any]:
     """Log the stream's start line; returns the fields its start and end lines share."""
     # Structured copies of the start and end lines (JSON logs: --log-format json).
     fields = {
@@ -241,6 +255,7 @@ def _log_start(stream_request: StreamSpec, peer: str, lane: Lane | None) -> dict
         "lane": 0 if lane is None else lane.lane,
         "lanes": 1 if lane is None else lane.lanes,
         "pull": lane is None,
+        "shared_memory": shared_memory,
         "epoch": stream_request.epoch,
         "start": stream_request.start,
     }
@@ -251,7 +266,9 @@ def _log_start(stream_request: StreamSpec, peer: str, lane: Lane | None) -> dict
         stream_request.pipeline,
         stream_request.rank,
         stream_request.world_size,
-        "pull" if lane is None else f"lane={lane.lane}/{lane.lanes}",
+        ("pull shared-memory" if shared_memory else "pull")
+        if lane is None
+        else f"lane={lane.lane}/{lane.lanes}",
         stream_request.epoch,
         stream_request.start,
         extra={"event": "stream_start", **fields},

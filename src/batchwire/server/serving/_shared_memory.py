@@ -1,0 +1,209 @@
+"""Batches through shared memory, for clients on the server's host.
+
+A pulling client offers to read its batches from shared memory (``SharedMemoryOffer``):
+it wrote a random token into a file of its own under /dev/shm. A server that finds the
+same token there, in a file owned by the user it runs as, shares the client's /dev/shm
+(same host, same container or ``ipc: host``, same user) and gives the stream a
+:class:`SharedRing`: one file of ``buffers`` batch-sized buffers under /dev/shm, made at the
+stream's first batch. A batch's images are copied once, from the pipeline's buffer into a
+free buffer, and its message carries the header and where the images lie
+(``SharedImages``): the pixels are neither copied into gRPC's buffers nor sent through the
+kernel's TCP stack, on either side. The client copies a batch out and releases its buffer
+with its next request.
+
+A batch that finds no free buffer, or is larger than a buffer, or a ring that could not be
+made (/dev/shm full), travels in its message as to a client on another host: a ring
+never holds a pipeline up. The file is removed once the client has mapped it (its first
+release) and when the stream ends; a mapping outlives its file.
+
+Written on ``os``/``mmap`` rather than ``multiprocessing.shared_memory``: on Python 3.11
+that registers every segment a process attaches with its resource tracker, which
+unlinks it at the process's exit and warns of a leak.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import mmap
+import os
+import pathlib
+import re
+import secrets
+import stat
+import threading
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from batchwire.common.batch_codec import images_head
+from batchwire.server.core import Batch, InvalidRequest
+from batchwire.server.serving._streaming import EncodedBatch, batch_header
+from batchwire.v1 import batchwire_pb2 as pb
+
+__all__ = ["MAX_BUFFERS", "SHM_DIR", "SharedRing", "accept_offer"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = pathlib.Path("/dev/shm")
+MAX_BUFFERS = 16  # batches one stream may hold in shared memory
+_PROBE = re.compile(r"batchwire-probe-[0-9a-f]{16,64}")
+_MIN_TOKEN = 16  # bytes
+
+
+def accept_offer(
+    offer: pb.SharedMemoryOffer, directory: pathlib.Path = SHM_DIR
+) -> SharedRing | None:
+    """A ring for a client whose ``offer`` proves that it shares this server's
+    ``directory`` and user; None (its batches go in their messages) otherwise."""
+    if not _PROBE.fullmatch(offer.probe) or len(offer.token) < _MIN_TOKEN or offer.buffers < 1:
+        log.debug("a malformed shared memory offer: batches go in their messages")
+        return None
+    try:
+        fd = os.open(directory / offer.probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # another host or container: the usual case for a remote client
+        return None
+    try:
+        info = os.fstat(fd)
+        same_user = info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode)
+        token = os.read(fd, 2 * len(offer.token)) if same_user else b""
+    finally:
+        os.close(fd)
+    if not same_user or not hmac.compare_digest(token, offer.token):
+        return None
+    return SharedRing(min(offer.buffers, MAX_BUFFERS), directory)
+
+
+class SharedRing:
+    """``buffers`` batch-sized buffers of shared memory for one stream's batches (thread-safe:
+    the pipeline fills buffers, the event loop releases them)."""
+
+    def __init__(self, buffers: int, directory: pathlib.Path = SHM_DIR) -> None:
+        self.buffers = buffers
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._free = list(range(buffers - 1, -1, -1))  # popped from the end: buffer 0 first
+        self._taken: set[int] = set()
+        self._memory: mmap.mmap | None = None
+        self._buffer_bytes = 0
+        self._path: pathlib.Path | None = None  # until removed
+        self._name = ""
+        self._usable = True  # False once closed, or when the file could not be made
+        self._writing = 0  # batches being copied in now
+
+    def encoder(self, fallback: Callable[[Batch], EncodedBatch]) -> Callable[[Batch], EncodedBatch]:
+        """A stream's encode: each batch in a free buffer, else ``fallback(batch)``."""
+
+        def encode(batch: Batch) -> EncodedBatch:
+            return self.encode(batch) or fallback(batch)
+
+        return encode
+
+    def encode(self, batch: Batch) -> EncodedBatch | None:
+        """``batch`` as one message whose images lie in a buffer (copied there once), or
+        None when no buffer is free or it does not fit."""
+        images = batch.images
+        buffer = self._acquire(images.nbytes)
+        if buffer is None:
+            return None
+        assert self._memory is not None
+        offset = buffer * self._buffer_bytes
+        try:
+            target = np.frombuffer(self._memory, images.dtype, images.size, offset)
+            np.copyto(target.reshape(images.shape), images)
+            del target
+        finally:
+            self._written()
+        header = batch_header(batch, slice(None), 0, 1)
+        header.images.CopyFrom(images_head(images, batch.layout))
+        header.shared_images.name = self._name
+        header.shared_images.buffer = buffer
+        header.shared_images.offset = offset
+        header.shared_images.length = images.nbytes
+        message = header.SerializeToString()
+        return EncodedBatch(
+            [message],
+            len(batch.ids),
+            len(message),
+            skipped=len(batch.skipped_ids),
+            shared=images.nbytes,
+        )
+
+    def _acquire(self, nbytes: int) -> int | None:
+        with self._lock:
+            if not self._usable or not nbytes:
+                return None
+            if self._memory is None and not self._make(nbytes):
+                return None
+            if nbytes > self._buffer_bytes or not self._free:
+                return None
+            buffer = self._free.pop()
+            self._taken.add(buffer)
+            self._writing += 1
+            return buffer
+
+    def _written(self) -> None:
+        with self._lock:
+            self._writing -= 1
+            if not self._usable:
+                self._unmap()
+
+    def _make(self, buffer_bytes: int) -> bool:
+        """The ring's file, sized for ``buffer_bytes`` a buffer and reserved in full: a
+        /dev/shm without room fails here, not with SIGBUS at a write."""
+        name = f"batchwire-{os.getpid()}-{secrets.token_hex(8)}"
+        path = self._directory / name
+        size = buffer_bytes * self.buffers
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._memory = mmap.mmap(fd, size)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            self._usable = False
+            log.warning(
+                "could not reserve %.0f MiB of shared memory under %s (%s): this stream's "
+                "batches go in their messages; give the server a larger /dev/shm (Docker: "
+                "shm_size) to send batches to clients on this host without copies",
+                size / 2**20,
+                self._directory,
+                exc.strerror or exc,
+            )
+            return False
+        finally:
+            os.close(fd)
+        self._path, self._name, self._buffer_bytes = path, name, buffer_bytes
+        return True
+
+    def release(self, buffers: Iterable[int]) -> None:
+        """The client copied out the batches in ``buffers``: they take other batches now.
+        InvalidRequest for a buffer that holds no batch of this stream."""
+        with self._lock:
+            for buffer in buffers:
+                if buffer not in self._taken:
+                    raise InvalidRequest(
+                        f"released shared memory buffer {buffer}, which holds no batch of this "
+                        "stream; release each buffer once, after its batch arrived"
+                    )
+                self._taken.remove(buffer)
+                self._free.append(buffer)
+            self._remove_file()  # the client has mapped it: the file is no longer needed
+
+    def close(self) -> None:
+        """No more batches go in the ring; its file is removed, and its memory unmapped
+        now or, if a pipeline still draining writes a batch to it, once that is done
+        (the client keeps its own mapping for as long as it reads)."""
+        with self._lock:
+            self._usable = False
+            self._remove_file()
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self._memory is not None and not self._writing:
+            self._memory.close()
+            self._memory = None
+
+    def _remove_file(self) -> None:
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+            self._path = None

@@ -1,0 +1,216 @@
+"""A trainer on the server's host gets its batches through shared memory: the same
+batches as over the socket, nothing left in /dev/shm, and the socket path whenever
+memory cannot be shared (another host, a full /dev/shm, the setting off)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import threading
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from conftest import start_server
+
+from batchwire.client import RemoteLoader
+from batchwire.client._shared_memory import SharedMemory
+from batchwire.server import BatchwireServer
+from batchwire.server.core import Batch, InvalidRequest
+from batchwire.server.serving._shared_memory import SHM_DIR, SharedRing, accept_offer
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
+
+SMALL = {"size": 32}
+SHARED_BYTES = "batchwire_shared_memory_bytes_total"
+
+
+def shared_bytes(server: BatchwireServer, pipeline: str) -> float:
+    labels = {"dataset": "shapes", "pipeline": pipeline}
+    return server.metrics.registry.get_sample_value(SHARED_BYTES, labels) or 0.0
+
+
+def rings() -> list[str]:
+    """This host's batchwire rings and probes in /dev/shm (a loader's ledger is not one)."""
+    return sorted(
+        name
+        for name in os.listdir(SHM_DIR)
+        if name.startswith("batchwire-") and not name.startswith("batchwire-loader-")
+    )
+
+
+def mapped() -> int:
+    """Rings this process maps (the test's server and its loaders share the process)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if f"{SHM_DIR}/batchwire-" in line and "loader" not in line)
+
+
+def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    waiting = threading.Event()
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return True
+        waiting.wait(0.05)
+    return condition()
+
+
+def epoch(server: BatchwireServer, **kwargs: object) -> list[tuple[torch.Tensor, ...]]:
+    loader = RemoteLoader(
+        server.target,
+        dataset="shapes",
+        pipeline="val",
+        batch_size=32,
+        return_ids=True,
+        normalize=False,
+        params=SMALL,
+        shuffle=True,
+        seed=7,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    loader.set_epoch(3)
+    try:
+        return list(loader)
+    finally:
+        loader.close()
+
+
+def test_a_loader_on_the_servers_host_gets_the_same_batches_through_shared_memory(
+    server: BatchwireServer,
+) -> None:
+    before = shared_bytes(server, "val")
+    shared = epoch(server)
+    through_shm = shared_bytes(server, "val") - before
+    socket = epoch(server, shared_memory=False)
+    assert shared_bytes(server, "val") - before == through_shm  # the socket path took none
+    images = sum(batch[0].numel() for batch in shared)
+    assert through_shm == images  # every image byte went through shared memory
+    assert len(shared) == len(socket) > 1
+    for (images_a, labels_a, ids_a), (images_b, labels_b, ids_b) in zip(
+        shared, socket, strict=True
+    ):
+        assert torch.equal(ids_a, ids_b)
+        assert torch.equal(labels_a, labels_b)
+        assert torch.equal(images_a, images_b)
+    assert rings() == []  # every ring and probe removed once the streams ended
+    assert eventually(lambda: mapped() == 0)  # and unmapped, on both sides
+
+
+def test_a_server_with_shared_memory_off_sends_every_batch_in_its_messages(
+    data_dir: pathlib.Path,
+) -> None:
+    server = start_server(data_dir, shared_memory=False)
+    try:
+        batches = epoch(server)
+        assert sum(len(ids) for _, _, ids in batches) == 512
+        assert shared_bytes(server, "val") == 0
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_an_abandoned_loader_leaves_nothing_in_dev_shm(server: BatchwireServer) -> None:
+    loader = RemoteLoader(
+        server.target, dataset="shapes", pipeline="train", batch_size=8, params=SMALL
+    )
+    batches = iter(loader)
+    next(batches)
+    assert mapped() >= 1  # the stream's ring, mapped by the server and the loader
+    loader.close()  # mid-epoch: the stream is cancelled
+    assert eventually(lambda: mapped() == 0 and not rings())
+
+
+def offer_in(directory: pathlib.Path, token: bytes = b"t" * 16) -> pb.SharedMemoryOffer:
+    name = "batchwire-probe-" + "ab" * 16
+    (directory / name).write_bytes(token)
+    return pb.SharedMemoryOffer(probe=name, token=token, buffers=2)
+
+
+def test_a_server_takes_an_offer_only_with_the_clients_token_in_its_own_dev_shm(
+    tmp_path: pathlib.Path,
+) -> None:
+    good = offer_in(tmp_path)
+    assert accept_offer(good, tmp_path) is not None
+    wrong = pb.SharedMemoryOffer(probe=good.probe, token=b"x" * 16, buffers=2)
+    assert accept_offer(wrong, tmp_path) is None  # another host's /dev/shm: a file, not ours
+    elsewhere = pb.SharedMemoryOffer(probe="batchwire-probe-" + "cd" * 16, token=good.token)
+    assert accept_offer(elsewhere, tmp_path) is None  # no such file here
+    outside = pb.SharedMemoryOffer(probe="../etc/passwd", token=good.token, buffers=2)
+    assert accept_offer(outside, tmp_path) is None  # only probe names, never paths
+
+
+def batch(index: int, samples: int = 4) -> Batch:
+    rng = np.random.default_rng(index)
+    return Batch(
+        index=index,
+        ids=np.arange(samples) + 10 * index,
+        images=rng.integers(0, 255, (samples, 3, 8, 8), dtype=np.uint8),
+        labels=np.arange(samples),
+        cursor=(index + 1) * samples,
+        skipped_ids=(),
+        normalized=False,
+        num_batches=9,
+        layout="NCHW",
+    )
+
+
+def test_a_full_ring_sends_batches_in_their_messages_until_the_client_releases_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    from batchwire.common.batch_codec import decode_batch
+
+    ring = SharedRing(2, tmp_path)
+    client = SharedMemory(tmp_path / "batchwire-probe-00", b"t" * 16, 2)
+    first, second, third = (ring.encode(batch(i)) for i in range(3))
+    assert first is not None and second is not None
+    assert third is None  # both buffers hold batches the client has not copied out
+    for k, encoded in enumerate((first, second)):
+        decoded = decode_batch(encoded.messages[0], client.view)
+        assert np.array_equal(decoded.images, batch(k).images)
+        assert list(decoded.header.ids) == list(batch(k).ids)
+    assert not list(tmp_path.iterdir())  # the client removed the file once it mapped it
+    buffer = decode_batch(first.messages[0], client.view).header.shared_images.buffer
+    ring.release([buffer])
+    again = ring.encode(batch(3))
+    assert again is not None
+    assert np.array_equal(decode_batch(again.messages[0], client.view).images, batch(3).images)
+    with pytest.raises(InvalidRequest, match="holds no batch"):
+        ring.release([7])
+    ring.close()
+    assert ring.encode(batch(4)) is None  # a closed stream's ring takes nothing more
+
+
+def test_a_dev_shm_without_room_sends_batches_in_their_messages(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    ring = SharedRing(2, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert ring.encode(batch(0)) is None
+    assert "shm_size" in caplog.text
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_release_of_a_buffer_the_stream_does_not_hold_ends_it_invalid_argument(
+    server: BatchwireServer,
+) -> None:
+    shared = SharedMemory.offer(2)
+    assert shared is not None
+    spec = pb.StreamBatchesRequest(
+        dataset="shapes", pipeline="val", batch_size=8, params=SMALL, world_size=1
+    )
+    requests = [
+        pb.PullRequest(stream=spec, shared_memory=shared.message(), batches=[0]),
+        pb.PullRequest(batches=[1], released_buffers=[9]),
+    ]
+    with grpc.insecure_channel(server.target) as channel:
+        call = pb_grpc.BatchwireStub(channel).PullBatches(iter(requests), timeout=30)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(call)
+    shared.close()
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "holds no batch of this stream" in raised.value.details()
