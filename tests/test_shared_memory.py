@@ -8,6 +8,8 @@ import logging
 import os
 import pathlib
 import threading
+import time
+import types
 from collections.abc import Callable
 
 import grpc
@@ -20,7 +22,13 @@ from batchwire.client import RemoteLoader
 from batchwire.client._shared_memory import SharedMemory
 from batchwire.server import BatchwireServer
 from batchwire.server.core import Batch, InvalidRequest
-from batchwire.server.serving._shared_memory import SHM_DIR, SharedRing, accept_offer
+from batchwire.server.serving import _shared_memory
+from batchwire.server.serving._shared_memory import (
+    SHM_DIR,
+    SharedRing,
+    accept_offer,
+    remove_stale,
+)
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -214,3 +222,37 @@ def test_a_release_of_a_buffer_the_stream_does_not_hold_ends_it_invalid_argument
     shared.close()
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "holds no batch of this stream" in raised.value.details()
+
+
+def test_a_dev_shm_with_little_room_is_left_to_others(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 2 buffers of 768 bytes need 1.5 KiB: more than half of 2 KiB free.
+    little = types.SimpleNamespace(f_bavail=2, f_frsize=1024)
+    monkeypatch.setattr(os, "statvfs", lambda path: little)
+    monkeypatch.setattr(_shared_memory, "_room_warned", False)
+    with caplog.at_level(logging.WARNING):
+        assert SharedRing(2, tmp_path).encode(batch(0)) is None
+        assert SharedRing(2, tmp_path).encode(batch(1)) is None
+    assert caplog.text.count("too little for a stream's") == 1  # once a process
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_server_removes_the_rings_and_probes_that_dead_processes_left(
+    tmp_path: pathlib.Path,
+) -> None:
+    old = time.time() - 3600
+    names = {
+        "ring": "batchwire-123-0123456789abcdef",
+        "probe": "batchwire-probe-" + "ef" * 16,
+        "fresh ring": "batchwire-124-0123456789abcdef",
+        "ledger": "batchwire-loader-1-abcdefgh",
+        "other": "something-else",
+    }
+    for label, name in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        if label != "fresh ring":
+            os.utime(tmp_path / name, (old, old))
+    assert remove_stale(tmp_path) == 2
+    left = {names["fresh ring"], names["ledger"], names["other"]}
+    assert {path.name for path in tmp_path.iterdir()} == left

@@ -39,6 +39,7 @@ from batchwire.server.serving._rescans import Rescans
 from batchwire.server.serving._runtime import Listening, ServerError
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
+from batchwire.server.serving._shared_memory import remove_stale
 from batchwire.server.serving._worker_states import State, WorkerSlot
 from batchwire.v1 import batchwire_pb2
 
@@ -111,6 +112,8 @@ class BatchwireServer(Listening):
 
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
+        if self.config.shared_memory and self._slot is None:  # a unit's parent sweeps once
+            remove_stale()
         self.engine.open_datasets()
         self.metrics.datasets.set(len(self.engine.catalog))
         if self.config.metrics_port is not None:

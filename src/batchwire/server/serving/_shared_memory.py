@@ -32,6 +32,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -41,14 +42,44 @@ from batchwire.server.core import Batch, InvalidRequest
 from batchwire.server.serving._streaming import EncodedBatch, batch_header
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["MAX_BUFFERS", "SHM_DIR", "SharedRing", "accept_offer"]
+__all__ = ["MAX_BUFFERS", "SHM_DIR", "SharedRing", "accept_offer", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = pathlib.Path("/dev/shm")
 MAX_BUFFERS = 16  # batches one stream may hold in shared memory
 _PROBE = re.compile(r"batchwire-probe-[0-9a-f]{16,64}")
+_RING = re.compile(r"batchwire-[0-9]+-[0-9a-f]{16}")
 _MIN_TOKEN = 16  # bytes
+# A ring's file lives until its client maps it, a probe until its server answers: both
+# well under a second. One this old was left by a process that died in between.
+STALE_S = 600.0
+_room_warned = False  # the warning that /dev/shm is too small: once a process
+
+
+def remove_stale(directory: pathlib.Path = SHM_DIR, older_than: float = STALE_S) -> int:
+    """Remove the rings and probes that processes which died left in ``directory`` (a
+    server killed before its client mapped a ring); returns how many."""
+    removed = 0
+    limit = time.time() - older_than
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not (_RING.fullmatch(entry.name) or _PROBE.fullmatch(entry.name)):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < limit:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            continue  # removed meanwhile, or another user's
+    if removed:
+        log.info(
+            "removed %d shared memory files that stopped processes left in %s", removed, directory
+        )
+    return removed
 
 
 def accept_offer(
@@ -151,9 +182,25 @@ class SharedRing:
     def _make(self, buffer_bytes: int) -> bool:
         """The ring's file, sized for ``buffer_bytes`` a buffer and reserved in full: a
         /dev/shm without room fails here, not with SIGBUS at a write."""
+        global _room_warned
         name = f"batchwire-{os.getpid()}-{secrets.token_hex(8)}"
         path = self._directory / name
         size = buffer_bytes * self.buffers
+        room = _free_bytes(self._directory)
+        if size > room // 2:  # leave half of it to others (trainers' DataLoader workers)
+            self._usable = False
+            if not _room_warned:
+                _room_warned = True
+                log.warning(
+                    "%s has %.0f MiB free, too little for a stream's %.0f MiB of shared "
+                    "memory (at most half of what is free): such streams send their batches "
+                    "in their messages; give the host or container a larger /dev/shm "
+                    "(Docker: shm_size) to send batches to clients on this host without copies",
+                    self._directory,
+                    room / 2**20,
+                    size / 2**20,
+                )
+            return False
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -207,3 +254,11 @@ class SharedRing:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+
+
+def _free_bytes(directory: pathlib.Path) -> int:
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize

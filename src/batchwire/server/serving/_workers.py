@@ -42,6 +42,7 @@ from batchwire.server.config import ServerConfig
 from batchwire.server.core import DevicePlan, pipeline_threads, usable_cpus
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
 from batchwire.server.serving._runtime import Listening, ServerError, check_port_free
+from batchwire.server.serving._shared_memory import remove_stale
 from batchwire.server.serving._worker_metrics import WorkerMetricsCollector
 from batchwire.server.serving._worker_process import (
     LISTENING,
@@ -161,6 +162,8 @@ class WorkerUnit(Listening):
         taken or a worker cannot start (its message), with every worker stopped."""
         host = self.config.host
         check_port_free(host, self.config.port)
+        if self.config.shared_memory:
+            remove_stale()  # once for the unit: its workers do not
         self._reserved, self._port = _reserve_port(host, self.config.port)
         try:
             if self.config.metrics_port is not None:
