@@ -112,7 +112,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "each recording",
     )
     parser.add_argument(
-        "--size", type=int, help="with --streams or --chaos: the pipeline's output size"
+        "--size", type=int, help="with --streams, --chaos or --profile: the pipeline's output size"
     )
     parser.add_argument(
         "--device",

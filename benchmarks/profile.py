@@ -66,10 +66,12 @@ def run_profile(args: argparse.Namespace) -> int:
         LocalServer(data_dir, pathlib.Path(work), pipelines=NO_DECODE_TOML) as server,
     ):
 
+        params = None if args.size is None else {"size": float(args.size)}
+
         def stream() -> RunResult:
             return run_remote(
                 "profiled", [server.address], [server.pid], dataset, args.pipeline,
-                args.batch_size, max(args.images, 2 * args.batch_size),
+                args.batch_size, max(args.images, 2 * args.batch_size), params=params,
             )  # fmt: skip
 
         stream()  # warm-up: pipelines built, pages cached
