@@ -65,7 +65,6 @@ def run_profile(args: argparse.Namespace) -> int:
         tempfile.TemporaryDirectory(prefix="batchwire-profile-") as work,
         LocalServer(data_dir, pathlib.Path(work), pipelines=NO_DECODE_TOML) as server,
     ):
-
         params = None if args.size is None else {"size": float(args.size)}
 
         def stream() -> RunResult:
