@@ -54,6 +54,10 @@ _MIN_TOKEN = 16  # bytes
 # A ring's file lives until its client maps it, a probe until its server answers: both
 # well under a second. One this old was left by a process that died in between.
 STALE_S = 600.0
+# This process's rings take at most half of /dev/shm, and a new one at most half of what
+# is free: the rest is left to others (trainers' DataLoader workers share memory there too).
+_rings_lock = threading.Lock()
+_rings_bytes = 0  # bytes of this process's rings, mapped now
 _room_warned = False  # the warning that /dev/shm is too small: once a process
 
 
@@ -182,31 +186,19 @@ class SharedRing:
     def _make(self, buffer_bytes: int) -> bool:
         """The ring's file, sized for ``buffer_bytes`` a buffer and reserved in full: a
         /dev/shm without room fails here, not with SIGBUS at a write."""
-        global _room_warned
+        size = buffer_bytes * self.buffers
+        if not _reserve(self._directory, size):
+            self._usable = False
+            return False
         name = f"batchwire-{os.getpid()}-{secrets.token_hex(8)}"
         path = self._directory / name
-        size = buffer_bytes * self.buffers
-        room = _free_bytes(self._directory)
-        if size > room // 2:  # leave half of it to others (trainers' DataLoader workers)
-            self._usable = False
-            if not _room_warned:
-                _room_warned = True
-                log.warning(
-                    "%s has %.0f MiB free, too little for a stream's %.0f MiB of shared "
-                    "memory (at most half of what is free): such streams send their batches "
-                    "in their messages; give the host or container a larger /dev/shm "
-                    "(Docker: shm_size) to send batches to clients on this host without copies",
-                    self._directory,
-                    room / 2**20,
-                    size / 2**20,
-                )
-            return False
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
             self._memory = mmap.mmap(fd, size)
         except OSError as exc:
             path.unlink(missing_ok=True)
+            _unreserve(size)
             self._usable = False
             log.warning(
                 "could not reserve %.0f MiB of shared memory under %s (%s): this stream's "
@@ -247,6 +239,7 @@ class SharedRing:
 
     def _unmap(self) -> None:
         if self._memory is not None and not self._writing:
+            _unreserve(len(self._memory))
             self._memory.close()
             self._memory = None
 
@@ -256,9 +249,36 @@ class SharedRing:
             self._path = None
 
 
-def _free_bytes(directory: pathlib.Path) -> int:
+def _reserve(directory: pathlib.Path, size: int) -> bool:
+    """Whether a ring of ``size`` bytes fits this process's share of ``directory``
+    (counted as taken if so); warns once a process when it does not."""
+    global _rings_bytes, _room_warned
     try:
         stats = os.statvfs(directory)
     except OSError:
-        return 0
-    return stats.f_bavail * stats.f_frsize
+        return False
+    free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+    with _rings_lock:
+        if size <= free // 2 and _rings_bytes + size <= total // 2:
+            _rings_bytes += size
+            return True
+        warn, _room_warned = not _room_warned, True
+    if warn:
+        log.warning(
+            "%s has %.0f MiB free of %.0f MiB, too little for a stream's %.0f MiB of shared "
+            "memory (a server takes at most half of what is free, and half of all): such "
+            "streams send their batches in their messages; give the host or container a "
+            "larger /dev/shm (Docker: shm_size) to send batches to clients on this host "
+            "without copies",
+            directory,
+            free / 2**20,
+            total / 2**20,
+            size / 2**20,
+        )
+    return False
+
+
+def _unreserve(size: int) -> None:
+    global _rings_bytes
+    with _rings_lock:
+        _rings_bytes -= size
