@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import signal
 import threading
 import time
 import types
@@ -17,9 +18,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import start_server
+from processes import serve_process
 
 from batchwire.client import RemoteLoader
 from batchwire.client._shared_memory import SharedMemory
+from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
 from batchwire.server.core import Batch, InvalidRequest
 from batchwire.server.serving import _shared_memory
@@ -228,13 +231,18 @@ def test_a_dev_shm_with_little_room_is_left_to_others(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # 2 buffers of 768 bytes need 1.5 KiB: more than half of 2 KiB free.
-    little = types.SimpleNamespace(f_bavail=2, f_frsize=1024)
+    little = types.SimpleNamespace(f_bavail=2, f_blocks=1024, f_frsize=1024)
     monkeypatch.setattr(os, "statvfs", lambda path: little)
     monkeypatch.setattr(_shared_memory, "_room_warned", False)
     with caplog.at_level(logging.WARNING):
         assert SharedRing(2, tmp_path).encode(batch(0)) is None
         assert SharedRing(2, tmp_path).encode(batch(1)) is None
     assert caplog.text.count("too little for a stream's") == 1  # once a process
+    # Free space enough, but this process's rings would take more than half of it all.
+    monkeypatch.setattr(
+        os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=1024, f_blocks=2, f_frsize=1024)
+    )
+    assert SharedRing(2, tmp_path).encode(batch(2)) is None
     assert not list(tmp_path.iterdir())
 
 
@@ -256,3 +264,51 @@ def test_a_server_removes_the_rings_and_probes_that_dead_processes_left(
     assert remove_stale(tmp_path) == 2
     left = {names["fresh ring"], names["ledger"], names["other"]}
     assert {path.name for path in tmp_path.iterdir()} == left
+
+
+def test_two_pipelines_through_shared_memory_lose_and_repeat_nothing_when_a_server_is_killed(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    expected = Plan(num_samples=520, batch_size=8, seed=5, drop_last=False).share().tolist()
+    got: dict[str, list[int]] = {"train": [], "val": []}
+    errors: list[BaseException] = []
+    with (
+        serve_process(data_dir, tmp_path / "a.log", "--grace", "5") as a,
+        serve_process(data_dir, tmp_path / "b.log", "--grace", "5") as b,
+    ):
+        ten_batches = threading.Event()
+
+        def stream(pipeline: str) -> None:
+            try:
+                with RemoteLoader(
+                    [a.address, b.address],
+                    dataset="shapes",
+                    pipeline=pipeline,
+                    batch_size=8,
+                    params=SMALL,
+                    seed=5,
+                    drop_last=False,
+                    return_ids=True,
+                    retry_timeout=30,
+                ) as loader:
+                    for n, (_, _, ids) in enumerate(loader):
+                        got[pipeline] += ids.tolist()
+                        if n == 9:
+                            ten_batches.set()
+            except BaseException as exc:  # reported below, in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=stream, args=(p,)) for p in got]
+        for thread in threads:
+            thread.start()
+        assert ten_batches.wait(60)
+        a.process.send_signal(signal.SIGKILL)  # mid-epoch, both pipelines streaming from it
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        assert got["train"] == expected and got["val"] == expected
+        assert "pull shared-memory" in b.log.read_text()  # the survivor served through it
+        # Whatever the killed server left (a ring its loader had not mapped yet) is its own;
+        # the survivor removed each of its rings as its streams ended.
+        survivor = f"batchwire-{b.process.pid}-"
+        assert eventually(lambda: not [n for n in rings() if n.startswith(survivor)])
