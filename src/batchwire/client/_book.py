@@ -5,7 +5,9 @@ room (``claim``): batches a failed server gave back first, lowest first, then ne
 never more than ``window`` beyond the batch the user takes next. So a faster server is
 handed more batches, a failed one's batches go to the others, and what is asked for or
 held never exceeds ``window`` batches. The user takes batches in order ``k`` whichever
-server carried them. Thread-safe; every wait is bounded.
+server carried them. Thread-safe. Nothing polls: a wait ends when what it waits for
+changes (every change notifies the book's condition, and so does :meth:`wake`, which a
+stopping pass calls) or at its next deadline (the hedge, ``retry_timeout``, ``timeout``).
 
 A server that stalls without failing (a hung disk, a paused process) would hold its
 batches until ``timeout``. So when the user has waited for the next batch much longer
@@ -37,7 +39,6 @@ __all__ = ["HEDGE_FACTOR", "HEDGE_MIN_S", "Book", "Held"]
 
 log = logging.getLogger(__name__)
 
-_POLL = 0.1  # seconds between checks of a stop condition while waiting
 HEDGE_FACTOR = 20  # a wait this many median gaps between arrivals means a stalled server
 HEDGE_MIN_S = 2.0  # ... and never less than this
 
@@ -81,6 +82,8 @@ class Book:
             while True:
                 if over() or self.finished:
                     return None
+                if held not in self._calls:
+                    self._cond.notify_all()  # a call with room: a stalled batch may hedge
                 self._calls[held] = credit
                 room = credit - len(held)
                 got: list[int] = []
@@ -100,7 +103,7 @@ class Book:
                 if got:
                     held.extend(got)
                     return got
-                self._cond.wait(_POLL)
+                self._cond.wait()  # until a batch is taken, delivered or given back, or wake
 
     def deliver(self, held: Held, delivery: Delivery) -> None:
         """A call delivered the first batch it holds."""
@@ -137,6 +140,12 @@ class Book:
             self._cond.notify_all()
             return returned
 
+    def wake(self) -> None:
+        """Wake every wait, to look again at what it checks (``over``, ``check``): the
+        pass calls this when it stops."""
+        with self._cond:
+            self._cond.notify_all()
+
     def fail(self, error: BatchwireError) -> None:
         """The pass cannot go on: ``take`` raises ``error``."""
         with self._cond:
@@ -163,23 +172,30 @@ class Book:
                 if self._error is not None:
                     raise self._error
                 now = time.monotonic()
-                if index not in self._hedged and now - started > self._hedge_after():
-                    self._hedge(index, now - started)
+                wake_at = [deadline]
+                if index not in self._hedged:
+                    hedge_at = started + self._hedge_after()
+                    if now > hedge_at:
+                        self._hedge(index, now - started)  # or, with no room, at a change
+                    else:
+                        wake_at.append(hedge_at)
                 failure = self._failure
-                stalled = now - self._progress_at > retry_timeout
-                if failure is not None and failure[0] >= self._progress_at and stalled:
-                    raise error_for(
-                        failure[1],
-                        f"no server delivered a batch within {retry_timeout:.0f}s "
-                        f"(retry_timeout=); last error: {failure[2]}",
-                    )
+                if failure is not None and failure[0] >= self._progress_at:
+                    if now - self._progress_at > retry_timeout:
+                        raise error_for(
+                            failure[1],
+                            f"no server delivered a batch within {retry_timeout:.0f}s "
+                            f"(retry_timeout=); last error: {failure[2]}",
+                        )
+                    wake_at.append(self._progress_at + retry_timeout)
                 if now >= deadline:
                     raise UnavailableError(
                         f"no batch arrived within {timeout:.0f}s (timeout=); the server "
                         "may be overloaded or stuck",
                         code=grpc.StatusCode.DEADLINE_EXCEEDED,
                     )
-                self._cond.wait(min(_POLL, deadline - now))
+                # Until a change (an arrival, a failure, room, wake) or the next deadline.
+                self._cond.wait(max(0.0, min(wake_at) - now) + 0.001)
             delivery = self._arrived.pop(index)
             self._next = index + 1
             self._cond.notify_all()
@@ -192,7 +208,7 @@ class Book:
 
     def _hedge(self, index: int, waited: float) -> None:
         """Offer every batch of the call holding ``index`` to the other calls, if one has
-        room (under the lock); else leave it to be tried again at the next poll."""
+        room (under the lock); else it is tried again when the book next changes."""
         holder = next((held for held in self._calls if index in held), None)
         if holder is None:
             self._hedged.add(index)  # held by no call now: a failed call gave it back

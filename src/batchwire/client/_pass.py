@@ -211,6 +211,7 @@ class StreamPass:
         for puller in pullers:
             puller.cancel()
         self._stop.set()
+        self.book.wake()  # waits in the book look at the stop
         for puller in pullers:
             if puller.is_alive() and puller is not me:
                 puller.join(_JOIN_TIMEOUT)
@@ -218,9 +219,6 @@ class StreamPass:
             self._resolver.join(_JOIN_TIMEOUT)
         with _live_lock:
             _live_passes.discard(self)
-
-
-_POLL = 0.1  # seconds between checks of `stop` while waiting
 
 
 class ServerPuller(threading.Thread):
@@ -297,6 +295,7 @@ class ServerPuller(threading.Thread):
                 failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
                 over.set()  # before giving back, so the request stream claims no more
+                accepted.set()  # the request stream waits for one of the two
                 returned = self._book.give_back(held, failure)
                 if shared is not None:
                     shared.close()
@@ -345,9 +344,11 @@ class ServerPuller(threading.Thread):
         pass is finished or the call is over."""
         offer = None if shared is None else shared.message()
         yield pb.PullRequest(stream=self._spec, shared_memory=offer)
-        while not accepted.wait(_POLL):
-            if over.is_set() or self._pass_stop.is_set():
-                return
+        # Set once the server opened the stream, or the call is over (every way out of
+        # _pull sets it; the pass's stop cancels the call first).
+        accepted.wait()
+        if over.is_set() or self._pass_stop.is_set():
+            return
         while True:
             batches = self._book.claim(
                 held, self._credit, lambda: over.is_set() or self._pass_stop.is_set()
