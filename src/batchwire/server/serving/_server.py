@@ -10,7 +10,7 @@ Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
     server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
 
 The server runs its own event loop (uvloop where installed) in a named thread.
-As one worker of ``batchwire serve --workers N`` (``slot=``, see
+As one worker of ``batchwire serve --workers N`` (``member=``, see
 :mod:`._workers`), it binds its port with SO_REUSEPORT beside its siblings and its
 health service answers for the whole unit.
 TLS, mutual TLS and bearer tokens come from the config (``batchwire.server.serving._security``);
@@ -40,7 +40,7 @@ from batchwire.server.serving._runtime import Listening, ServerError
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
 from batchwire.server.serving._shared_memory import remove_stale
-from batchwire.server.serving._worker_states import State, WorkerSlot
+from batchwire.server.serving._worker_states import State, UnitMember
 from batchwire.v1 import batchwire_pb2
 
 __all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
@@ -67,14 +67,14 @@ _METHODS = tuple(
 
 
 class BatchwireServer(Listening):
-    def __init__(self, config: ServerConfig, *, slot: WorkerSlot | None = None) -> None:
+    def __init__(self, config: ServerConfig, *, member: UnitMember | None = None) -> None:
         """Raises ``ConfigError`` when a TLS or token file is missing or malformed.
 
-        ``slot``: this server is one worker of a unit sharing its port (SO_REUSEPORT):
+        ``member``: this server is one worker of a unit sharing its port (SO_REUSEPORT):
         it publishes its state there and reports SERVING only while every worker of
         the unit does."""
         self.config = config
-        self._slot = slot
+        self._member = member
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
         self.engine = Engine(config)
@@ -92,7 +92,7 @@ class BatchwireServer(Listening):
         )
         self._health = (
             health.aio.HealthServicer()
-            if slot is None
+            if member is None
             else _runtime.UnitHealthServicer(self._report)
         )
         self._warm = False  # warmed up with datasets: SERVING unless a device is broken
@@ -112,7 +112,7 @@ class BatchwireServer(Listening):
 
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
-        if self.config.shared_memory and self._slot is None:  # a unit's parent sweeps once
+        if self.config.shared_memory and self._member is None:  # a unit's parent sweeps once
             remove_stale()
         self.engine.open_datasets()
         self.metrics.datasets.set(len(self.engine.catalog))
@@ -231,8 +231,8 @@ class BatchwireServer(Listening):
         warm = asyncio.ensure_future(self._warm_up())
         rescans = asyncio.ensure_future(self._rescans.run())
         follow = None
-        if self._slot is not None:
-            self._slot.publish(State.WARMING)
+        if self._member is not None:
+            self._member.publish(State.WARMING)
             follow = asyncio.ensure_future(self._follow_unit())
         await self._stop_requested.wait()
         warm.cancel()
@@ -246,7 +246,7 @@ class BatchwireServer(Listening):
         server = grpc.aio.server(
             options=[
                 # A unit's workers share the port; a lone server must find it free.
-                ("grpc.so_reuseport", 0 if self._slot is None else 1),
+                ("grpc.so_reuseport", 0 if self._member is None else 1),
                 ("grpc.max_send_message_length", -1),
                 # Preprocess requests carry encoded images (config max_request_bytes).
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
@@ -271,7 +271,7 @@ class BatchwireServer(Listening):
     async def _listen(self, server: grpc.aio.Server) -> None:
         """Bind the port and start ``server``; ServerError when the port is taken."""
         address = f"{self.config.host}:{self.config.port}"
-        if self._slot is None:  # a unit's parent checked it, and holds it reserved
+        if self._member is None:  # a unit's parent checked it, and holds it reserved
             _runtime.check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
         try:
@@ -339,17 +339,17 @@ class BatchwireServer(Listening):
             own = State.WARMING  # not ready: warming up, or no dataset to serve yet
         else:
             own = State.BROKEN if self.engine.health.broken() else State.SERVING
-        if self._slot is None:
+        if self._member is None:
             serving = own is State.SERVING
         else:
-            self._slot.publish(own)
-            serving = self._slot.unit_serving()
+            self._member.publish(own)
+            serving = self._member.unit_serving()
         if serving == self._reported:
             return
         previous, self._reported = self._reported, serving
-        if self._slot is not None and serving:
+        if self._member is not None and serving:
             log.info("the unit serves: every worker is SERVING")
-        elif self._slot is not None and previous:
+        elif self._member is not None and previous:
             log.warning("the unit does not serve: a worker is warming, broken or draining")
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _SERVING if serving else _NOT_SERVING)
@@ -371,8 +371,8 @@ class BatchwireServer(Listening):
         log.info("draining: NOT_SERVING, refusing new streams, grace %ss", self._grace)
         self._serving.clear()
         self.metrics.serving.set(0)
-        if self._slot is not None:
-            self._slot.publish(State.DRAINING)
+        if self._member is not None:
+            self._member.publish(State.DRAINING)
         await self._health.enter_graceful_shutdown()
         await server.stop(self._grace)
         log.info("stopped")

@@ -323,7 +323,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
             # The client went away while its pipeline was being built: the stream
-            # opens all the same, and must be closed or it holds a stream slot.
+            # opens all the same, and must be closed or it holds one of the --max-streams places.
             log.info("client went away while its stream was opening; closing it when open")
             opening.add_done_callback(self._close_opened)
             raise

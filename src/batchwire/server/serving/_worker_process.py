@@ -78,11 +78,11 @@ def run_worker(spec: WorkerSpec, states: WorkerStates, parent: Connection) -> No
         spec.setup(spec.index)
     tune_for_large_buffers()
     parent_pid = os.getppid()
-    slot = states.slot(spec.index)
+    member = states.member(spec.index)
     metrics: MetricsHTTPServer | None = None
     try:
         config = dataclasses.replace(spec.source(), **spec.overrides)
-        server = BatchwireServer(config, slot=slot)
+        server = BatchwireServer(config, member=member)
         server.start()
         rescan.append(server.request_rescan)
     except (ConfigError, ServerError, DatasetError, DeviceError) as exc:
@@ -106,7 +106,7 @@ def run_worker(spec: WorkerSpec, states: WorkerStates, parent: Connection) -> No
             # Orphaned (the parent was killed): drain rather than serve unsupervised.
             log.error("the parent process is gone: draining")
             break
-    slot.publish(State.DRAINING)
+    member.publish(State.DRAINING)
     server.stop(grace=config.grace)
     if metrics is not None:
         metrics.stop()

@@ -3,8 +3,8 @@ answers health checks for the whole unit.
 
 ``batchwire serve --workers N`` runs N servers behind one port: a probe lands on
 whichever worker the kernel picks, and must get the same answer from each. Each
-worker writes its own state into its slot of one shared array (one writer per
-slot: no lock is needed for a single ``int``) and reads every slot, at each health
+worker writes its own state into its entry of one shared array (one writer per
+entry: no lock is needed for a single ``int``) and reads every entry, at each health
 check and every poll, to decide what its health service reports: SERVING only when
 every worker is SERVING.
 
@@ -19,11 +19,11 @@ import multiprocessing.context
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["State", "WorkerSlot", "WorkerStates"]
+__all__ = ["State", "UnitMember", "WorkerStates"]
 
 
 class State(enum.IntEnum):
-    """One worker's state, as its slot holds it."""
+    """One worker's state, as its entry holds it."""
 
     STARTING = 0  # spawned, not yet listening
     WARMING = 1  # listening; datasets or a pipeline not ready (or no datasets)
@@ -34,7 +34,7 @@ class State(enum.IntEnum):
 
 
 class WorkerStates:
-    """One slot per worker in a shared ``int`` array; picklable into spawned workers
+    """One entry per worker in a shared ``int`` array; picklable into spawned workers
     (pass it as a ``Process`` argument)."""
 
     def __init__(self, array: Any) -> None:
@@ -42,7 +42,7 @@ class WorkerStates:
 
     @classmethod
     def create(cls, context: multiprocessing.context.BaseContext, workers: int) -> WorkerStates:
-        """``workers`` slots, all :data:`State.STARTING`."""
+        """``workers`` entries, all :data:`State.STARTING`."""
         return cls(context.RawArray("i", [State.STARTING] * workers))
 
     def __len__(self) -> int:
@@ -58,11 +58,11 @@ class WorkerStates:
     def all_serving(self) -> bool:
         return all(value == State.SERVING for value in self._array[:])
 
-    def slot(self, index: int) -> WorkerSlot:
-        return WorkerSlot(self, index)
+    def member(self, index: int) -> UnitMember:
+        return UnitMember(self, index)
 
 
-class WorkerSlot:
+class UnitMember:
     """What one worker's server sees of the unit: it publishes its own state and
     asks whether the whole unit serves."""
 
