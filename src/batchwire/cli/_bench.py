@@ -75,8 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--standin-images",
         type=int,
         default=0,
-        help="with --compare: images per run of the stand-ins (default 64 x --images: a run of "
-        "small images lasts about a second)",
+        help="with --compare: images per run of the stand-ins (default 8 x --images)",
     )
     parser.add_argument(
         "--workers",
@@ -268,9 +267,7 @@ def _compare_runs(
     )
 
     batch, images = args.batch_size, args.images
-    # A run of 4,096 small images lasts 0.15 s: what ran just before it moved its rate by
-    # a tenth. 64 x --images (32,768) makes each run of them last about a second.
-    standin = args.standin_images or 64 * images
+    standin = args.standin_images or 8 * images
     per_message = _per_message(batch)
     dataset, small = dataset_dir.name, small_dir.name
     small_params = {"size": float(SMALL_SIZE)}
