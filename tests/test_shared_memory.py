@@ -195,14 +195,25 @@ def test_a_full_ring_sends_batches_in_their_messages_until_the_client_releases_o
 def test_a_dev_shm_without_room_sends_batches_in_their_messages(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def full(fd: int, offset: int, length: int) -> None:
-        raise OSError(28, "No space left on device")
+    reserve = os.posix_fallocate
+    room = [1]  # buffers /dev/shm has room for
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
-    ring = SharedRing(2, tmp_path)
+    def filling(fd: int, offset: int, length: int) -> None:
+        if not room:
+            raise OSError(28, "No space left on device")
+        room.pop()
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", filling)
+    ring = SharedRing(3, tmp_path)
+    first = ring.encode(batch(0))
+    assert first is not None and first.shared  # the one buffer there was room for
     with caplog.at_level(logging.WARNING):
-        assert ring.encode(batch(0)) is None
+        assert ring.encode(batch(1)) is None  # in its messages: no room for a second
     assert "shm_size" in caplog.text
+    ring.release([0])  # the batch in buffer 0, the first handed out, was copied out
+    assert ring.encode(batch(2)) is not None  # the first buffer again
+    ring.close()
     assert not list(tmp_path.iterdir())
 
 

@@ -117,9 +117,13 @@ class SharedRing:
         self.buffers = buffers
         self._directory = directory
         self._lock = threading.Lock()
-        self._free = list(range(buffers - 1, -1, -1))  # popped from the end: buffer 0 first
+        # Popped from the end, where a released buffer goes back: the buffers in use are
+        # reused, and one more is backed by memory only when they are all taken.
+        self._free = list(range(buffers - 1, -1, -1))
         self._taken: set[int] = set()
+        self._backed: set[int] = set()  # buffers whose pages are reserved
         self._memory: mmap.mmap | None = None
+        self._fd = -1
         self._buffer_bytes = 0
         self._path: pathlib.Path | None = None  # until removed
         self._name = ""
@@ -173,6 +177,8 @@ class SharedRing:
             if nbytes > self._buffer_bytes or not self._free:
                 return None
             buffer = self._free.pop()
+            if buffer not in self._backed and not self._back(buffer):
+                return None  # no room in /dev/shm for it: this buffer is not used
             self._taken.add(buffer)
             self._writing += 1
             return buffer
@@ -184,8 +190,8 @@ class SharedRing:
                 self._unmap()
 
     def _make(self, buffer_bytes: int) -> bool:
-        """The ring's file, sized for ``buffer_bytes`` a buffer and reserved in full: a
-        /dev/shm without room fails here, not with SIGBUS at a write."""
+        """The ring's file and its mapping, sized for ``buffer_bytes`` a buffer; a
+        buffer's pages are reserved as it is first used (:meth:`_back`)."""
         size = buffer_bytes * self.buffers
         if not _reserve(self._directory, size):
             self._usable = False
@@ -194,24 +200,35 @@ class SharedRing:
         path = self._directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
             self._memory = mmap.mmap(fd, size)
         except OSError as exc:
+            os.close(fd)
             path.unlink(missing_ok=True)
             _unreserve(size)
             self._usable = False
+            log.warning("could not map shared memory under %s (%s)", self._directory, exc)
+            return False
+        self._fd, self._path, self._name, self._buffer_bytes = fd, path, name, buffer_bytes
+        return True
+
+    def _back(self, buffer: int) -> bool:
+        """Reserve ``buffer``'s pages (under the lock): a /dev/shm without room fails here,
+        not with SIGBUS at a write. A buffer that cannot be reserved is not used again."""
+        try:
+            os.posix_fallocate(self._fd, buffer * self._buffer_bytes, self._buffer_bytes)
+        except OSError as exc:
             log.warning(
-                "could not reserve %.0f MiB of shared memory under %s (%s): this stream's "
-                "batches go in their messages; give the server a larger /dev/shm (Docker: "
-                "shm_size) to send batches to clients on this host without copies",
-                size / 2**20,
+                "could not reserve %.0f MiB of shared memory under %s (%s): batches that "
+                "find no other buffer go in their messages; give the server a larger "
+                "/dev/shm (Docker: shm_size) to send batches to clients on this host "
+                "without copies",
+                self._buffer_bytes / 2**20,
                 self._directory,
                 exc.strerror or exc,
             )
             return False
-        finally:
-            os.close(fd)
-        self._path, self._name, self._buffer_bytes = path, name, buffer_bytes
+        self._backed.add(buffer)
         return True
 
     def release(self, buffers: Iterable[int]) -> None:
@@ -242,6 +259,8 @@ class SharedRing:
             _unreserve(len(self._memory))
             self._memory.close()
             self._memory = None
+            os.close(self._fd)
+            self._fd = -1
 
     def _remove_file(self) -> None:
         if self._path is not None:
