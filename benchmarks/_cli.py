@@ -17,6 +17,7 @@ from benchmarks import (
     chaos,
     cold,
     fleet,
+    host_trainers,
     longrun,
     messages,
     mix,
@@ -42,6 +43,7 @@ MODES: dict[str, Mode] = {
     "chaos": chaos.run_chaos,
     "cold": cold.run_cold,
     "profile": profile.run_profile,
+    "host_trainers": host_trainers.run_host_trainers,
 }
 LONG_RUN: Mode = longrun.run_long
 
@@ -55,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--messages", action="store_true", help="measure gRPC message sizes")
     modes.add_argument("--scaling", action="store_true", help="one vs two servers pinned to cores")
+    modes.add_argument(
+        "--host-trainers",
+        metavar="K[,K...]",
+        help="one server and K trainer processes on this host (--duration seconds each, "
+        "default 20), with and without shared memory and with one worker, next to DALI's own "
+        "pipeline in one process: images/s against DALI's best, the server's CPU per image",
+    )
     modes.add_argument(
         "--stages", action="store_true", help="CPU per image of each stage, DALI next to PIL"
     )

@@ -339,3 +339,23 @@ def test_streams_reads_gpu_memory_from_nvidia_smi_where_there_is_no_nvml(
     assert gpu_memory_mib(7) == 79000
     smi.unlink()
     assert gpu_memory_mib(42) is None  # no GPU here
+
+
+def test_host_trainers_measures_a_server_and_its_trainer_processes_against_dali(
+    data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--host-trainers", "1", "--data-dir", str(data_dir), "--dataset", "shapes"]
+    args += ["--pipeline", "val", "--batch-size", "8", "--images", "64", "--duration", "2"]
+    assert benchmarks.main(args) == 0
+    rows = {
+        line[:44].strip(): line[44:].split()
+        for line in capsys.readouterr().out.splitlines()[1:]
+        if line.strip()
+    }
+    assert set(rows) == {
+        "DALI's own in-process",
+        "serve (defaults) -> 1 trainer",
+        "serve --no-shared-memory -> 1 trainer",
+        "serve --workers 1 -> 1 trainer",
+    }
+    assert all(float(values[0]) > 0 for values in rows.values()), rows

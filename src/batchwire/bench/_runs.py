@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from batchwire.bench._probe import CpuClock, RssSampler
@@ -240,21 +240,23 @@ class LocalServer:
         device: str = "auto",
         metrics: bool = False,
         pipelines: str = "",
+        settings: Mapping[str, object] | None = None,
     ) -> None:
         self._own_work = None
         if work is None:
             self._own_work = tempfile.TemporaryDirectory(prefix="batchwire-bench-")
             work = pathlib.Path(self._own_work.name)
         config = work / f"bench-server-{os.getpid()}-{id(self)}.toml"
-        settings: dict[str, object] = {
+        table: dict[str, object] = {
             "num_threads": threads,
             "device": device,
             "max_message_bytes": max_message_bytes,
             "max_streams": max_streams,
             "read_ahead_reads": read_ahead_reads,
             "metrics_port": 0 if metrics else None,  # any free port, printed at start
+            **(settings or {}),  # any other [server] setting, e.g. workers
         }
-        config.write_text(_server_table(settings) + pipelines)
+        config.write_text(_server_table(table) + pipelines)
         command = _serve_command(data_dir, config, port, cpus)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         # "batchwire serving DIR on localhost:PORT[; metrics on port PORT]"
@@ -326,7 +328,11 @@ def _server_table(settings: dict[str, object]) -> str:
     lines = ["[server]"]
     for name, value in settings.items():
         if value is not None:
-            lines.append(f'{name} = "{value}"' if isinstance(value, str) else f"{name} = {value}")
+            if isinstance(value, bool):
+                lines.append(f"{name} = {str(value).lower()}")
+            else:
+                text = f'"{value}"' if isinstance(value, str) else value
+                lines.append(f"{name} = {text}")
     return "\n".join(lines) + "\n"
 
 

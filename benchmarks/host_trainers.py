@@ -1,0 +1,97 @@
+"""``python -m benchmarks --host-trainers 1,8``: one ``batchwire serve`` and K trainer
+processes on the same host (a GPU host's own trainers), next to DALI's own pipeline in one
+process on that host.
+
+DALI's own pipeline (``run_dali``: its caffe reader, the served pipeline's graph, its
+PyTorch iterator) runs first, at the server's ``hw_decoder_load`` and, on a GPU, at DALI's
+default 0.65 too. Then, for each server setting (its defaults; ``--no-shared-memory``, which
+serves the trainers as it would serve another host's; ``--workers 1``) and each K, K
+processes of ``batchwire bench --address`` stream for ``--duration`` seconds (default 20)
+at once: their images/s summed, against DALI's best, with the server's CPU per image and
+cores busy (its process tree) over the same window. Made for a GPU host (``--pipeline
+train``); on the CPU it runs the same path with CPU pipelines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+
+__all__ = ["run_host_trainers"]
+
+DURATION = 20.0
+_RATE = re.compile(r"(\d+) images in ([\d.]+)s: (\d+) images/s")
+_SERVERS: tuple[tuple[str, dict[str, object]], ...] = (
+    ("serve (defaults)", {}),
+    ("serve --no-shared-memory", {"shared_memory": False}),
+    ("serve --workers 1", {"workers": 1}),
+)
+
+
+def run_host_trainers(args: argparse.Namespace) -> int:
+    from batchwire.bench import LocalServer, bench_dataset, run_dali
+    from batchwire.server import ServerConfig
+    from batchwire.server.core import visible_gpu_count
+
+    counts = [int(k) for k in args.host_trainers.split(",")]
+    if not counts or min(counts) < 1:
+        print("error: --host-trainers takes counts >= 1, e.g. 1,8", file=sys.stderr)
+        return 2
+    seconds = args.duration or DURATION
+    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
+    gpu = args.device == "gpu" or (args.device == "auto" and visible_gpu_count() > 0)
+    loads = (ServerConfig.hw_decoder_load, 0.65) if gpu else (None,)
+    best = 0.0
+    print(f"{'run':<44} {'images/s':>9} {'/ DALI best':>11} {'CPU-ms/img':>10} {'cores':>6}")
+    for load in loads:
+        dali = run_dali(
+            "dali", data_dir / dataset, args.pipeline, args.batch_size, args.images,
+            device=args.device, hw_decoder_load=load,
+        )  # fmt: skip
+        best = max(best, dali.images_per_second)
+        name = "DALI's own in-process" + (f" (hw_decoder_load {load})" if gpu else "")
+        per_image = 1000 * dali.trainer_cpu / dali.images
+        print(f"{name:<44} {dali.images_per_second:9.0f} {'':>11} {per_image:10.3f} {'':>6}")
+    for label, settings in _SERVERS:
+        with LocalServer(data_dir, device=args.device, settings=settings) as server:
+            for count in counts:
+                rate, cpu_ms, cores = _trainers(server, dataset, args, count, seconds)
+                name = f"{label} -> {count} trainer{'s' if count > 1 else ''}"
+                print(f"{name:<44} {rate:9.0f} {rate / best:11.2f} {cpu_ms:10.3f} {cores:6.2f}")
+    return 0
+
+
+def _trainers(
+    server: object, dataset: str, args: argparse.Namespace, count: int, seconds: float
+) -> tuple[float, float, float]:
+    """``count`` trainer processes streaming from ``server`` at once for ``seconds``: their
+    summed images/s, the server's CPU-ms per image and its cores busy."""
+    from batchwire.bench import process_cpu_seconds, process_tree
+
+    address, pid = server.address, server.pid  # type: ignore[attr-defined]
+    command = [
+        sys.executable, "-m", "batchwire.cli", "bench", "--address", address,
+        "--dataset", dataset, "--pipeline", args.pipeline,
+        "--batch-size", str(args.batch_size), "--duration", str(seconds), "--no-progress",
+    ]  # fmt: skip
+    trainers = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
+    tree = process_tree(pid)
+    before, started = sum(process_cpu_seconds(p) for p in tree), time.monotonic()
+    outputs = [t.communicate(timeout=seconds + 300) for t in trainers]
+    window = time.monotonic() - started
+    server_cpu = sum(process_cpu_seconds(p) for p in tree) - before
+    images = 0
+    rate = 0.0
+    for trainer, (out, err) in zip(trainers, outputs, strict=True):
+        found = _RATE.search(out)
+        if trainer.returncode != 0 or found is None:
+            raise RuntimeError(f"a trainer failed (status {trainer.returncode}): {err[-2000:]}")
+        images += int(found.group(1))
+        rate += int(found.group(3))
+    return rate, 1000 * server_cpu / max(images, 1), server_cpu / window
