@@ -60,10 +60,10 @@ _STOP_MARGIN = 5.0  # seconds past the grace for workers to close their engines
 _KILL_WAIT = 5.0
 
 
-# Worker processes a GPU gets by default, and the usable CPUs each needs. One process's
-# interpreter lock held it to about 6,600 images/s of `train` on an H200 whose DALI pipeline
-# alone ran 29,000; two processes gave 11,000, four 13,000 and eight no more, on 16 cores
-# (docs/performance.md, "On a GPU host").
+# Worker processes a GPU gets by default, and the usable CPUs each needs: one process is
+# bound by its interpreter lock well below what DALI alone does on a GPU, and four on 16
+# cores came closest to it, eight no nearer (the figures: docs/performance.md, "On a GPU
+# host").
 WORKERS_PER_GPU = 4
 CPUS_PER_WORKER = 4
 
