@@ -160,7 +160,7 @@ class StreamMetrics:
 
 async def serve_stream(
     stream: BatchStream[EncodedBatch],
-    stream_request: StreamSpec,
+    spec: StreamSpec,
     context: grpc.aio.ServicerContext,
     executor: concurrent.futures.ThreadPoolExecutor,
     server_metrics: ServerMetrics,
@@ -178,8 +178,8 @@ async def serve_stream(
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
-    fields = _log_start(stream_request, context.peer(), lane, shared_memory)
-    metrics = StreamMetrics(server_metrics, stream_request.dataset, stream_request.pipeline)
+    fields = _log_start(spec, context.peer(), lane, shared_memory)
+    metrics = StreamMetrics(server_metrics, spec.dataset, spec.pipeline)
     metrics.opened()
     progress = _Progress()
     status = "CANCELLED"  # unless the loop ends otherwise: the client went away
@@ -199,7 +199,7 @@ async def serve_stream(
         if status == "CANCELLED" and progress.last_write:
             status = "OK"  # the client had every batch and hung up before the end
         metrics.closed(status)
-        _log_end(fields, stream_request, progress, time.monotonic() - started, status)
+        _log_end(fields, spec, progress, time.monotonic() - started, status)
         # Runs on cancellation too: the pipeline drains and returns to the pool. A
         # cancellation arriving during this await ends the handler here (the shielded
         # close goes on), so everything else is done before it.
@@ -242,35 +242,35 @@ async def _write_batches(
 
 
 def _log_start(
-    stream_request: StreamSpec, peer: str, lane: Lane | None, shared_memory: bool
+    spec: StreamSpec, peer: str, lane: Lane | None, shared_memory: bool
 ) -> dict[str, Any]:
     """Log the stream's start line; returns the fields its start and end lines share."""
     # Structured copies of the start and end lines (JSON logs: --log-format json).
     fields = {
         "peer": peer,
-        "dataset": stream_request.dataset,
-        "pipeline": stream_request.pipeline,
-        "rank": stream_request.rank,
-        "world_size": stream_request.world_size,
+        "dataset": spec.dataset,
+        "pipeline": spec.pipeline,
+        "rank": spec.rank,
+        "world_size": spec.world_size,
         "lane": 0 if lane is None else lane.lane,
         "lanes": 1 if lane is None else lane.lanes,
         "pull": lane is None,
         "shared_memory": shared_memory,
-        "epoch": stream_request.epoch,
-        "start": stream_request.start,
+        "epoch": spec.epoch,
+        "start": spec.start,
     }
     log.info(
         "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d %s epoch=%d start=%d",
         peer,
-        stream_request.dataset,
-        stream_request.pipeline,
-        stream_request.rank,
-        stream_request.world_size,
+        spec.dataset,
+        spec.pipeline,
+        spec.rank,
+        spec.world_size,
         ("pull shared-memory" if shared_memory else "pull")
         if lane is None
         else f"lane={lane.lane}/{lane.lanes}",
-        stream_request.epoch,
-        stream_request.start,
+        spec.epoch,
+        spec.start,
         extra={"event": "stream_start", **fields},
     )
     return fields
@@ -278,7 +278,7 @@ def _log_start(
 
 def _log_end(
     fields: dict[str, Any],
-    stream_request: StreamSpec,
+    spec: StreamSpec,
     progress: _Progress,
     duration: float,
     status: str,
@@ -286,9 +286,9 @@ def _log_end(
     log.info(
         "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f status=%s",
         fields["peer"],
-        stream_request.dataset,
-        stream_request.pipeline,
-        stream_request.rank,
+        spec.dataset,
+        spec.pipeline,
+        spec.rank,
         progress.sent,
         duration,
         status,
