@@ -44,13 +44,15 @@ def shared_bytes(server: BatchwireServer, pipeline: str) -> float:
     return server.metrics.registry.get_sample_value(SHARED_BYTES, labels) or 0.0
 
 
-def rings() -> list[str]:
-    """This host's batchwire rings and probes in /dev/shm (a loader's ledger is not one)."""
-    return sorted(
-        name
-        for name in os.listdir(SHM_DIR)
-        if name.startswith("batchwire-") and not name.startswith("batchwire-loader-")
-    )
+def rings(pid: int | None = None) -> list[str]:
+    """The rings in /dev/shm of process ``pid`` (default: this one, whose servers the
+    tests start in-process); other tests' killed servers may have left theirs."""
+    prefix = f"batchwire-{os.getpid() if pid is None else pid}-"
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
+
+
+def probes_now() -> set[str]:
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("batchwire-probe-")}
 
 
 def mapped() -> int:
@@ -92,6 +94,7 @@ def test_a_loader_on_the_servers_host_gets_the_same_batches_through_shared_memor
     server: BatchwireServer,
 ) -> None:
     before = shared_bytes(server, "val")
+    probes = probes_now()
     shared = epoch(server)
     through_shm = shared_bytes(server, "val") - before
     socket = epoch(server, shared_memory=False)
@@ -105,7 +108,8 @@ def test_a_loader_on_the_servers_host_gets_the_same_batches_through_shared_memor
         assert torch.equal(ids_a, ids_b)
         assert torch.equal(labels_a, labels_b)
         assert torch.equal(images_a, images_b)
-    assert rings() == []  # every ring and probe removed once the streams ended
+    assert rings() == []  # every ring removed once the streams ended
+    assert probes_now() <= probes  # and every probe the loaders made
     assert eventually(lambda: mapped() == 0)  # and unmapped, on both sides
 
 
@@ -321,5 +325,4 @@ def test_two_pipelines_through_shared_memory_lose_and_repeat_nothing_when_a_serv
         assert "pull shared-memory" in b.log.read_text()  # the survivor served through it
         # Whatever the killed server left (a ring its loader had not mapped yet) is its own;
         # the survivor removed each of its rings as its streams ended.
-        survivor = f"batchwire-{b.process.pid}-"
-        assert eventually(lambda: not [n for n in rings() if n.startswith(survivor)])
+        assert eventually(lambda: not rings(b.process.pid))
