@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import pathlib
 import random
 import shutil
 
 import lmdb
 import numpy as np
+import pytest
+from PIL import Image
 
 from batchwire.server.data import Dataset, Manifest, sample_key
 from batchwire.server.data.records._datum import datum_image
@@ -72,3 +75,32 @@ def test_records_are_read_by_offset_as_lmdb_holds_them(
         assert image is not None
         assert image.tobytes() == expected[int(sample_id)].data
         assert label == expected[int(sample_id)].label
+
+
+def test_a_screened_record_is_not_parsed_again_until_its_header_or_end_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from batchwire.server.data.records import _formats
+
+    encoded = io.BytesIO()
+    Image.new("RGB", (32, 24), (200, 40, 10)).save(encoded, "JPEG")
+    record = np.frombuffer(encoded.getvalue(), dtype=np.uint8).copy()
+    screens, walks = [], []
+    screen, walk = _formats.unsupported_reason, _formats._first_scan
+    monkeypatch.setattr(_formats, "unsupported_reason", lambda d: screens.append(1) or screen(d))
+    monkeypatch.setattr(_formats, "_first_scan", lambda d: walks.append(1) or walk(d))
+
+    screened = _formats.ScreenedRecords(num_samples=1)
+    assert screened.reason(0, record) is None
+    first = (len(screens), len(walks))
+    for _ in range(3):  # every later read: the checksum of its header, nothing parsed
+        assert screened.reason(0, record) is None
+    assert (len(screens), len(walks)) == first
+
+    header = record.copy()
+    header[3] ^= 0xFF  # rot inside the marker segments
+    assert screened.reason(0, header) is not None  # screened again: not a JPEG header now
+    assert len(screens) == first[0] + 1
+    cut = record[:-1].copy()  # cut short: no end-of-image marker
+    assert screened.reason(0, cut) is not None
+    assert screened.reason(0, record) is None  # the good bytes again still pass
