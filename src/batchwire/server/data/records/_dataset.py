@@ -232,9 +232,7 @@ class Dataset:
         in the page cache are counted in :attr:`misses`.
         """
         ids = np.asarray(ids, dtype=np.int64)
-        for shard in np.unique(np.searchsorted(self._starts, ids, side="right") - 1):
-            self._check_index(int(shard))
-        spans = [self._span(int(sample_id)) for sample_id in ids]
+        spans = self._spans(ids)
         buffer = np.empty(sum(length for _, _, length in spans), dtype=np.uint8)
         memory = memoryview(buffer)  # type: ignore[arg-type]  # an ndarray is a buffer
         images: list[np.ndarray | None] = []
@@ -272,10 +270,39 @@ class Dataset:
                 )
                 del self._indexes[shard]
 
-    def _span(self, sample_id: int) -> tuple[int, int, int]:
-        """(fd, offset, length) of a record in its shard's file; length 0 where the
-        shard's index does not know it (its record is then read through LMDB)."""
-        return self.locate(sample_id) or (-1, 0, 0)
+    def _spans(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """(fd, offset, length) of each record of ``ids`` in its shard's file, looked up a
+        shard at a time; length 0 where the shard's index does not know it (its record is
+        then read through LMDB)."""
+        if len(ids) and not (ids.min() >= 0 and ids.max() < self.num_samples):
+            bad = ids[(ids < 0) | (ids >= self.num_samples)][0]
+            raise IndexError(f"sample id {bad} is outside 0..{self.num_samples - 1}")
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
+        fds = np.full(len(ids), -1, dtype=np.int64)
+        offsets = np.zeros(len(ids), dtype=np.int64)
+        lengths = np.zeros(len(ids), dtype=np.int64)
+        for shard in np.unique(shards).tolist():
+            self._check_index(shard)
+            index = self._index(shard)
+            if index is None:
+                continue
+            mine = shards == shard
+            at = ids[mine] - index.first_id
+            known = (at >= 0) & (at < len(index.lengths))
+            at = np.where(known, at, 0)
+            lengths[mine] = np.where(known, index.lengths[at], 0)
+            offsets[mine] = index.offsets[at]
+            fds[mine] = self._files[shard]
+        fds[lengths == 0] = -1
+        return list(zip(fds.tolist(), offsets.tolist(), lengths.tolist(), strict=True))
+
+    def _index(self, shard: int) -> ShardIndex | None:
+        """``shard``'s index, made at its first use (None: not in ingest's shape)."""
+        with self._index_lock:
+            if shard not in self._indexes:
+                info = self.manifest.shards[shard]
+                self._indexes[shard] = index_shard(self._files[shard], info.first_id, info.count)
+            return self._indexes[shard]
 
     def _get(self, sample_id: int) -> memoryview:
         """A record's bytes read through LMDB (a shard not in ingest's shape), copied
@@ -294,11 +321,7 @@ class Dataset:
         shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
         if shard < 0 or not 0 <= sample_id < self.num_samples:
             raise IndexError(f"sample id {sample_id} is outside 0..{self.num_samples - 1}")
-        with self._index_lock:
-            if shard not in self._indexes:
-                info = self.manifest.shards[shard]
-                self._indexes[shard] = index_shard(self._files[shard], info.first_id, info.count)
-            index = self._indexes[shard]
+        index = self._index(shard)
         if index is None:
             return None
         offset, length = index.span(int(sample_id))
