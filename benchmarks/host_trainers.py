@@ -8,8 +8,9 @@ default 0.65 too. Then, for each server setting (its defaults; ``--no-shared-mem
 serves the trainers as it would serve another host's; ``--workers 1``) and each K, K
 processes of ``batchwire bench --address`` stream for ``--duration`` seconds (default 20)
 at once: their images/s summed, against DALI's best, with the server's CPU per image and
-cores busy (its process tree) over the same window. Made for a GPU host (``--pipeline
-train``); on the CPU it runs the same path with CPU pipelines.
+cores busy (its process tree) over the same window, and the slowest and fastest trainer's
+rate (how evenly the kernel spread their connections over the workers). Made for a GPU
+host (``--pipeline train``); on the CPU it runs the same path with CPU pipelines.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     gpu = args.device == "gpu" or (args.device == "auto" and visible_gpu_count() > 0)
     loads = (ServerConfig.hw_decoder_load, 0.65) if gpu else (None,)
     best = 0.0
-    print(f"{'run':<44} {'images/s':>9} {'/ DALI best':>11} {'CPU-ms/img':>10} {'cores':>6}")
+    print(
+        f"{'run':<44} {'images/s':>9} {'/ DALI best':>11} {'CPU-ms/img':>10} {'cores':>6} "
+        "trainers (slowest-fastest)"
+    )
     for load in loads:
         dali = run_dali(
             "dali", data_dir / dataset, args.pipeline, args.batch_size, args.images,
@@ -58,17 +62,22 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     for label, settings in _SERVERS:
         with LocalServer(data_dir, device=args.device, settings=settings) as server:
             for count in counts:
-                rate, cpu_ms, cores = _trainers(server, dataset, args, count, seconds)
+                rates, cpu_ms, cores = _trainers(server, dataset, args, count, seconds)
+                rate = sum(rates)
                 name = f"{label} -> {count} trainer{'s' if count > 1 else ''}"
-                print(f"{name:<44} {rate:9.0f} {rate / best:11.2f} {cpu_ms:10.3f} {cores:6.2f}")
+                print(
+                    f"{name:<44} {rate:9.0f} {rate / best:11.2f} {cpu_ms:10.3f} {cores:6.2f} "
+                    f"{min(rates):.0f}-{max(rates):.0f}"
+                )
     return 0
 
 
 def _trainers(
     server: object, dataset: str, args: argparse.Namespace, count: int, seconds: float
-) -> tuple[float, float, float]:
-    """``count`` trainer processes streaming from ``server`` at once for ``seconds``: their
-    summed images/s, the server's CPU-ms per image and its cores busy."""
+) -> tuple[list[float], float, float]:
+    """``count`` trainer processes streaming from ``server`` at once for ``seconds``: each
+    one's images/s (unequal where the kernel spreads connections unevenly over workers),
+    the server's CPU-ms per image and its cores busy."""
     from batchwire.bench import process_cpu_seconds, process_tree
 
     address, pid = server.address, server.pid  # type: ignore[attr-defined]
@@ -87,11 +96,11 @@ def _trainers(
     window = time.monotonic() - started
     server_cpu = sum(process_cpu_seconds(p) for p in tree) - before
     images = 0
-    rate = 0.0
+    rates: list[float] = []
     for trainer, (out, err) in zip(trainers, outputs, strict=True):
         found = _RATE.search(out)
         if trainer.returncode != 0 or found is None:
             raise RuntimeError(f"a trainer failed (status {trainer.returncode}): {err[-2000:]}")
         images += int(found.group(1))
-        rate += int(found.group(3))
-    return rate, 1000 * server_cpu / max(images, 1), server_cpu / window
+        rates.append(float(found.group(3)))
+    return rates, 1000 * server_cpu / max(images, 1), server_cpu / window
