@@ -23,11 +23,11 @@ from processes import serve_process
 from batchwire.client import RemoteLoader
 from batchwire.client._shared_memory import SharedMemory
 from batchwire.common.sampler import Plan
+from batchwire.common.shared_memory import SHM_DIR
 from batchwire.server import BatchwireServer
 from batchwire.server.core import Batch, InvalidRequest
 from batchwire.server.serving import _shared_memory
 from batchwire.server.serving._shared_memory import (
-    SHM_DIR,
     SharedRing,
     accept_offer,
     remove_stale,

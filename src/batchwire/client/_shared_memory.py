@@ -17,7 +17,6 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
-import re
 import secrets
 import threading
 
@@ -25,12 +24,10 @@ import grpc
 import numpy as np
 
 from batchwire.client._exceptions import BatchwireError
+from batchwire.common.shared_memory import PROBE_PREFIX, RING_NAME, SHM_DIR
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["SharedMemory"]
-
-SHM_DIR = pathlib.Path("/dev/shm")
-_RING = re.compile(r"batchwire-[0-9]+-[0-9a-f]{16}")
 
 
 class SharedMemory:
@@ -54,7 +51,7 @@ class SharedMemory:
         """An offer for a call that holds at most ``buffers`` batches; None where this host
         has no /dev/shm to write to (the call then asks for batches in their messages)."""
         token = secrets.token_bytes(16)
-        probe = directory / f"batchwire-probe-{secrets.token_hex(16)}"
+        probe = directory / f"{PROBE_PREFIX}{secrets.token_hex(16)}"
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError:
@@ -96,7 +93,7 @@ class SharedMemory:
                     code=grpc.StatusCode.INTERNAL,
                 )
             return self._ring
-        if not _RING.fullmatch(name):
+        if not RING_NAME.fullmatch(name):
             raise BatchwireError(
                 f"the server named shared memory {name!r}, not one of its rings",
                 code=grpc.StatusCode.INTERNAL,

@@ -1,5 +1,5 @@
-"""What client and server share: the order/sharding contract, stream parameters and the
-tensor wire format.
+"""What client and server share: the order/sharding contract, stream parameters, the
+tensor wire format and the names of the shared-memory files.
 
 Pure NumPy and protobuf: no grpc, no DALI, no torch.
 """

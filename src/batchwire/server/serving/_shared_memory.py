@@ -28,7 +28,6 @@ import logging
 import mmap
 import os
 import pathlib
-import re
 import secrets
 import stat
 import threading
@@ -38,18 +37,16 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from batchwire.common.batch_codec import images_head
+from batchwire.common.shared_memory import PROBE_NAME, RING_NAME, RING_PREFIX, SHM_DIR
 from batchwire.server.core import Batch, InvalidRequest
 from batchwire.server.serving._streaming import EncodedBatch, batch_header
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["MAX_BUFFERS", "SHM_DIR", "SharedRing", "accept_offer", "remove_stale"]
+__all__ = ["MAX_BUFFERS", "SharedRing", "accept_offer", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = pathlib.Path("/dev/shm")
 MAX_BUFFERS = 16  # batches one stream may hold in shared memory
-_PROBE = re.compile(r"batchwire-probe-[0-9a-f]{16,64}")
-_RING = re.compile(r"batchwire-[0-9]+-[0-9a-f]{16}")
 _MIN_TOKEN = 16  # bytes
 # A ring's file lives until its client maps it, a probe until its server answers: both
 # well under a second. One this old was left by a process that died in between.
@@ -71,7 +68,7 @@ def remove_stale(directory: pathlib.Path = SHM_DIR, older_than: float = STALE_S)
     except OSError:
         return 0
     for entry in entries:
-        if not (_RING.fullmatch(entry.name) or _PROBE.fullmatch(entry.name)):
+        if not (RING_NAME.fullmatch(entry.name) or PROBE_NAME.fullmatch(entry.name)):
             continue
         try:
             if entry.stat(follow_symlinks=False).st_mtime < limit:
@@ -91,7 +88,7 @@ def accept_offer(
 ) -> SharedRing | None:
     """A ring for a client whose ``offer`` proves that it shares this server's
     ``directory`` and user; None (its batches go in their messages) otherwise."""
-    if not _PROBE.fullmatch(offer.probe) or len(offer.token) < _MIN_TOKEN or offer.buffers < 1:
+    if not PROBE_NAME.fullmatch(offer.probe) or len(offer.token) < _MIN_TOKEN or offer.buffers < 1:
         log.debug("a malformed shared memory offer: batches go in their messages")
         return None
     try:
@@ -196,7 +193,7 @@ class SharedRing:
         if not _reserve(self._directory, size):
             self._usable = False
             return False
-        name = f"batchwire-{os.getpid()}-{secrets.token_hex(8)}"
+        name = f"{RING_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         path = self._directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
