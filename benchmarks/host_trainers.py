@@ -20,6 +20,10 @@ import re
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchwire.bench import LocalServer
 
 __all__ = ["run_host_trainers"]
 
@@ -73,14 +77,14 @@ def run_host_trainers(args: argparse.Namespace) -> int:
 
 
 def _trainers(
-    server: object, dataset: str, args: argparse.Namespace, count: int, seconds: float
+    server: LocalServer, dataset: str, args: argparse.Namespace, count: int, seconds: float
 ) -> tuple[list[float], float, float]:
     """``count`` trainer processes streaming from ``server`` at once for ``seconds``: each
     one's images/s (unequal where the kernel spreads connections unevenly over workers),
     the server's CPU-ms per image and its cores busy."""
     from batchwire.bench import process_cpu_seconds, process_tree
 
-    address, pid = server.address, server.pid  # type: ignore[attr-defined]
+    address, pid = server.address, server.pid
     command = [
         sys.executable, "-m", "batchwire.cli", "bench", "--address", address,
         "--dataset", dataset, "--pipeline", args.pipeline,

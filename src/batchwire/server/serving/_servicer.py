@@ -238,11 +238,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             raise InvalidRequest(
                 "a pulled stream names batches, not lanes: leave lane and lanes unset"
             )
+        if first.released_buffers:
+            raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
         ring = None
         if self._shared_memory and first.HasField("shared_memory"):
             ring = accept_offer(first.shared_memory)
-        if first.released_buffers:
-            raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
         try:
             encode = self._encode if ring is None else ring.encoder(self._encode)
             stream = await self._open(spec, None, encode)
