@@ -287,11 +287,7 @@ class Dataset:
             if index is None:
                 continue
             mine = shards == shard
-            at = ids[mine] - index.first_id
-            known = (at >= 0) & (at < len(index.lengths))
-            at = np.where(known, at, 0)
-            lengths[mine] = np.where(known, index.lengths[at], 0)
-            offsets[mine] = index.offsets[at]
+            offsets[mine], lengths[mine] = index.spans(ids[mine])
             fds[mine] = self._files[shard]
         fds[lengths == 0] = -1
         return list(zip(fds.tolist(), offsets.tolist(), lengths.tolist(), strict=True))

@@ -61,6 +61,14 @@ class ShardIndex:
             return 0, 0
         return int(self.offsets[i]), int(self.lengths[i])
 
+    def spans(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`span` of each of ``ids`` at once: (offsets, lengths), length 0 where
+        the index does not know the id."""
+        at = ids - self.first_id
+        known = (at >= 0) & (at < len(self.lengths))
+        at = np.where(known, at, 0)
+        return self.offsets[at], np.where(known, self.lengths[at], 0)
+
 
 def index_shard(fd: int, first_id: int, count: int) -> ShardIndex | None:
     """The index of the shard open as ``fd`` holding ids ``[first_id, first_id + count)``;
