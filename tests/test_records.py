@@ -104,3 +104,25 @@ def test_a_screened_record_is_not_parsed_again_until_its_header_or_end_changes(
     cut = record[:-1].copy()  # cut short: no end-of-image marker
     assert screened.reason(0, cut) is not None
     assert screened.reason(0, record) is None  # the good bytes again still pass
+
+
+def test_a_batch_is_screened_record_by_record() -> None:
+    from batchwire.server.data.records._formats import ScreenedRecords
+
+    def jpeg(colour: tuple[int, int, int]) -> np.ndarray:
+        encoded = io.BytesIO()
+        Image.new("RGB", (32, 24), colour).save(encoded, "JPEG")
+        return np.frombuffer(encoded.getvalue(), dtype=np.uint8).copy()
+
+    good, other = jpeg((200, 40, 10)), jpeg((10, 40, 200))
+    rotted = good.copy()
+    rotted[3] ^= 0xFF
+    text = np.frombuffer(b"not an image at all, only text", dtype=np.uint8)
+    screened = ScreenedRecords(num_samples=4)
+    ids = np.array([0, 1, 2, 3])
+    assert screened.reasons(ids, [good, other, good, text])[:3] == [None, None, None]
+    # The same ids again, two of them changed on disk since: each judged on its own bytes.
+    reasons = screened.reasons(ids, [good, rotted, good[:-1].copy(), text])
+    assert reasons[0] is None
+    assert all(reason is not None for reason in reasons[1:])
+    assert screened.reasons(ids[:2], [good, other]) == [None, None]  # remembered, not lost

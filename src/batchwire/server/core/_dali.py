@@ -39,7 +39,7 @@ _BOILERPLATE = ("Critical error in pipeline:", "Current pipeline object is no lo
 
 
 def build_pipeline(
-    spec: PipelineSpec,
+    pipeline: PipelineSpec,
     params: dict[str, float],
     ctx: BuildContext,
     *,
@@ -50,7 +50,7 @@ def build_pipeline(
     source: Any,
     synchronous: bool = False,
 ) -> Any:
-    """A built pipeline of ``spec``'s graph fed by ``source``; PipelineFault (kind "build",
+    """A built pipeline of ``pipeline``'s graph fed by ``source``; PipelineFault (kind "build",
     or "out_of_memory"/"cuda" when DALI says so) when it cannot be built."""
     from nvidia.dali import Pipeline
 
@@ -65,20 +65,20 @@ def build_pipeline(
             exec_pipelined=not synchronous,
             exec_async=not synchronous,
         )
-        _define(pipe, spec, params, ctx, source)
+        _define(pipe, pipeline, params, ctx, source)
     except Exception as exc:  # DALI's own, or whatever the pipeline's function raised
-        raise PipelineFault(spec.name, fault_kind(exc) or "build", error_line(exc)) from exc
+        raise PipelineFault(pipeline.name, fault_kind(exc) or "build", error_line(exc)) from exc
     return pipe
 
 
 def _define(
     pipe: Any,
-    spec: PipelineSpec,
+    pipeline: PipelineSpec,
     params: dict[str, float],
     ctx: BuildContext,
     source: Any,
 ) -> None:
-    """Define ``spec``'s graph on ``pipe``, fed by ``source``, and build it."""
+    """Define ``pipeline``'s graph on ``pipe``, fed by ``source``, and build it."""
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
@@ -89,8 +89,11 @@ def _define(
             batch=True,
             dtype=[types.UINT8, types.INT64, types.INT64],
             ndim=[1, 0, 1],
+            # The records are in a buffer read for this batch and never written again:
+            # DALI reads them in place (and holds them until it has), no copy of its own.
+            no_copy=True,
         )
-        images, labels = spec.function(encoded, labels, ctx, params)
+        images, labels = pipeline.function(encoded, labels, ctx, params)
         pipe.set_outputs(images, labels, meta)
     pipe.build()
 

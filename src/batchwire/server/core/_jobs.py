@@ -80,12 +80,13 @@ def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job[Any]:
     not a decodable image are left out and named in ``Job.skipped`` (and the log).
     """
     images, labels = dataset.read(ids)
+    found = [(i, image) for i, image in enumerate(images) if image is not None]
+    screened = dataset.screened.reasons(ids[[i for i, _ in found]], [im for _, im in found])
+    reasons: list[str | None] = ["missing or not a Datum"] * len(images)
+    for (i, _), reason in zip(found, screened, strict=True):
+        reasons[i] = reason
     good, skipped = [], []
-    for i, image in enumerate(images):
-        if image is None:
-            reason: str | None = "missing or not a Datum"
-        else:
-            reason = dataset.screened.reason(int(ids[i]), image)
+    for i, reason in enumerate(reasons):
         if reason is None:
             good.append(i)
             continue

@@ -159,21 +159,37 @@ class ScreenedRecords:
 
     def reason(self, sample_id: int, data: np.ndarray) -> str | None:
         """Why record ``sample_id``, now ``data``, must not reach the decoder, or None."""
+        return self.reasons(np.array([sample_id]), [data])[0]
+
+    def reasons(self, ids: np.ndarray, records: list[np.ndarray]) -> list[str | None]:
+        """:meth:`reason` of each record of a batch: ``records[i]`` is now the bytes of
+        ``ids[i]``. The remembered screens are looked up, and the new ones stored, under
+        one lock acquisition each: a batch's cost is a checksum per record."""
+        ids = np.asarray(ids, dtype=np.int64)
+        lengths = np.fromiter((len(record) for record in records), np.int64, len(records))
         with self._lock:
-            known = self._lengths[sample_id] == len(data)
-            span = int(self._spans[sample_id]) if known else None
-        checksum, span = fingerprint(data, span)
+            known = self._lengths[ids] == lengths
+            spans = np.where(known, self._spans[ids], 0).tolist()
+        sums = [
+            fingerprint(record, span or None) for record, span in zip(records, spans, strict=True)
+        ]
+        checksums = np.fromiter((checksum for checksum, _ in sums), np.uint32, len(sums))
         with self._lock:
-            if self._lengths[sample_id] == len(data) and self._fingerprints[sample_id] == checksum:
-                return None
-        reason = unsupported_reason(data)
-        if reason is None:
-            checksum, span = fingerprint(data)  # the scan as it is now
+            passed = (self._lengths[ids] == lengths) & (self._fingerprints[ids] == checksums)
+        reasons: list[str | None] = [None] * len(records)
+        screened: list[int] = []
+        for i in np.flatnonzero(~passed).tolist():
+            reasons[i] = unsupported_reason(records[i])
+            if reasons[i] is None:
+                sums[i] = fingerprint(records[i])  # the scan as it is now
+                screened.append(i)
+        if screened:
             with self._lock:
-                self._lengths[sample_id] = len(data)
-                self._fingerprints[sample_id] = checksum
-                self._spans[sample_id] = span
-        return reason
+                for i in screened:
+                    sample_id = ids[i]
+                    self._lengths[sample_id] = lengths[i]
+                    self._fingerprints[sample_id], self._spans[sample_id] = sums[i]
+        return reasons
 
 
 @functools.cache
