@@ -150,12 +150,12 @@ class Engine:
 
     def open_stream(
         self,
-        request: StreamSpec,
+        spec: StreamSpec,
         *,
         encode: Callable[[Batch], Any] = own,
         batches: Callable[[Plan], Sequence[int]] | None = share_batches,
     ) -> BatchStream[Any]:
-        """Validate ``request`` and start its stream.
+        """Validate ``spec`` and start its stream.
 
         ``batches(plan)`` are the batches it runs, asked for at open (by default its whole
         share from its cursor; a ``StreamBatches`` call's are its lane's). None: its client
@@ -165,29 +165,29 @@ class Engine:
         if self._drain.is_set():
             raise Draining("the server is shutting down; resume the stream on another server")
         # The stream holds this Dataset to its end, whatever a rescan does meanwhile.
-        dataset = self.catalog.acquire(request.dataset)
+        dataset = self.catalog.acquire(spec.dataset)
         try:
-            return self._open(request, dataset, encode, batches)
+            return self._open(spec, dataset, encode, batches)
         except BaseException:
             self.catalog.release(dataset)
             raise
 
     def _open(
         self,
-        request: StreamSpec,
+        spec: StreamSpec,
         dataset: Dataset,
         encode: Callable[[Batch], Any],
         batches: Callable[[Plan], Sequence[int]] | None,
     ) -> BatchStream[Any]:
-        check_version(request.dataset, request.dataset_version, dataset)
-        spec = pipeline_named(self.pipelines, request.pipeline)
+        check_version(spec.dataset, spec.dataset_version, dataset)
+        pipeline = pipeline_named(self.pipelines, spec.pipeline)
         try:
-            check_batch_size(request.batch_size, self.config.max_batch_size)
+            check_batch_size(spec.batch_size, self.config.max_batch_size)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        plan = self._plan(request, dataset)
+        plan = self._plan(spec, dataset)
         key, output = runner_key(
-            spec, request, batch_size=request.batch_size, device=self.devices.kind
+            pipeline, spec, batch_size=spec.batch_size, device=self.devices.kind
         )
         self._reserve_stream()
         ahead: StreamReadAhead | None = None
@@ -222,16 +222,18 @@ class Engine:
             self._uncount()
             raise
 
-    def _plan(self, request: StreamSpec, dataset: Dataset) -> Plan:
+    def _plan(self, spec: StreamSpec, dataset: Dataset) -> Plan:
         try:
-            return request.plan(dataset.num_samples)
+            return spec.plan(dataset.num_samples)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
     def _context(self, key: RunnerKey) -> tuple[PipelineSpec, BuildContext]:
-        spec = self.pipelines[key.pipeline]
-        output = OutputSpec(dtype=key.dtype, layout=key.layout, mean=spec.mean, std=spec.std)
-        return spec, BuildContext(
+        pipeline = self.pipelines[key.pipeline]
+        output = OutputSpec(
+            dtype=key.dtype, layout=key.layout, mean=pipeline.mean, std=pipeline.std
+        )
+        return pipeline, BuildContext(
             device=key.device,
             output=output,
             host_padding=self.config.decoder_host_padding_mib << 20,
@@ -240,10 +242,10 @@ class Engine:
         )
 
     def _build_runner(self, key: RunnerKey) -> Runner:
-        spec, ctx = self._context(key)
+        pipeline, ctx = self._context(key)
         return Runner(
             key,
-            spec,
+            pipeline,
             ctx,
             num_threads=self.threads,
             prefetch=self.config.prefetch,

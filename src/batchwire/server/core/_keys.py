@@ -42,30 +42,30 @@ class OutputRequest(Protocol):
 
 def pipeline_named(pipelines: Mapping[str, PipelineSpec], name: str) -> PipelineSpec:
     """The pipeline a request names; NotFound lists those there are."""
-    spec = pipelines.get(name)
-    if spec is None:
+    pipeline = pipelines.get(name)
+    if pipeline is None:
         known = ", ".join(sorted(pipelines))
         raise NotFound(f"no pipeline named {name!r} (this server has: {known})")
-    return spec
+    return pipeline
 
 
 def runner_key(
-    spec: PipelineSpec, request: OutputRequest, *, batch_size: int, device: str
+    pipeline: PipelineSpec, request: OutputRequest, *, batch_size: int, device: str
 ) -> tuple[RunnerKey, OutputSpec]:
-    """The key of the pipelines that run ``spec`` with ``request``'s parameters, dtype and
+    """The key of the pipelines that run ``pipeline`` with ``request``'s parameters, dtype and
     layout (no device id: the caller picks one), and the request's output.
 
     A parameter out of its range, or an unknown dtype or layout, is InvalidRequest.
     """
     try:
-        resolved = spec.resolve(request.params)
+        resolved = pipeline.resolve(request.params)
         output = OutputSpec(
-            dtype=request.dtype, layout=request.layout, mean=spec.mean, std=spec.std
+            dtype=request.dtype, layout=request.layout, mean=pipeline.mean, std=pipeline.std
         )
     except ParamError as exc:
         raise InvalidRequest(str(exc)) from exc
     key = RunnerKey(
-        pipeline=spec.name,
+        pipeline=pipeline.name,
         params=tuple(sorted(resolved.items())),
         dtype=output.dtype,
         layout=output.layout,

@@ -157,7 +157,7 @@ class PreprocessBatcher:
         """Validate and queue ``request``; raises ServiceErrors for request-level problems."""
         if self._draining() or self._stop.is_set():
             raise Draining("the server is shutting down; send the request to another server")
-        spec = pipeline_named(self._pipelines, request.pipeline)
+        pipeline = pipeline_named(self._pipelines, request.pipeline)
         count = len(request.images)
         if count == 0:
             raise InvalidRequest("send at least one encoded image")
@@ -178,10 +178,10 @@ class PreprocessBatcher:
                 f"{self.limits.max_bytes} (server setting max_request_bytes): send fewer images per request"
             )
         key, output = runner_key(
-            spec, request, batch_size=self.limits.batch_size, device=self._device
+            pipeline, request, batch_size=self.limits.batch_size, device=self._device
         )
 
-        pending = Pending(count, 0, output, spec)
+        pending = Pending(count, 0, output, pipeline)
         good: list[tuple[int, np.ndarray]] = []
         for index, image in enumerate(request.images):
             reason = "empty: no bytes" if not image else unsupported_reason(image)

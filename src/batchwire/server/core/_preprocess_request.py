@@ -74,13 +74,13 @@ def settle(
 class Pending:
     """A submitted request whose parts are on their way through the queues."""
 
-    def __init__(self, size: int, parts: int, output: OutputSpec, spec: PipelineSpec) -> None:
+    def __init__(self, size: int, parts: int, output: OutputSpec, pipeline: PipelineSpec) -> None:
         self.future: concurrent.futures.Future[PreprocessResult] = concurrent.futures.Future()
         self.rows: list[np.ndarray | None] = [None] * size
         self.reasons: dict[int, str] = {}
         self.parts_left = parts
         self.output = output
-        self.spec = spec
+        self.pipeline = pipeline
         self.lock = threading.Lock()
 
     def fail(self, index: int, reason: str) -> None:
@@ -105,7 +105,7 @@ class Pending:
             shapes = {row.shape for row in rows}  # type: ignore[union-attr]
             if len(shapes) > 1:
                 raise InvalidRequest(
-                    f"pipeline {self.spec.name!r} gave images of different shapes "
+                    f"pipeline {self.pipeline.name!r} gave images of different shapes "
                     f"{sorted(shapes)}: preprocessing needs one output shape (crop to a size)"
                 )
             images = np.stack(rows)  # type: ignore[arg-type]
@@ -118,6 +118,6 @@ class Pending:
             failures=failures,
             normalized=self.output.normalized,
             layout=self.output.layout,
-            mean=tuple(self.spec.mean),
-            std=tuple(self.spec.std),
+            mean=tuple(self.pipeline.mean),
+            std=tuple(self.pipeline.std),
         )

@@ -80,7 +80,7 @@ class Runner:
     def __init__(
         self,
         key: RunnerKey,
-        spec: PipelineSpec,
+        pipeline: PipelineSpec,
         ctx: BuildContext,
         *,
         num_threads: int,
@@ -92,7 +92,7 @@ class Runner:
         self.key = key
         self._stages = stages or StageTimes()
         self._health = health or PipelineHealth((key.device_id,))
-        self._spec = spec
+        self._pipeline = pipeline
         self._params = dict(key.params)
         self._ctx = ctx
         self._num_threads = num_threads
@@ -108,7 +108,7 @@ class Runner:
 
     def _build(self, batch_size: int, source: Any, synchronous: bool = False) -> Any:
         return build_pipeline(
-            self._spec,
+            self._pipeline,
             self._params,
             self._ctx,
             batch_size=batch_size,
@@ -235,7 +235,7 @@ class Runner:
     def _recover(self, job: Job, exc: Exception) -> Job:
         """``job`` without the samples that make it fail with ``exc``; PipelineFault when
         the failure is not theirs."""
-        name = self._spec.name
+        name = self._pipeline.name
         kind = fault_kind(exc)
         if kind is None and job.attempts >= 1:
             kind = "retry"  # it failed again without its culprits
@@ -282,5 +282,7 @@ class Runner:
                 if source.in_flight:
                     source.in_flight.popleft()
         except RuntimeError as exc:
-            log.info("pipeline %r failed while draining (%s); discarding it", self._spec.name, exc)
+            log.info(
+                "pipeline %r failed while draining (%s); discarding it", self._pipeline.name, exc
+            )
         self.healthy = False

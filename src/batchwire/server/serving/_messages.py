@@ -42,7 +42,7 @@ __all__ = [
     "lane_from_proto",
     "preprocess_request_from_proto",
     "preprocess_result_to_proto",
-    "request_from_proto",
+    "spec_from_proto",
     "status_for",
     "tolerant",
 ]
@@ -136,7 +136,7 @@ def lane_from_proto(request: pb.StreamBatchesRequest) -> Lane:
     return Lane(request.lane, lanes)
 
 
-def request_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSpec:
+def spec_from_proto(request: pb.StreamBatchesRequest | Malformed) -> StreamSpec:
     """Convert a request message; anything malformed is InvalidRequest."""
     check_message(request)
     assert not isinstance(request, Malformed)

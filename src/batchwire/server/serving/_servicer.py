@@ -41,7 +41,7 @@ from batchwire.server.serving._messages import (
     lane_from_proto,
     preprocess_request_from_proto,
     preprocess_result_to_proto,
-    request_from_proto,
+    spec_from_proto,
     status_for,
     tolerant,
 )
@@ -215,7 +215,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
     ) -> None:
         """A lane of a share: a stream that asks for the lane's batches, in order, as it
         opens."""
-        spec = request_from_proto(request)
+        spec = spec_from_proto(request)
         lane = lane_from_proto(request)
         stream = await self._open(spec, lane.batches)
         await serve_stream(stream, spec, context, self._executor, self._metrics, lane)
@@ -233,7 +233,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         assert not isinstance(first, Malformed)
         if not first.HasField("stream"):
             raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
-        spec = request_from_proto(first.stream)
+        spec = spec_from_proto(first.stream)
         if first.stream.lanes > 1 or first.stream.lane:
             raise InvalidRequest(
                 "a pulled stream names batches, not lanes: leave lane and lanes unset"
