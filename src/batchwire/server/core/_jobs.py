@@ -1,13 +1,12 @@
 """What a pipeline runs and what comes out: a :class:`Job` and its :class:`Result`.
 
-:func:`read_job` is the server's whole record path: a batch's records read from LMDB,
-parsed and screened, ready for a pipeline.
+:func:`read_job` makes a batch's job from the record path's output
+(:meth:`Dataset.read_screened`: its records read from LMDB, parsed and screened).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -16,8 +15,6 @@ import numpy as np
 from batchwire.server.data.records import Dataset
 
 __all__ = ["Job", "Result", "empty_result", "read_job"]
-
-log = logging.getLogger(__name__)
 
 P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's message)
 
@@ -73,29 +70,8 @@ def empty_result(
 
 
 def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job[Any]:
-    """The records of ``ids`` ready for a pipeline: read from LMDB into one buffer, their
-    images found in place, screened (once per dataset version, see ``ScreenedRecords``).
-
-    This is the server's whole record path. Records that are missing, not a ``Datum`` or
-    not a decodable image are left out and named in ``Job.skipped`` (and the log).
-    """
-    images, labels = dataset.read(ids)
-    found = [(i, image) for i, image in enumerate(images) if image is not None]
-    screened = dataset.screened.reasons(ids[[i for i, _ in found]], [im for _, im in found])
-    reasons: list[str | None] = ["missing or not a Datum"] * len(images)
-    for (i, _), reason in zip(found, screened, strict=True):
-        reasons[i] = reason
-    good, skipped = [], []
-    for i, reason in enumerate(reasons):
-        if reason is None:
-            good.append(i)
-            continue
-        skipped.append(int(ids[i]))
-        log.warning("dataset %r: skipping sample %d: %s", dataset.name, ids[i], reason)
-    return Job(
-        seq=seq,
-        ids=ids[good],
-        images=[images[i] for i in good],  # type: ignore[misc]
-        labels=labels[good],
-        skipped=skipped,
-    )
+    """Batch ``seq``'s job: the records of ``ids`` that may reach a pipeline, read and
+    screened by the record path (:meth:`Dataset.read_screened`); the rest in
+    ``Job.skipped``."""
+    kept, images, labels, skipped = dataset.read_screened(ids)
+    return Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)

@@ -4,7 +4,7 @@ stage of making batches.
 Three stages, summed over every batch the server's pipelines make:
 
 ``read``
-    the record path (:func:`~batchwire.server.core.read_job`): LMDB, parse, screen; and
+    the record path (``Dataset.read_screened``, for each job): LMDB, parse, screen; and
     the read-ahead's threads, looking up the records of the streams' next batches and
     asking the disk for them (:mod:`batchwire.server.data.records._readahead`);
 ``pipeline``

@@ -256,6 +256,30 @@ class Dataset:
             images.append(np.frombuffer(record[start:end], dtype=np.uint8))
         return images, labels
 
+    def read_screened(
+        self, ids: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]:
+        """The records of ``ids`` that may reach a decoder, as :meth:`read` reads them and
+        screened (once per dataset version, :class:`ScreenedRecords`): their ids, encoded
+        images and labels, in order, and the ids left out. This is the server's whole
+        record path. Records that are missing, not a ``Datum`` or not a decodable image
+        are left out and logged."""
+        ids = np.asarray(ids, dtype=np.int64)
+        images, labels = self.read(ids)
+        found = [(i, image) for i, image in enumerate(images) if image is not None]
+        screened = self.screened.reasons(ids[[i for i, _ in found]], [im for _, im in found])
+        reasons: list[str | None] = ["missing or not a Datum"] * len(images)
+        for (i, _), reason in zip(found, screened, strict=True):
+            reasons[i] = reason
+        good, skipped = [], []
+        for i, reason in enumerate(reasons):
+            if reason is None:
+                good.append(i)
+                continue
+            skipped.append(int(ids[i]))
+            log.warning("dataset %r: skipping sample %d: %s", self.name, ids[i], reason)
+        return ids[good], [images[i] for i in good], labels[good], skipped  # type: ignore[misc]
+
     def _check_index(self, shard: int) -> None:
         """Forget ``shard``'s index where the shard was written since it was made (its
         records moved): the next look-up makes it again. Rot in place moves nothing; the
