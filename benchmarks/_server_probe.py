@@ -23,7 +23,7 @@ import urllib.request
 from typing import Any
 
 from batchwire.bench import process_cpu_seconds
-from batchwire.server.core import STAGES as SERVER_STAGES
+from batchwire.server.runners import STAGES as SERVER_STAGES
 
 __all__ = ["STAGES", "Counters", "ServerProbe", "gpu_memory_mib"]
 

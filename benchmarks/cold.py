@@ -114,7 +114,7 @@ def measure_read_stage(
 
 def _read_stream(dataset: Any, batches: list[Any], pool: Any) -> None:
     """Read ``batches`` in order with ``read_job``, through ``pool`` (a ReadAhead) if any."""
-    from batchwire.server.core import read_job
+    from batchwire.server.runners import read_job
 
     def read(seq: int) -> Any:
         return read_job(dataset, seq, batches[seq])

@@ -284,7 +284,7 @@ def test_profile_says_where_a_servers_time_and_lock_go(
     out = capsys.readouterr().out
     assert "every running thread" in out and "lock held" in out, out
     # The functions on the batch path are named, with their share of the samples.
-    assert "Runner.run (batchwire/server/core/_runner.py" in out, out
+    assert "Runner.run (batchwire/server/runners/_runner.py" in out, out
 
 
 def test_benchmarks_need_a_mode(capsys: pytest.CaptureFixture[str]) -> None:

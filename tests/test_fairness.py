@@ -17,8 +17,10 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import ServerConfig
-from batchwire.server.core import Engine, Job, RunnerKey, Ticket
-from batchwire.server.core._fair import FairQueue
+from batchwire.server.core import Engine
+from batchwire.server.runners import Job, RunnerKey
+from batchwire.server.scheduling import Ticket
+from batchwire.server.scheduling._fair import FairQueue
 
 
 def key(pipeline: str = "train", size: float = 32) -> RunnerKey:

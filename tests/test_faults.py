@@ -22,17 +22,11 @@ from processes import serve_process
 from batchwire.client import RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, load_file, pipelines_from_config
-from batchwire.server.core import (
-    FAULTS_IN_A_ROW,
-    Job,
-    PipelineFault,
-    PipelineHealth,
-    Runner,
-    RunnerKey,
-)
-from batchwire.server.core._dali import fault_kind
 from batchwire.server.data import Dataset
+from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import PRESETS, BuildContext, OutputSpec, PipelineSpec
+from batchwire.server.runners import FAULTS_IN_A_ROW, Job, PipelineHealth, Runner, RunnerKey
+from batchwire.server.runners._dali import fault_kind
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 

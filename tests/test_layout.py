@@ -23,7 +23,8 @@ PACKAGE = ROOT / "src" / "batchwire"
 def test_data_and_core_load_no_grpc() -> None:
     code = (
         "import sys\n"
-        "import batchwire.server.data, batchwire.server.core\n"
+        "import batchwire.server.data, batchwire.server.core, batchwire.server.errors\n"
+        "import batchwire.server.runners, batchwire.server.scheduling\n"
         "from batchwire.server import ServerConfig\n"
         "from batchwire.server.data import Dataset, ingest, read_manifest\n"
         "from batchwire.server.core import Engine\n"
@@ -264,7 +265,7 @@ def test_a_batch_crosses_at_most_26_files(data_dir: pathlib.Path) -> None:
     # codec; and, the loader being on the server's host, the stream's shared memory on
     # both sides.
     for path in (
-        "server/core/_runner.py",
+        "server/runners/_runner.py",
         "server/data/records/_dataset.py",
         "client/_delivery.py",
         "server/serving/_shared_memory.py",

@@ -20,8 +20,8 @@ from test_resources import within
 from batchwire.cli import main
 from batchwire.client import NotFoundError, RemoteLoader
 from batchwire.server import BatchwireServer, ServerError
-from batchwire.server.core import STAGES, StageTimes
 from batchwire.server.data import Manifest, sample_key
+from batchwire.server.runners import STAGES, StageTimes
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 from batchwire.v1 import datum_pb2

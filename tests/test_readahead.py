@@ -15,9 +15,9 @@ from test_resources import within
 
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-from batchwire.server.core import read_job
 from batchwire.server.data import Dataset
 from batchwire.server.data.records._readahead import ReadAhead, StreamReadAhead
+from batchwire.server.runners import read_job
 from batchwire.v1 import datum_pb2
 from benchmarks.cold import evict
 

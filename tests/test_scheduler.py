@@ -19,7 +19,9 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import Engine, Job, Result, RunnerKey, Scheduler, Ticket
+from batchwire.server.core import Engine
+from batchwire.server.runners import Job, Result, RunnerKey
+from batchwire.server.scheduling import Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -158,7 +160,7 @@ def test_many_streams_share_one_pipeline_and_each_gets_its_exact_share(
     config = ServerConfig(data_dir=data_dir, device="cpu", num_threads=1, pipelines_per_device=1)
     engine = Engine(config)
     engine.open_datasets()
-    caplog.set_level(logging.INFO, logger="batchwire.server.core._scheduler")
+    caplog.set_level(logging.INFO, logger="batchwire.server.scheduling._scheduler")
     try:
         requests = [
             StreamSpec(

@@ -25,7 +25,8 @@ from batchwire.client._shared_memory import SharedMemory
 from batchwire.common.sampler import Plan
 from batchwire.common.shared_memory import SHM_DIR
 from batchwire.server import BatchwireServer
-from batchwire.server.core import Batch, InvalidRequest
+from batchwire.server.core import Batch
+from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving import _shared_memory
 from batchwire.server.serving._shared_memory import (
     SharedRing,

@@ -131,9 +131,8 @@ import json, sys, tracemalloc
 import numpy as np
 from batchwire.common.batch_codec import decode_batch, encode_batch
 from batchwire.common.tensors import to_proto
-from batchwire.server.core import RunnerKey, read_job
+from batchwire.server.runners import Runner, RunnerKey, read_job
 from batchwire.server.pipelines import PRESETS, BuildContext, OutputSpec
-from batchwire.server.core._runner import Runner
 from batchwire.server.data import Dataset
 from batchwire.v1 import batchwire_pb2 as pb
 

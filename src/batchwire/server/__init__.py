@@ -15,7 +15,11 @@ Its parts, by role:
 - :mod:`batchwire.server.config`: the settings and the config file (no DALI, LMDB or grpc);
 - :mod:`batchwire.server.data`: datasets on disk, ingest (no grpc, no server);
 - :mod:`batchwire.server.pipelines`: what a named pipeline is, and the presets (no grpc);
-- :mod:`batchwire.server.core`: the scheduler that runs pipelines, and the engine (no grpc);
+- :mod:`batchwire.server.runners`: pipelines built and run, batch by batch (no grpc);
+- :mod:`batchwire.server.scheduling`: the runners shared among the streams, fairly (no grpc);
+- :mod:`batchwire.server.core`: the engine: streams, preprocessing, the datasets it serves,
+  the host's CPUs and GPUs (no grpc);
+- :mod:`batchwire.server.errors`: what the parts raise, which serving maps to status codes;
 - :mod:`batchwire.server.serving`: the gRPC server, its security and metrics.
 
 A package is used through what its ``__init__`` exports, never through another package's

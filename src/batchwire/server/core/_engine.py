@@ -2,7 +2,7 @@
 
 Takes plain arguments, yields NumPy arrays, never imports grpc. The servicer
 adapts messages to :class:`StreamSpec` and :class:`Batch`, and maps the
-errors of ``batchwire.server.core._errors`` to status codes.
+errors of ``batchwire.server.errors`` to status codes.
 """
 
 from __future__ import annotations
@@ -25,23 +25,26 @@ from batchwire.server.config import ServerConfig
 from batchwire.server.core._catalog import Catalog, Change, DatasetDescription, check_version
 from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
-from batchwire.server.core._errors import (
+from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
+from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
+from batchwire.server.data.records import Dataset, ReadAhead, StreamReadAhead
+from batchwire.server.errors import (
     Draining,
     InvalidRequest,
     OverCapacity,
 )
-from batchwire.server.core._health import PipelineHealth
-from batchwire.server.core._jobs import Job
-from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
-from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
-from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
-from batchwire.server.core._runner import Runner
-from batchwire.server.core._scheduler import Scheduler
-from batchwire.server.core._stages import StageTimes
-from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
-from batchwire.server.core._ticket import Ticket
-from batchwire.server.data.records import Dataset, ReadAhead, StreamReadAhead
 from batchwire.server.pipelines import BuildContext, OutputSpec, PipelineSpec
+from batchwire.server.runners import (
+    Job,
+    PipelineHealth,
+    Runner,
+    RunnerKey,
+    StageTimes,
+    pipeline_named,
+    runner_key,
+)
+from batchwire.server.scheduling import Scheduler, Ticket
 
 __all__ = ["DatasetDescription", "Engine"]
 

@@ -36,18 +36,17 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from batchwire.server.config import ServerConfig
-from batchwire.server.core._errors import Draining, InvalidRequest, OverCapacity, PipelineFault
-from batchwire.server.core._jobs import Job, Result
-from batchwire.server.core._keys import RunnerKey, pipeline_named, runner_key
 from batchwire.server.core._preprocess_request import (
     Pending,
     PreprocessRequest,
     PreprocessResult,
     settle,
 )
-from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import unsupported_reason
+from batchwire.server.errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.pipelines import PipelineSpec
+from batchwire.server.runners import Job, Result, RunnerKey, pipeline_named, runner_key
+from batchwire.server.scheduling import Ticket
 
 __all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]
 

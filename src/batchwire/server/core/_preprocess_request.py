@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from batchwire.server.core._errors import InvalidRequest
+from batchwire.server.errors import InvalidRequest
 from batchwire.server.pipelines import OutputSpec, PipelineSpec
 
 __all__ = ["ImageFailure", "Pending", "PreprocessRequest", "PreprocessResult", "settle"]

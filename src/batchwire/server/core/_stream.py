@@ -21,10 +21,10 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from batchwire.common.sampler import Plan, PlannedBatch
-from batchwire.server.core._errors import Draining, InvalidRequest
-from batchwire.server.core._jobs import Job, Result, read_job
-from batchwire.server.core._ticket import Ticket
 from batchwire.server.data.records import Dataset
+from batchwire.server.errors import Draining, InvalidRequest
+from batchwire.server.runners import Job, Result, read_job
+from batchwire.server.scheduling import Ticket
 
 __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
 

@@ -148,8 +148,8 @@ PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], tuple[Any, 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
     """What to build for a named pipeline: its graph function, tunable parameters and
-    statistics. Built for a :class:`~batchwire.server.core._keys.RunnerKey`, it becomes a
-    :class:`~batchwire.server.core._runner.Runner`."""
+    statistics. Built for a :class:`~batchwire.server.runners._keys.RunnerKey`, it becomes a
+    :class:`~batchwire.server.runners._runner.Runner`."""
 
     name: str
     function: PipelineFn

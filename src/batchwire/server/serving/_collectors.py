@@ -48,8 +48,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
 from batchwire.server.data.records import ReadAhead
+from batchwire.server.runners import PipelineHealth, StageTimes
+from batchwire.server.scheduling import Scheduler
 
 __all__ = ["HealthCollector", "ReadAheadCollector", "SchedulerCollector", "StageCollector"]
 

@@ -18,18 +18,16 @@ from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec, output_fields
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
-from batchwire.server.core import (
+from batchwire.server.core import PreprocessRequest, PreprocessResult, share_batches
+from batchwire.server.data.records import DatasetError
+from batchwire.server.errors import (
     Draining,
     InvalidRequest,
     NotFound,
     OverCapacity,
     PipelineFault,
-    PreprocessRequest,
-    PreprocessResult,
     VersionMismatch,
-    share_batches,
 )
-from batchwire.server.data.records import DatasetError
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [

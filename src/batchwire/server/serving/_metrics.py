@@ -65,8 +65,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
-from batchwire.server.core import PipelineHealth, Scheduler, StageTimes
 from batchwire.server.data.records import ReadAhead
+from batchwire.server.runners import PipelineHealth, StageTimes
+from batchwire.server.scheduling import Scheduler
 from batchwire.server.serving._collectors import (
     HealthCollector,
     ReadAheadCollector,

@@ -25,15 +25,8 @@ import grpc
 
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core import (
-    Batch,
-    BatchStream,
-    DatasetDescription,
-    Engine,
-    InvalidRequest,
-    OverCapacity,
-    ServiceError,
-)
+from batchwire.server.core import Batch, BatchStream, DatasetDescription, Engine
+from batchwire.server.errors import InvalidRequest, OverCapacity, ServiceError
 from batchwire.server.serving._messages import (
     Malformed,
     check_message,

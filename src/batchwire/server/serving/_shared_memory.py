@@ -38,7 +38,8 @@ import numpy as np
 
 from batchwire.common.batch_codec import images_head
 from batchwire.common.shared_memory import PROBE_NAME, RING_NAME, RING_PREFIX, SHM_DIR
-from batchwire.server.core import Batch, InvalidRequest
+from batchwire.server.core import Batch
+from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving._streaming import EncodedBatch, batch_header
 from batchwire.v1 import batchwire_pb2 as pb
 

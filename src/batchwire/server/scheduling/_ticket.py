@@ -3,7 +3,7 @@
 A stream (or a Preprocess queue) asks for its batches through its ticket, at most
 ``window`` ahead of what it has taken, so a slow client never makes the server hold more.
 The scheduler takes the requests of every ticket in the order its fair queue says
-(:mod:`batchwire.server.core._fair`), and hands each result back to its ticket.
+(:mod:`batchwire.server.scheduling._fair`), and hands each result back to its ticket.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from batchwire.server.core._jobs import Job, Result
-from batchwire.server.core._keys import RunnerKey
+from batchwire.server.runners import Job, Result, RunnerKey
 
 __all__ = ["Ticket"]
 
@@ -38,7 +37,7 @@ class Ticket:
 
     The fairness policy's state lives here too, guarded by the scheduler's lock:
     ``pending`` holds the batches asked for and not yet taken by a pipeline, with when each
-    was asked, and ``served`` counts those taken (see ``batchwire.server.core._fair``).
+    was asked, and ``served`` counts those taken (see ``batchwire.server.scheduling._fair``).
     """
 
     def __init__(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.server.core._errors import PipelineFault
+from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import BuildContext, PipelineSpec
 
 __all__ = ["build_pipeline", "error_line", "fault_kind", "to_numpy", "view"]

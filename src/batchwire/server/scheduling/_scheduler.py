@@ -1,11 +1,11 @@
 """The server's pipelines: a fixed set per device, shared fairly by every stream.
 
 A stream does not get a pipeline of its own. It asks for its next batches through a
-:class:`~batchwire.server.core._ticket.Ticket`, at most ``window`` ahead of what its client
+:class:`~batchwire.server.scheduling._ticket.Ticket`, at most ``window`` ahead of what its client
 has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` RPC's
 batches all go through the same tickets. Each device has ``pipelines_per_device`` pipeline
 slots; a slot is a thread that takes requests in the order of the fairness policy
-(:mod:`batchwire.server.core._fair`: every stream an equal share of pipeline time, by
+(:mod:`batchwire.server.scheduling._fair`: every stream an equal share of pipeline time, by
 measured cost), runs them, and hands each result back to its ticket.
 
 A slot keeps the pipelines (:class:`Runner`) it built for the keys it ran, at most
@@ -28,12 +28,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from batchwire.server.core._errors import PipelineFault
-from batchwire.server.core._fair import FairQueue
-from batchwire.server.core._jobs import Job
-from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._runner import Runner
-from batchwire.server.core._ticket import Ticket
+from batchwire.server.errors import PipelineFault
+from batchwire.server.runners import Job, Runner, RunnerKey
+from batchwire.server.scheduling._fair import FairQueue
+from batchwire.server.scheduling._ticket import Ticket
 
 __all__ = ["Scheduler", "SchedulerStats"]
 

@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.server.core._culprits import Probe, find_culprits
-from batchwire.server.core._dali import build_pipeline, error_line, fault_kind, to_numpy, view
-from batchwire.server.core._errors import PipelineFault
-from batchwire.server.core._health import PipelineHealth
-from batchwire.server.core._jobs import Job, Result, empty_result
-from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._stages import StageTimes
+from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import BuildContext, PipelineSpec
+from batchwire.server.runners._culprits import Probe, find_culprits
+from batchwire.server.runners._dali import build_pipeline, error_line, fault_kind, to_numpy, view
+from batchwire.server.runners._health import PipelineHealth
+from batchwire.server.runners._jobs import Job, Result, empty_result
+from batchwire.server.runners._keys import RunnerKey
+from batchwire.server.runners._stages import StageTimes
 
 __all__ = ["Runner"]
 

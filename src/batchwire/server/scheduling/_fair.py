@@ -1,6 +1,6 @@
 """Which batch the server's pipelines take next: every stream an equal share of their time.
 
-The scheduler takes the requests of every ticket (:mod:`batchwire.server.core._ticket`) in
+The scheduler takes the requests of every ticket (:mod:`batchwire.server.scheduling._ticket`) in
 the order the :class:`FairQueue` says, and hands each result back to its ticket.
 
 The policy is weighted fair queuing over keys (a key is what a pipeline is built for:
@@ -38,8 +38,8 @@ import itertools
 import time
 from collections.abc import Collection
 
-from batchwire.server.core._keys import RunnerKey
-from batchwire.server.core._ticket import Ticket
+from batchwire.server.runners import RunnerKey
+from batchwire.server.scheduling._ticket import Ticket
 
 __all__ = ["BUILD_AMORTIZE", "QUANTUM_BATCHES", "FairQueue"]
 

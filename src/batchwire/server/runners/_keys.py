@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Protocol
 
-from batchwire.server.core._errors import InvalidRequest, NotFound
+from batchwire.server.errors import InvalidRequest, NotFound
 from batchwire.server.pipelines import OutputSpec, ParamError, PipelineSpec
 
 __all__ = ["OutputRequest", "RunnerKey", "pipeline_named", "runner_key"]
@@ -15,7 +15,7 @@ __all__ = ["OutputRequest", "RunnerKey", "pipeline_named", "runner_key"]
 @dataclasses.dataclass(frozen=True)
 class RunnerKey:
     """A built pipeline's identity for sharing: the streams and Preprocess batches of one
-    key run on the same :class:`~batchwire.server.core._runner.Runner` (a pipeline, its
+    key run on the same :class:`~batchwire.server.runners._runner.Runner` (a pipeline, its
     parameters, output format, batch size and device)."""
 
     pipeline: str

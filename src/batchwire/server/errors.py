@@ -1,7 +1,7 @@
-"""Domain errors of the server core, each meaning one thing to a client.
+"""What every part of the server raises, each meaning one thing to a client.
 
-The servicer maps them to gRPC status codes in one table; the core never
-imports grpc.
+The servicer maps them to gRPC status codes in one table; the parts that raise them never
+import grpc.
 
     ServiceError
     ├── NotFound           unknown dataset or pipeline

@@ -1,6 +1,6 @@
 """What the server's pipelines have shown: faults, broken devices, a sample known to run.
 
-Every :class:`~batchwire.server.core._runner.Runner` of a server reports here each batch
+Every :class:`~batchwire.server.runners._runner.Runner` of a server reports here each batch
 it ran and each :class:`PipelineFault` that ended its run. From that:
 
 * **A control sample.** An encoded image of the last batch that ran. When every sample
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from batchwire.server.core._errors import FAULT_KINDS, PipelineFault
-from batchwire.server.core._keys import RunnerKey
+from batchwire.server.errors import FAULT_KINDS, PipelineFault
+from batchwire.server.runners._keys import RunnerKey
 
 __all__ = ["FAULTS_IN_A_ROW", "PipelineHealth", "device_label"]
 

@@ -9,7 +9,7 @@ What bisection shows decides between a bad sample and a broken pipeline:
 
 * a failure that names no sample (out of memory, CUDA) is a fault at once;
 * the control, a sample known to have run (see
-  :class:`~batchwire.server.core._health.PipelineHealth`), is tried first: if it fails
+  :class:`~batchwire.server.runners._health.PipelineHealth`), is tried first: if it fails
   too, the pipeline is broken whatever the batch holds (kind ``control``), found in one
   run rather than ``2n``;
 * a set of samples that fails while both its halves run is a fault (kind ``batch``):
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.server.core._dali import error_line, fault_kind
-from batchwire.server.core._errors import PipelineFault
-from batchwire.server.core._jobs import Job
+from batchwire.server.errors import PipelineFault
+from batchwire.server.runners._dali import error_line, fault_kind
+from batchwire.server.runners._jobs import Job
 
 __all__ = ["Probe", "find_culprits"]
 
