@@ -8,7 +8,7 @@ every ``--rescan-interval`` seconds): datasets ingested, replaced or removed
 since are served, or no longer, without a restart.
 
 ``--workers N`` runs N server processes behind the port (see
-``batchwire.server.serving._workers``); the default is one per visible GPU, each on its
+``batchwire.server.workers``); the default is one per visible GPU, each on its
 own GPU, and one on the CPU. This process then forwards SIGTERM and SIGINT to every
 worker, and when a worker dies it stops the others and exits 1.
 
@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     from batchwire.server import BatchwireServer, ConfigError, ServerError
     from batchwire.server.core import DeviceError, check_data_dir
     from batchwire.server.data import DatasetError
-    from batchwire.server.serving import plan_workers, tune_for_large_buffers
+    from batchwire.server.serving import tune_for_large_buffers
+    from batchwire.server.workers import plan_workers
 
     tune_for_large_buffers()
     try:
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_unit(args: argparse.Namespace, config: Any) -> int:
     """``--workers N`` (N > 1): the workers' parent until a signal or a worker's death."""
     from batchwire.server import resolve
-    from batchwire.server.serving import WorkerUnit
+    from batchwire.server.workers import WorkerUnit
 
     environ = dict(os.environ)
     # Each worker resolves the config itself, as this process did: a custom pipeline

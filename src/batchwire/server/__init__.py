@@ -20,7 +20,8 @@ Its parts, by role:
 - :mod:`batchwire.server.core`: the engine: streams, preprocessing, the datasets it serves,
   the host's CPUs and GPUs (no grpc);
 - :mod:`batchwire.server.errors`: what the parts raise, which serving maps to status codes;
-- :mod:`batchwire.server.serving`: the gRPC server, its security and metrics.
+- :mod:`batchwire.server.serving`: the gRPC server, its security and metrics;
+- :mod:`batchwire.server.workers`: ``--workers N``, N server processes behind one port.
 
 A package is used through what its ``__init__`` exports, never through another package's
 private modules (tests/test_layout.py holds it).

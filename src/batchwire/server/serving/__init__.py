@@ -1,19 +1,32 @@
-"""The serving edge: the gRPC server around the engine, its security and its metrics, and
-the unit of worker processes behind one port (``batchwire serve --workers N``)."""
+"""The serving edge: the gRPC server around the engine, its security and its metrics.
+
+What the worker unit (:mod:`batchwire.server.workers`) runs and shares is exported here
+too: the server, its port check and metrics endpoint, the health states the workers of a
+unit share, and the sweep of shared memory a killed server left behind.
+"""
 
 from __future__ import annotations
 
 from batchwire.server.serving._malloc import tune_for_large_buffers
+from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
+from batchwire.server.serving._runtime import Listening, check_port_free
 from batchwire.server.serving._server import BatchwireServer, ServerError
+from batchwire.server.serving._shared_memory import remove_stale
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts
-from batchwire.server.serving._workers import WorkerUnit, plan_workers
+from batchwire.server.serving._worker_states import State, UnitMember, WorkerStates
 
 __all__ = [
     "BatchwireServer",
     "EncodedBatch",
+    "Listening",
+    "MetricsError",
+    "MetricsHTTPServer",
     "ServerError",
-    "WorkerUnit",
+    "State",
+    "UnitMember",
+    "WorkerStates",
+    "check_port_free",
     "encode_parts",
-    "plan_workers",
+    "remove_stale",
     "tune_for_large_buffers",
 ]

@@ -13,7 +13,7 @@ Contracts:
 
 * Any worker serves any stream: an epoch's order is a pure function of (seed, epoch),
   and a call lives on one connection, so on one worker.
-* Health is one answer (see :mod:`._worker_states`): SERVING only while every worker is.
+* Health is one answer (see :class:`~batchwire.server.serving.WorkerStates`): SERVING only while every worker is.
 * :meth:`WorkerUnit.stop` drains every worker (SIGTERM to each; each drains as a lone
   server does) and returns within ``grace`` plus a small margin.
 * A worker that dies is not restarted: :meth:`WorkerUnit.failed` says so, and
@@ -40,16 +40,22 @@ from prometheus_client import CollectorRegistry
 
 from batchwire.server.config import ServerConfig
 from batchwire.server.core import DevicePlan, pipeline_threads, usable_cpus
-from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
-from batchwire.server.serving._runtime import Listening, ServerError, check_port_free
-from batchwire.server.serving._shared_memory import remove_stale
-from batchwire.server.serving._worker_metrics import WorkerMetricsCollector
-from batchwire.server.serving._worker_process import (
+from batchwire.server.serving import (
+    Listening,
+    MetricsError,
+    MetricsHTTPServer,
+    ServerError,
+    State,
+    WorkerStates,
+    check_port_free,
+    remove_stale,
+)
+from batchwire.server.workers._metrics import WorkerMetricsCollector
+from batchwire.server.workers._process import (
     LISTENING,
     WorkerSpec,
     run_worker,
 )
-from batchwire.server.serving._worker_states import State, WorkerStates
 
 __all__ = ["WorkerUnit", "plan_workers"]
 

@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from batchwire.server.serving._worker_states import State, WorkerStates
+from batchwire.server.serving import State, WorkerStates
 
 __all__ = ["WorkerMetricsCollector"]
 

@@ -23,10 +23,15 @@ from typing import Any
 from batchwire.server.config import ConfigError, ServerConfig
 from batchwire.server.core import DeviceError
 from batchwire.server.data.records import DatasetError
-from batchwire.server.serving._malloc import tune_for_large_buffers
-from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
-from batchwire.server.serving._server import BatchwireServer, ServerError
-from batchwire.server.serving._worker_states import State, WorkerStates
+from batchwire.server.serving import (
+    BatchwireServer,
+    MetricsError,
+    MetricsHTTPServer,
+    ServerError,
+    State,
+    WorkerStates,
+    tune_for_large_buffers,
+)
 
 __all__ = ["LISTENING", "START_FAILED", "WorkerSpec", "run_worker"]
 
