@@ -76,7 +76,7 @@ class Engine:
         read = functools.partial(self.stages.add, "read")  # every stream's read-ahead's time
         self.readahead = ReadAhead.sized(config.read_ahead_reads, config.read_ahead_mib, read)
         # Faults, broken devices and a sample known to run, from every pipeline.
-        self.health = PipelineHealth(self.devices.device_ids)
+        self.pipeline_health = PipelineHealth(self.devices.device_ids)
         # The datasets under the data directory, as of the last rescan.
         self.catalog = Catalog(pathlib.Path(config.data_dir))
         # Every stream's batches and every Preprocess batch run on these pipelines.
@@ -253,7 +253,7 @@ class Engine:
             num_threads=self.threads,
             prefetch=self.config.prefetch,
             stages=self.stages,
-            health=self.health,
+            health=self.pipeline_health,
         )
 
     def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:

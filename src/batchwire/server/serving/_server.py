@@ -82,7 +82,7 @@ class BatchwireServer(Listening):
         self.metrics.info.info(_server_info(self.engine))
         self.metrics.watch_stages(self.engine.stages)
         self.metrics.watch_scheduler(self.engine.scheduler)
-        self.metrics.watch_health(self.engine.health)
+        self.metrics.watch_health(self.engine.pipeline_health)
         self.metrics.watch_readahead(self.engine.readahead)
         self._metrics_http: MetricsHTTPServer | None = None
         # Streams are awaited on the event loop and only open, close and build Preprocess
@@ -223,7 +223,7 @@ class BatchwireServer(Listening):
             await self._health.set(service, _NOT_SERVING)
         loop = asyncio.get_running_loop()
         # Pipelines report a device broken or recovered from their own threads.
-        self.engine.health.listen(
+        self.engine.pipeline_health.listen(
             lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
         )
         await self._listen(server)
@@ -338,7 +338,7 @@ class BatchwireServer(Listening):
         if not self._warm or len(self.engine.catalog) == 0:
             own = State.WARMING  # not ready: warming up, or no dataset to serve yet
         else:
-            own = State.BROKEN if self.engine.health.broken() else State.SERVING
+            own = State.BROKEN if self.engine.pipeline_health.broken() else State.SERVING
         if self._member is None:
             serving = own is State.SERVING
         else:
