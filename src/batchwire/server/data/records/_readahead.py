@@ -132,7 +132,8 @@ class StreamReadAhead:
             if (self.next_seq, self.next_pos) < (seq, 0):
                 self.next_seq, self.next_pos = seq, 0
             self._misses_before = self._dataset.misses
-            self._pool.lock.notify_all()
+            if self._advisable():
+                self._pool.lock.notify_all()
 
     def read(self, seq: int) -> None:
         """Batches up to ``seq`` were read: what was advised of them is freed. Where its
@@ -144,9 +145,18 @@ class StreamReadAhead:
                 self.advise_until = max(self.advise_until, seq + self.horizon)
             self._misses_before = -1
             self.read_seq = max(self.read_seq, seq)
-            for done in [s for s in self.held if s <= seq]:
-                self._pool.free(self, self.held.pop(done))
-            self._pool.lock.notify_all()
+            freed = [self.held.pop(done) for done in [s for s in self.held if s <= seq]]
+            for size in freed:
+                self._pool.free(self, size)
+            # The pool's threads wait for records to advise, for room, or for a record of
+            # theirs to be read: woken only where one of those changed, so that a stream
+            # read from the page cache costs them nothing.
+            if freed or self.in_flight or self._advisable():
+                self._pool.lock.notify_all()
+
+    def _advisable(self) -> bool:
+        """Whether this stream has records to advise now (under the pool's lock)."""
+        return not self.closed and self.next_seq <= self.advise_until
 
     def close(self) -> None:
         """End this stream's read-ahead: nothing more is advised, what it holds is freed.
