@@ -1,7 +1,8 @@
 """``python -m benchmarks --profile``: where a server's time and interpreter lock go.
 
 A local ``batchwire serve`` streams ``--pipeline`` (``train``, ``val``, or the no-decode
-stand-in ``nodecode``) to one ``RemoteLoader`` while ``py-spy`` samples the server twice,
+stand-in ``nodecode``) to one ``RemoteLoader``. One stream first counts the server's context
+switches a batch, by thread name (``/proc``); then ``py-spy`` samples the server twice,
 ``--duration`` seconds each (default 10):
 every thread that runs (``py-spy record``), then the thread that holds the interpreter
 lock (``--gil``). It prints the rate, the server's CPU per image, the share of the time the
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from batchwire.bench import NO_DECODE_TOML, LocalServer, RunResult, bench_dataset, run_remote
 
-__all__ = ["run_profile", "summarize"]
+__all__ = ["run_profile", "summarize", "switches"]
 
 RATE = 200  # samples per second
 SECONDS = 10
@@ -74,6 +75,9 @@ def run_profile(args: argparse.Namespace) -> int:
             )  # fmt: skip
 
         stream()  # warm-up: pipelines built, pages cached
+        before = switches(server.pid)
+        counted = stream()
+        _print_switches(before, switches(server.pid), counted.images / args.batch_size)
         seconds = max(1, round(args.duration or SECONDS))
         for gil in (False, True):
             out = pathlib.Path(work) / f"py-spy-{'gil' if gil else 'threads'}.txt"
@@ -91,6 +95,33 @@ def run_profile(args: argparse.Namespace) -> int:
             for percent, frame in rows:
                 print(f"{percent:6.1f} %  {frame}")
     return 0
+
+
+def switches(pid: int) -> collections.Counter[str]:
+    """Context switches (voluntary and not) of each live thread of ``pid`` so far, summed
+    by the thread's name as the kernel knows it (Python's threads are all "python")."""
+    counts: collections.Counter[str] = collections.Counter()
+    for status in pathlib.Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        except OSError:  # the thread ended
+            continue
+        counts[fields["Name"].strip()] += sum(
+            int(fields[key]) for key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+        )
+    return counts
+
+
+def _print_switches(
+    before: collections.Counter[str], after: collections.Counter[str], batches: float
+) -> None:
+    per_batch = {name: (after[name] - before[name]) / batches for name in after}
+    shown = ", ".join(
+        f"{name} {n:.1f}"
+        for name, n in sorted(per_batch.items(), key=lambda kv: -kv[1])
+        if n >= 0.5
+    )
+    print(f"\nserver context switches a batch: {sum(per_batch.values()):.1f} ({shown})")
 
 
 def _sampled(

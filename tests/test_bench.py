@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import re
 
 import pytest
 from conftest import start_server
@@ -285,6 +286,10 @@ def test_profile_says_where_a_servers_time_and_lock_go(
     assert "every running thread" in out and "lock held" in out, out
     # The functions on the batch path are named, with their share of the samples.
     assert "Runner.run (batchwire/server/runners/_runner.py" in out, out
+    # The server's context switches a batch, by thread name: DALI's executor among them.
+    switches = re.search(r"server context switches a batch: ([0-9.]+) \((.*)\)", out)
+    assert switches is not None, out
+    assert float(switches[1]) > 0 and "[DALI] Executor" in switches[2], out
 
 
 def test_benchmarks_need_a_mode(capsys: pytest.CaptureFixture[str]) -> None:
