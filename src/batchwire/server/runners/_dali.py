@@ -19,7 +19,7 @@ import numpy as np
 from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import BuildContext, PipelineSpec
 
-__all__ = ["build_pipeline", "error_line", "fault_kind", "to_numpy", "view"]
+__all__ = ["build_pipeline", "encoded_batch", "error_line", "fault_kind", "to_numpy", "view"]
 
 # DALI's words for failures that no sample causes, by PipelineFault kind (CUDA's error
 # names, its allocators' messages, host allocation).
@@ -96,6 +96,15 @@ def _define(
         images, labels = pipeline.function(encoded, labels, ctx, params)
         pipe.set_outputs(images, labels, meta)
     pipe.build()
+
+
+def encoded_batch(images: list[np.ndarray]) -> Any:
+    """A batch's encoded images as one DALI ``TensorListCPU`` over their own bytes (no
+    copy; it holds them until DALI is done). Given the list, ``external_source`` would
+    build the same, checking each sample's type in Python on the way: twice the time."""
+    from nvidia.dali.backend import TensorCPU, TensorListCPU
+
+    return TensorListCPU([TensorCPU(image) for image in images], None, False)
 
 
 def to_numpy(tensor_list: Any) -> np.ndarray:

@@ -31,7 +31,14 @@ import numpy as np
 from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import BuildContext, PipelineSpec
 from batchwire.server.runners._culprits import Probe, find_culprits
-from batchwire.server.runners._dali import build_pipeline, error_line, fault_kind, to_numpy, view
+from batchwire.server.runners._dali import (
+    build_pipeline,
+    encoded_batch,
+    error_line,
+    fault_kind,
+    to_numpy,
+    view,
+)
 from batchwire.server.runners._health import PipelineHealth
 from batchwire.server.runners._jobs import Job, Result, empty_result
 from batchwire.server.runners._keys import RunnerKey
@@ -52,14 +59,14 @@ class _Source:
         self.empty: list[Job] = []
         self.seconds = 0.0  # spent in this callback: waiting for and reading jobs
 
-    def __call__(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def __call__(self) -> tuple[Any, np.ndarray, np.ndarray]:
         started = time.perf_counter()
         try:
             return self._next()
         finally:
             self.seconds += time.perf_counter() - started
 
-    def _next(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def _next(self) -> tuple[Any, np.ndarray, np.ndarray]:
         while True:
             job = self.retries.popleft() if self.retries else next(self.jobs, None)
             if job is None:
@@ -69,7 +76,8 @@ class _Source:
                 self.empty.append(job)
                 continue
             self.in_flight.append(job)
-            return job.inputs()
+            images, labels, meta = job.inputs()
+            return encoded_batch(images), labels, meta
 
 
 class Runner:
