@@ -36,8 +36,9 @@ class Job(Generic[P]):
     finish: Callable[[Result[P]], P] | None = None
 
     def inputs(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """What ``fn.external_source`` hands DALI for this job: the encoded images, the
-        labels, and one ``(seq, id)`` row per sample that names its output."""
+        """What ``fn.external_source`` hands DALI for this job: the encoded images (which
+        the runner passes as one DALI batch, ``encoded_batch``), the labels, and one
+        ``(seq, id)`` row per sample that names its output."""
         meta = np.stack([np.full(len(self.ids), self.seq, np.int64), self.ids], axis=1)
         return self.images, self.labels, meta
 

@@ -266,11 +266,12 @@ class Dataset:
         are left out and logged."""
         ids = np.asarray(ids, dtype=np.int64)
         images, labels = self.read(ids)
-        found = [(i, image) for i, image in enumerate(images) if image is not None]
-        screened = self.screened.reasons(ids[[i for i, _ in found]], [im for _, im in found])
-        reasons: list[str | None] = ["missing or not a Datum"] * len(images)
-        for (i, _), reason in zip(found, screened, strict=True):
-            reasons[i] = reason
+        found = [i for i, image in enumerate(images) if image is not None]
+        present = [image for image in images if image is not None]
+        screened = iter(self.screened.reasons(ids[found], present))
+        reasons = [
+            "missing or not a Datum" if image is None else next(screened) for image in images
+        ]
         good, skipped = [], []
         for i, reason in enumerate(reasons):
             if reason is None:

@@ -181,7 +181,8 @@ class ScreenedRecords:
         for i in np.flatnonzero(~passed).tolist():
             reasons[i] = unsupported_reason(records[i])
             if reasons[i] is None:
-                sums[i] = fingerprint(records[i])  # the scan as it is now
+                if spans[i]:  # checksummed up to a scan remembered: where it begins now
+                    sums[i] = fingerprint(records[i])
                 screened.append(i)
         if screened:
             with self._lock:
