@@ -70,8 +70,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     server that fails or stalls are asked of the others. ``retry_timeout`` seconds
     without any batch, or one batch slower than ``timeout``, raise ``UnavailableError``;
     every error is a ``BatchwireError`` with a ``code``. A server on this host sends the
-    images through shared memory (/dev/shm) rather than the socket, unless
-    ``shared_memory=False``. ``token`` and ``tls_*`` (PEM
+    images through shared memory (a sealed memfd it hands to this process alone)
+    rather than the socket, unless ``shared_memory=False``. ``token`` and ``tls_*`` (PEM
     paths or bytes) authenticate to secured servers. The settings are read-only
     (``spec``, ``options``); see the client guide for the whole contract.
     """

@@ -34,7 +34,7 @@ from batchwire.client._book import Book, Held
 from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._exceptions import BatchwireError
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
-from batchwire.client._shared_memory import SharedMemory
+from batchwire.client._shared_memory import SharedMemory, SharedMemoryFailed
 from batchwire.client._transport import Transport, map_rpc_errors, rpc_details
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -247,6 +247,8 @@ class ServerPuller(threading.Thread):
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
         self.delivered = 0  # batches this server delivered in this pass
+        # Off for this pass once the server's shared memory could not be read.
+        self._shared_memory = tensors.options.shared_memory
 
     def run(self) -> None:
         try:
@@ -267,9 +269,8 @@ class ServerPuller(threading.Thread):
             accepted = threading.Event()  # the server opened the stream: ask it for batches
             failure: tuple[grpc.StatusCode, str] | None = None
             before = self.delivered
-            # Each call offers shared memory anew: a server on this host takes it.
-            offer = self._tensors.options.shared_memory
-            shared = SharedMemory.offer(self._credit + 1) if offer else None
+            # Each call offers shared memory anew: a server on this host grants it.
+            shared = SharedMemory.offer(self._credit + 1) if self._shared_memory else None
             try:
                 with map_rpc_errors(self.server.address):
                     with self._lock:
@@ -278,12 +279,26 @@ class ServerPuller(threading.Thread):
                         call = self._call = self._transport.open_pull(
                             self.server, self._requests(held, over, accepted, shared)
                         )
-                    call.initial_metadata()  # sent once it opened
-                    accepted.set()
+                    metadata = call.initial_metadata()  # sent once it opened
                     if shared is not None:
-                        shared.remove_probe()  # the server has looked at it
+                        shared.claim(metadata, self.server.address)  # before any batch is asked
+                    accepted.set()
                     self._receive(call, held, shared, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
+            except SharedMemoryFailed as exc:
+                if self._halted():
+                    return
+                # Not the server's failure: the call is made again at once, without
+                # shared memory, and the batches it held are asked for again.
+                with self._lock:
+                    if self._call is not None:
+                        self._call.cancel()
+                log.warning(
+                    "%s: %s; this pass's batches from it come in their messages",
+                    self.server.address,
+                    exc,
+                )
+                self._shared_memory = False
             except BatchwireError as exc:
                 if self._halted():
                     return
@@ -299,7 +314,8 @@ class ServerPuller(threading.Thread):
                 returned = self._book.give_back(held, failure)
                 if shared is not None:
                     shared.close()
-            assert failure is not None  # the one way here: a failure to retry
+            if failure is None:
+                continue  # shared memory failed: again at once, over the socket
             self._servers.mark_failed(self.server)
             # Once per outage, and whenever batches move: not every retry of a dead server.
             log.log(

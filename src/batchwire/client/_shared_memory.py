@@ -1,121 +1,221 @@
 """The client's side of batches through shared memory (a server on this host).
 
-Each ``PullBatches`` call offers shared memory (:meth:`SharedMemory.offer`): the call
-writes a random token into a file of its own under /dev/shm and names the file and the
-token in its first request. A server that reads the same token there shares this
-process's /dev/shm and user; it then puts each batch's images in a buffer of a file of its
-own and sends only where they lie (``Batch.shared_images``). The call maps that file at
-the first such batch (and removes it: the mapping outlives it), copies each batch out
-once, as it would copy it out of a message, and releases the batch's buffer with its next
-request. A server that cannot share memory ignores the offer: nothing changes.
+Each ``PullBatches`` call offers shared memory (:meth:`SharedMemory.offer`: how many
+batches it holds, and who this process is). A server that grants it answers in the
+call's initial metadata; the call then claims the ring (:meth:`SharedMemory.claim`):
+it connects to the server's Unix socket, sends the grant's key and receives the ring's
+descriptor, a sealed memfd, read-only (see ``batchwire.common.shared_memory``). The
+ring is mapped read-only at the first batch the server puts there, and its descriptor
+closed; each batch is copied out once, as it would be out of a message, and its buffer
+released with the next request. A server on another host cannot be reached at the
+socket: the call goes on with every batch in its messages, as does one whose claim
+fails for any reason (said once a process, in a warning).
 
-See ``batchwire.server.serving._shared_memory`` for the server's side.
+Nothing of a ring outlives the call, nor passes to a forked child: the mapping is not
+inherited (``MADV_DONTFORK``), and a descriptor of a ring (held between the claim and
+the first batch, or kept by Python's ``mmap``) is let go in the child. See ``batchwire.server.serving._shared_memory`` for the
+server's side.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
 import mmap
 import os
-import pathlib
-import secrets
+import select
+import socket
+import struct
 import threading
+import weakref
+from collections.abc import Iterable
 
 import grpc
 import numpy as np
 
 from batchwire.client._exceptions import BatchwireError
-from batchwire.common.shared_memory import PROBE_PREFIX, RING_NAME, SHM_DIR
+from batchwire.common.shared_memory import (
+    ACK,
+    CLAIM_TIMEOUT_S,
+    GRANT_METADATA,
+    MEMFD_NAME,
+    SEALS,
+    namespace,
+    socket_address,
+)
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["SharedMemory"]
+__all__ = ["SharedMemory", "SharedMemoryFailed"]
+
+log = logging.getLogger(__name__)
+
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+# Not there: the server is on another host (or network namespace), the usual case.
+_ELSEWHERE = (errno.ENOENT, errno.ECONNREFUSED)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+# A fork waits while a descriptor is being received or a ring mapped, so that a child
+# never inherits one that is not yet accounted for below.
+_fork_lock = threading.Lock()
+_calls: weakref.WeakSet[SharedMemory] = weakref.WeakSet()
+
+
+class SharedMemoryFailed(BatchwireError):
+    """The call's shared memory cannot be read (it could not be mapped, or is not what
+    the server said): the call is made again with every batch in its messages."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=grpc.StatusCode.UNAVAILABLE)
+
+
+def _warn_once(kind: str, message: str, *args: object) -> None:
+    with _warned_lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    log.warning(message, *args)
 
 
 class SharedMemory:
-    """One call's offer of shared memory, the server's ring once a batch arrives through
-    it, and the ring's buffers copied out and not yet released (thread-safe: the puller
-    reads batches, gRPC's thread sends the releases)."""
+    """One call's offer of shared memory, the ring it claimed, and the ring's buffers
+    copied out and not yet released (thread-safe: the puller claims and reads batches,
+    gRPC's thread sends the releases)."""
 
-    def __init__(self, probe: pathlib.Path, token: bytes, buffers: int) -> None:
-        self._probe: pathlib.Path | None = probe
-        self._directory = probe.parent
-        self._probe_name = probe.name
-        self._token = token
+    def __init__(self, buffers: int) -> None:
         self._buffers = buffers
+        self._fd = -1  # the ring's memfd, from the claim until it is mapped
         self._ring: mmap.mmap | None = None
-        self._name = ""
+        self._span = (0, 0)  # the ring's address and length, in this process
         self._released: list[int] = []
         self._lock = threading.Lock()
+        _calls.add(self)
 
     @classmethod
-    def offer(cls, buffers: int, directory: pathlib.Path = SHM_DIR) -> SharedMemory | None:
-        """An offer for a call that holds at most ``buffers`` batches; None where this host
-        has no /dev/shm to write to (the call then asks for batches in their messages)."""
-        token = secrets.token_bytes(16)
-        probe = directory / f"{PROBE_PREFIX}{secrets.token_hex(16)}"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError:
-            return None
-        try:
-            os.write(fd, token)
-        finally:
-            os.close(fd)
-        return cls(probe, token, buffers)
+    def offer(cls, buffers: int) -> SharedMemory:
+        """An offer for a call that holds at most ``buffers`` batches."""
+        return cls(buffers)
 
     def message(self) -> pb.SharedMemoryOffer:
         """The offer as the first request carries it."""
         return pb.SharedMemoryOffer(
-            probe=self._probe_name, token=self._token, buffers=self._buffers
+            buffers=self._buffers,
+            pid=os.getpid(),
+            uid=os.geteuid(),
+            pid_namespace=namespace("pid"),
+            user_namespace=namespace("user"),
         )
 
-    def remove_probe(self) -> None:
-        """The server answered the offer (it opened the stream), or never will."""
-        if self._probe is not None:
-            self._probe.unlink(missing_ok=True)
-            self._probe = None
+    @property
+    def claimed(self) -> bool:
+        """Whether this call holds the server's ring (its batches may come there)."""
+        return self._fd >= 0 or self._ring is not None
+
+    def claim(self, metadata: Iterable[tuple[str, str | bytes]] | None, server: str) -> None:
+        """Claim the ring the server granted in the call's initial ``metadata``, if it
+        granted one and this process can reach it; otherwise the call goes on with its
+        batches in their messages (said once a process where that is not the usual
+        case of a server on another host). Waits at most CLAIM_TIMEOUT_S a step."""
+        grant = None
+        for key, value in metadata or ():
+            if key == GRANT_METADATA and isinstance(value, bytes):
+                grant = pb.SharedMemoryGrant.FromString(value)
+        if grant is None or not grant.socket or not grant.key:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+                sock.settimeout(CLAIM_TIMEOUT_S)
+                sock.connect(socket_address(grant.socket))
+                _, uid, _ = _UCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+                )
+                if uid != grant.uid:
+                    raise _Refused(f"{grant.socket} belongs to uid {uid}, not the server's")
+                sock.sendall(grant.key)
+                self._receive(sock)
+                sock.sendall(ACK)
+        except OSError as exc:
+            self._drop_descriptor()
+            if exc.errno in _ELSEWHERE:
+                log.debug("%s is on another host: batches come in their messages", server)
+                return
+            _warn_once(
+                "claim",
+                "could not take shared memory from %s, a server on this host (%s): batches "
+                "come in their messages",
+                server,
+                exc.strerror or exc,
+            )
+        except _Refused as exc:
+            self._drop_descriptor()
+            _warn_once(
+                "refused",
+                "refused shared memory from %s (%s): batches come in their messages",
+                server,
+                exc,
+            )
+
+    def _receive(self, sock: socket.socket) -> None:
+        """The ring's descriptor, received and checked (under the fork lock)."""
+        if not select.select([sock], [], [], CLAIM_TIMEOUT_S)[0]:
+            raise OSError(errno.ETIMEDOUT, "the server did not answer the claim")
+        with _fork_lock:
+            message, fds, flags, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+            self._fd = fds[0] if fds else -1
+            for extra in fds[1:]:
+                os.close(extra)
+        if flags & socket.MSG_CTRUNC:
+            raise OSError(errno.EMFILE, "no descriptor left to receive the shared memory")
+        if message != ACK or self._fd < 0:
+            raise _Refused("the server gave no shared memory (its log says why)")
+        link = os.readlink(f"/proc/self/fd/{self._fd}")
+        if not link.startswith(f"/memfd:{MEMFD_NAME}"):
+            raise _Refused(f"the server sent {link!r}, not its shared memory")
+
+    def _drop_descriptor(self) -> None:
+        with _fork_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def view(self, where: pb.SharedImages, dtype: np.dtype, count: int) -> np.ndarray:
         """A batch's images where the server put them: a read-only flat view, valid
-        until its buffer is released (:meth:`copied`)."""
-        ring = self._map(where.name)
-        if where.offset + where.length > len(ring):
-            raise BatchwireError(
-                f"a batch lies past the end of the server's shared memory {where.name}",
-                code=grpc.StatusCode.INTERNAL,
+        until its buffer is released (:meth:`copied`). SharedMemoryFailed where the ring
+        cannot be read."""
+        ring = self._ring if self._ring is not None else self._map()
+        if where.offset + where.length > len(ring) or count * dtype.itemsize > where.length:
+            raise SharedMemoryFailed(
+                f"a batch lies past the end of the server's shared memory ({len(ring)} bytes)"
             )
         return np.frombuffer(ring, dtype, count, where.offset)
 
-    def _map(self, name: str) -> mmap.mmap:
-        if self._ring is not None:
-            if name != self._name:
-                raise BatchwireError(
-                    f"the server moved a stream's shared memory from {self._name} to {name}",
-                    code=grpc.StatusCode.INTERNAL,
-                )
-            return self._ring
-        if not RING_NAME.fullmatch(name):
-            raise BatchwireError(
-                f"the server named shared memory {name!r}, not one of its rings",
-                code=grpc.StatusCode.INTERNAL,
+    def _map(self) -> mmap.mmap:
+        """The claimed ring, mapped read-only once the server has sized and sealed it."""
+        if self._fd < 0:
+            raise SharedMemoryFailed(
+                "the server sent a batch in shared memory this call never took"
             )
-        path = self._directory / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            # The server ended the stream (it stopped, or died) before this process
-            # mapped the file: the batches it held are asked again, here or elsewhere.
-            raise BatchwireError(
-                f"the server's shared memory {path} is gone ({exc.strerror}); its batches "
-                "are asked for again",
-                code=grpc.StatusCode.UNAVAILABLE,
+            seals = fcntl.fcntl(self._fd, fcntl.F_GET_SEALS)
+            if seals & SEALS != SEALS:
+                raise SharedMemoryFailed(
+                    "the server's shared memory is not sealed against writes and resizing"
+                )
+            with _fork_lock:
+                ring = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+                ring.madvise(mmap.MADV_DONTFORK)
+                self._span = (_address(ring), len(ring))
+                self._ring = ring
+            return ring
+        except (OSError, ValueError) as exc:  # ValueError: an empty memfd
+            raise SharedMemoryFailed(
+                f"could not map the server's shared memory ({getattr(exc, 'strerror', 0) or exc})"
             ) from None
-        try:
-            self._ring = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
-            os.close(fd)
-        path.unlink(missing_ok=True)  # mapped: the file is not needed any more
-        self._name = name
-        return self._ring
+            self._drop_descriptor()  # mapped, or never will be
 
     def copied(self, buffer: int) -> None:
         """The batch in ``buffer`` is copied out: the next request releases it."""
@@ -129,6 +229,86 @@ class SharedMemory:
         return released
 
     def close(self) -> None:
-        """The call is over: its probe goes, its ring is unmapped once no view is left."""
-        self.remove_probe()
+        """The call is over: its descriptor is closed, its ring unmapped once no view
+        of it is left."""
+        self._drop_descriptor()
         self._ring = None
+
+    def _forked(self) -> None:
+        # In a forked child: the ring was not inherited (MADV_DONTFORK), but its mmap
+        # object was, and would unmap its range when dropped, wherever the child has
+        # put something else meanwhile. A placeholder keeps the range the child's own.
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        address, length = self._span
+        if self._ring is not None and length:
+            _reserve(address, length)
+
+
+class _Refused(Exception):
+    """A claim this process will not complete (a wrong peer, a wrong descriptor)."""
+
+
+def _address(ring: mmap.mmap) -> int:
+    view = np.frombuffer(ring, np.uint8)
+    try:
+        return int(view.ctypes.data)
+    finally:
+        del view
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_MAP_FIXED_NORESERVE = 0x10 | 0x4000  # MAP_FIXED | MAP_NORESERVE (Linux)
+
+
+def _reserve(address: int, length: int) -> None:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NORESERVE
+    _libc.mmap(address, length, 0, flags, -1, 0)  # PROT_NONE
+
+
+def _before_fork() -> None:
+    _fork_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _fork_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    _fork_lock.release()
+    for call in list(_calls):
+        call._forked()
+    # Python's mmap keeps a duplicate of the descriptor it mapped, which a fork copies.
+    # Its number is put to /dev/null rather than closed: the mmap object closes it
+    # when dropped, and must not close whatever the child opens there meanwhile.
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    devnull = -1
+    for name in descriptors:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{MEMFD_NAME}"):
+                continue
+            if devnull < 0:
+                devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            os.dup2(devnull, int(name))
+        except OSError:
+            continue
+    if devnull >= 0:
+        os.close(devnull)
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)

@@ -1,21 +1,58 @@
-"""The names of the files through which a server sends batches to a client on its host:
-one rule for both sides (``batchwire.server.serving._shared_memory`` makes rings and reads
-probes, ``batchwire.client._shared_memory`` makes probes and maps rings).
+"""How a server hands one stream's shared memory to the client on its host: the rules
+both sides keep (``batchwire.server.serving._shared_memory`` grants and makes rings,
+``batchwire.client._shared_memory`` claims and maps them).
 
-A client's probe is ``PROBE_PREFIX`` and 32 hex digits, a server's ring ``RING_PREFIX``,
-its process id, ``-`` and 16 hex digits; a side accepts a name the other sends only where
-it matches ``PROBE_NAME`` or ``RING_NAME``: a file name in ``SHM_DIR``, never a path.
+Shared memory has no name. A ring is a memfd (``memfd_create``): memory that no
+directory lists, that only the processes holding its descriptor can reach, and that the
+kernel frees when the last of them lets go, however they end. A client offers to take
+its batches that way (``SharedMemoryOffer``, with its pid and uid); a server that grants
+it answers in the call's initial metadata (:data:`GRANT_METADATA`, a
+``SharedMemoryGrant``: a Unix socket and a one-time key). The client connects to the
+socket, sends the key, and receives the ring's descriptor (``SCM_RIGHTS``), opened
+read-only; it answers :data:`ACK`, and from then on the server may put the stream's
+batches there. Before the server's first batch in the ring, it seals the memfd with
+:data:`SEALS`: it can neither shrink (no ``SIGBUS`` under a mapping) nor grow, and no
+process can map it writable or write to it any more, whoever opens it (even through
+``/proc/<pid>/fd``): only the server's own mapping, made before the seal, writes.
 """
 
 from __future__ import annotations
 
-import pathlib
-import re
+import fcntl
+import os
 
-__all__ = ["PROBE_NAME", "PROBE_PREFIX", "RING_NAME", "RING_PREFIX", "SHM_DIR"]
+__all__ = [
+    "ACK",
+    "CLAIM_TIMEOUT_S",
+    "GRANT_METADATA",
+    "KEY_BYTES",
+    "MEMFD_NAME",
+    "SEALS",
+    "namespace",
+    "socket_address",
+]
 
-SHM_DIR = pathlib.Path("/dev/shm")
-PROBE_PREFIX = "batchwire-probe-"
-PROBE_NAME = re.compile(PROBE_PREFIX + "[0-9a-f]{16,64}")
-RING_PREFIX = "batchwire-"
-RING_NAME = re.compile(RING_PREFIX + "[0-9]+-[0-9a-f]{16}")
+GRANT_METADATA = "batchwire-shared-memory-bin"  # the initial metadata key of a grant
+KEY_BYTES = 32  # a grant's key, random
+ACK = b"\x01"  # the client's answer once it holds the descriptor
+CLAIM_TIMEOUT_S = 5.0  # for each step of a claim, on either side
+MEMFD_NAME = "batchwire-ring"  # what /proc/<pid>/fd shows (memfd names are not paths)
+
+# F_SEAL_FUTURE_WRITE (Linux 5.1) is not in Python 3.11's fcntl.
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+
+def socket_address(name: str) -> str:
+    """The address to bind or connect a grant's ``socket`` at: a name starting with
+    ``@`` is in the abstract namespace (Linux), anything else a path."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def namespace(kind: str) -> str:
+    """This process's ``kind`` ("pid", "user") namespace as ``/proc/self/ns`` names it,
+    or "" where that cannot be read."""
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return ""

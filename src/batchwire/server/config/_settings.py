@@ -220,9 +220,24 @@ class ServerConfig:
     )
     shared_memory: bool = _setting(
         True,
-        "send batches to clients on this host through shared memory (/dev/shm), not in "
-        "their messages (default on; --no-shared-memory: always in the messages)",
+        "send batches to clients on this host through shared memory (a sealed memfd "
+        "passed over a Unix socket), not in their messages (default on; "
+        "--no-shared-memory: always in the messages)",
         boolean,
+    )
+    shared_memory_mib: int = _setting(
+        0,
+        "MiB of shared memory the streams of this server (all its --workers together) "
+        "may hold (default 0: a quarter of the host's or container's memory)",
+        bounds=(0, 16777216),
+    )
+    shared_memory_socket_dir: pathlib.Path | None = _setting(
+        None,
+        "make the Unix socket through which trainers claim shared memory in DIR, for "
+        "trainers in other containers that mount DIR at the same path (default: a socket "
+        "in the abstract namespace, reachable from the server's network namespace only)",
+        _path,
+        metavar="DIR",
     )
     grace: float = _setting(
         30.0,

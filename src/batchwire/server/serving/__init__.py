@@ -2,7 +2,7 @@
 
 What the worker unit (:mod:`batchwire.server.workers`) runs and shares is exported here
 too: the server, its port check and metrics endpoint, the health states the workers of a
-unit share, and the sweep of shared memory a killed server left behind.
+unit share, and the budget of shared memory they hold together.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from batchwire.server.serving._malloc import tune_for_large_buffers
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
 from batchwire.server.serving._runtime import Listening, check_port_free
 from batchwire.server.serving._server import BatchwireServer, ServerError
-from batchwire.server.serving._shared_memory import remove_stale
+from batchwire.server.serving._shared_memory import RingBudget
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.server.serving._worker_states import State, UnitMember, WorkerStates
 
@@ -21,12 +21,12 @@ __all__ = [
     "Listening",
     "MetricsError",
     "MetricsHTTPServer",
+    "RingBudget",
     "ServerError",
     "State",
     "UnitMember",
     "WorkerStates",
     "check_port_free",
     "encode_parts",
-    "remove_stale",
     "tune_for_large_buffers",
 ]

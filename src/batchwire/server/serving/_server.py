@@ -39,7 +39,7 @@ from batchwire.server.serving._rescans import Rescans
 from batchwire.server.serving._runtime import Listening, ServerError
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
-from batchwire.server.serving._shared_memory import remove_stale
+from batchwire.server.serving._shared_memory import RingBroker, RingBudget
 from batchwire.server.serving._worker_states import State, UnitMember
 from batchwire.v1 import batchwire_pb2
 
@@ -67,14 +67,26 @@ _METHODS = tuple(
 
 
 class BatchwireServer(Listening):
-    def __init__(self, config: ServerConfig, *, member: UnitMember | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        member: UnitMember | None = None,
+        ring_budget: RingBudget | None = None,
+    ) -> None:
         """Raises ``ConfigError`` when a TLS or token file is missing or malformed.
 
         ``member``: this server is one worker of a unit sharing its port (SO_REUSEPORT):
         it publishes its state there and reports SERVING only while every worker of
-        the unit does."""
+        the unit does. ``ring_budget``: the shared memory its streams may hold, where it
+        is the unit's (default: ``config.shared_memory_mib`` for this server alone)."""
         self.config = config
         self._member = member
+        self._broker: RingBroker | None = None
+        if config.shared_memory:
+            budget = ring_budget or RingBudget(config.shared_memory_mib * 2**20)
+            worker = 0 if member is None else member.index
+            self._broker = RingBroker(budget, config.shared_memory_socket_dir, worker)
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
         self.engine = Engine(config)
@@ -112,8 +124,6 @@ class BatchwireServer(Listening):
 
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
-        if self.config.shared_memory and self._member is None:  # a unit's parent sweeps once
-            remove_stale()
         self.engine.open_datasets()
         self.metrics.datasets.set(len(self.engine.catalog))
         if self.config.metrics_port is not None:
@@ -227,6 +237,8 @@ class BatchwireServer(Listening):
             lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
         )
         await self._listen(server)
+        if self._broker is not None:
+            self._broker.start(self._port)  # else it grants nothing, and has said why
         self._listening.set()
         warm = asyncio.ensure_future(self._warm_up())
         rescans = asyncio.ensure_future(self._rescans.run())
@@ -240,6 +252,8 @@ class BatchwireServer(Listening):
         if follow is not None:
             follow.cancel()
         await self._drain(server)
+        if self._broker is not None:
+            await self._broker.close()
 
     def _grpc_server(self) -> grpc.aio.Server:
         """The gRPC server with its services (batchwire, health, reflection), not started."""
@@ -259,7 +273,7 @@ class BatchwireServer(Listening):
             self._executor,
             self.metrics,
             max_message_bytes=self.config.max_message_bytes,
-            shared_memory=self.config.shared_memory,
+            broker=self._broker,
         )
         add_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

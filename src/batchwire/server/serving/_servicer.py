@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from batchwire.common.sampler import Plan
+from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.common.stream import StreamSpec
 from batchwire.server.core import Batch, BatchStream, DatasetDescription, Engine
 from batchwire.server.errors import InvalidRequest, OverCapacity, ServiceError
@@ -39,7 +40,7 @@ from batchwire.server.serving._messages import (
     tolerant,
 )
 from batchwire.server.serving._metrics import ServerMetrics
-from batchwire.server.serving._shared_memory import SharedRing, accept_offer
+from batchwire.server.serving._shared_memory import RingBroker, SharedRing
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts, serve_stream
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -143,13 +144,15 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         metrics: ServerMetrics | None = None,
         *,
         max_message_bytes: int,
-        shared_memory: bool = True,
+        broker: RingBroker | None = None,
     ) -> None:
+        """``broker``: grants shared memory to the pulled streams that offer it (None:
+        shared memory off)."""
         self._engine = engine
         self._executor = executor
         self._metrics = metrics or ServerMetrics()
         self._encode = functools.partial(encode_parts, max_message_bytes=max_message_bytes)
-        self._shared_memory = shared_memory
+        self._broker = broker
 
     def _info(self, summary: DatasetDescription) -> pb.DatasetInfo:
         pipelines = [
@@ -233,9 +236,13 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             )
         if first.released_buffers:
             raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
-        ring = None
-        if self._shared_memory and first.HasField("shared_memory"):
-            ring = accept_offer(first.shared_memory)
+        ring: SharedRing | None = None
+        metadata: tuple[tuple[str, bytes], ...] = ()
+        if self._broker is not None and first.HasField("shared_memory"):
+            granted = self._broker.grant(first.shared_memory)
+            if granted is not None:
+                ring, grant = granted
+                metadata = ((GRANT_METADATA, grant.SerializeToString()),)
         try:
             encode = self._encode if ring is None else ring.encoder(self._encode)
             stream = await self._open(spec, None, encode)
@@ -249,12 +256,17 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                     self._metrics,
                     None,
                     shared_memory=ring is not None,
+                    metadata=metadata,
                 )
             finally:
                 reading.cancel()
         finally:
             if ring is not None:
-                ring.close()
+                assert self._broker is not None
+                self._broker.revoke(ring)
+                # Unmapping a large ring takes milliseconds: not on the event loop.
+                loop = asyncio.get_running_loop()
+                await asyncio.shield(loop.run_in_executor(self._executor, ring.close))
 
     @staticmethod
     async def _read_wants(

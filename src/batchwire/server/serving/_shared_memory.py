@@ -1,119 +1,181 @@
 """Batches through shared memory, for clients on the server's host.
 
-A pulling client offers to read its batches from shared memory (``SharedMemoryOffer``):
-it wrote a random token into a file of its own under /dev/shm. A server that finds the
-same token there, in a file owned by the user it runs as, shares the client's /dev/shm
-(same host, same container or ``ipc: host``, same user) and gives the stream a
-:class:`SharedRing`: one file of ``buffers`` batch-sized buffers under /dev/shm, made at the
-stream's first batch. A batch's images are copied once, from the pipeline's buffer into a
-free buffer, and its message carries the header and where the images lie
-(``SharedImages``): the pixels are neither copied into gRPC's buffers nor sent through the
-kernel's TCP stack, on either side. The client copies a batch out and releases its buffer
-with its next request.
+A pulling client offers to read its batches from shared memory (``SharedMemoryOffer``).
+A server with shared memory on grants each such stream a :class:`SharedRing` and answers
+in the call's initial metadata with where and how to claim it (``SharedMemoryGrant``, see
+``batchwire.common.shared_memory``): the :class:`RingBroker`'s Unix socket and a key
+good once. A client on another host cannot reach the socket and never claims; its
+batches go in their messages, as they would without an offer.
 
-A batch that finds no free buffer, or is larger than a buffer, or a ring that could not be
-made (/dev/shm full), travels in its message as to a client on another host: a ring
-never holds a pipeline up. The file is removed once the client has mapped it (its first
-release) and when the stream ends; a mapping outlives its file.
+A claim hands over a memfd, not a name: nothing is made in /dev/shm, another user's
+process cannot find the ring, and the kernel frees it when the server and its one client
+have both let go, at the stream's end or at either one's death. The claiming process
+must be who the offer said (its pid and uid, where the server shares its namespaces).
 
-Written on ``os``/``mmap`` rather than ``multiprocessing.shared_memory``: on Python 3.11
-that registers every segment a process attaches with its resource tracker, which
-unlinks it at the process's exit and warns of a leak.
+From the claim on, a batch's images are copied once, from the pipeline's buffer into a
+free buffer of ``buffers`` batch-sized ones, and its message carries the header and where
+the images lie (``SharedImages``): the pixels are neither copied into gRPC's buffers nor
+sent through the kernel's TCP stack, on either side. The client copies a batch out and
+releases its buffer with its next request. The ring is sized, mapped and sealed at its
+first batch, in the pipeline's thread; its buffers are backed with memory as first used.
+
+Shared memory never fails a stream: a batch that finds no free buffer, or is larger than
+a buffer, or a ring that could not be made or claimed (no memory to spare within the
+:class:`RingBudget`, no descriptors, a refusal) travels in its message as to a client on
+another host, and the server says why once.
 """
 
 from __future__ import annotations
 
-import hmac
+import array
+import asyncio
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import pathlib
 import secrets
-import stat
+import socket
+import struct
 import threading
-import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
 from batchwire.common.batch_codec import images_head
-from batchwire.common.shared_memory import PROBE_NAME, RING_NAME, RING_PREFIX, SHM_DIR
+from batchwire.common.shared_memory import (
+    ACK,
+    CLAIM_TIMEOUT_S,
+    KEY_BYTES,
+    MEMFD_NAME,
+    SEALS,
+    namespace,
+    socket_address,
+)
 from batchwire.server.core import Batch
 from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving._streaming import EncodedBatch, batch_header
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["MAX_BUFFERS", "SharedRing", "accept_offer", "remove_stale"]
+__all__ = ["MAX_BUFFERS", "RingBroker", "RingBudget", "SharedRing"]
 
 log = logging.getLogger(__name__)
 
 MAX_BUFFERS = 16  # batches one stream may hold in shared memory
-_MIN_TOKEN = 16  # bytes
-# A ring's file lives until its client maps it, a probe until its server answers: both
-# well under a second. One this old was left by a process that died in between.
-STALE_S = 600.0
-# This process's rings take at most half of /dev/shm, and a new one at most half of what
-# is free: the rest is left to others (trainers' DataLoader workers share memory there too).
-_rings_lock = threading.Lock()
-_rings_bytes = 0  # bytes of this process's rings, mapped now
-_room_warned = False  # the warning that /dev/shm is too small: once a process
+_MAX_CLAIMING = 64  # claims a broker serves at once; more connections are closed
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_warned: set[str] = set()  # the warnings this process gave (each once)
+_warned_lock = threading.Lock()
 
 
-def remove_stale(directory: pathlib.Path = SHM_DIR, older_than: float = STALE_S) -> int:
-    """Remove the rings and probes that processes which died left in ``directory`` (a
-    server killed before its client mapped a ring); returns how many."""
-    removed = 0
-    limit = time.time() - older_than
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for entry in entries:
-        if not (RING_NAME.fullmatch(entry.name) or PROBE_NAME.fullmatch(entry.name)):
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_mtime < limit:
-                os.unlink(entry.path)
-                removed += 1
-        except OSError:
-            continue  # removed meanwhile, or another user's
-    if removed:
-        log.info(
-            "removed %d shared memory files that stopped processes left in %s", removed, directory
-        )
-    return removed
+def _warn_once(kind: str, message: str, *args: object) -> None:
+    with _warned_lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    log.warning(message, *args)
 
 
-def accept_offer(
-    offer: pb.SharedMemoryOffer, directory: pathlib.Path = SHM_DIR
-) -> SharedRing | None:
-    """A ring for a client whose ``offer`` proves that it shares this server's
-    ``directory`` and user; None (its batches go in their messages) otherwise."""
-    if not PROBE_NAME.fullmatch(offer.probe) or len(offer.token) < _MIN_TOKEN or offer.buffers < 1:
-        log.debug("a malformed shared memory offer: batches go in their messages")
-        return None
-    try:
-        fd = os.open(directory / offer.probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:  # another host or container: the usual case for a remote client
-        return None
-    try:
-        info = os.fstat(fd)
-        same_user = info.st_uid == os.geteuid() and stat.S_ISREG(info.st_mode)
-        token = os.read(fd, 2 * len(offer.token)) if same_user else b""
-    finally:
-        os.close(fd)
-    if not same_user or not hmac.compare_digest(token, offer.token):
-        return None
-    return SharedRing(min(offer.buffers, MAX_BUFFERS), directory)
+def _memory() -> tuple[int, int]:
+    """Bytes of memory this process may use in all (the host's, or its cgroup's limit
+    where lower), and bytes available now."""
+    info: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    total = info.get("MemTotal", 0)
+    available = info.get("MemAvailable", total)
+    with contextlib.suppress(OSError, ValueError):
+        limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            current = int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text())
+            total = min(total, int(limit))
+            available = min(available, int(limit) - current)
+    return total, max(available, 0)
+
+
+class RingBudget:
+    """The bytes of rings a server may hold: one budget for all of a unit's workers
+    (:meth:`for_unit`, picklable into spawned workers as a ``Process`` argument).
+
+    ``limit`` in bytes; 0 is a quarter of the memory the server may use (the host's, or
+    its container's limit). A new ring also takes at most half of the memory available
+    when it is made: the rest is left to the pipelines and to the trainers."""
+
+    def __init__(self, limit: int = 0, counter: Any = None) -> None:
+        self.limit = limit or _memory()[0] // 4
+        self._counter = counter  # a multiprocessing Value shared by a unit, or None
+        self._lock = threading.Lock() if counter is None else counter.get_lock()
+        self._local = 0
+
+    @classmethod
+    def for_unit(cls, context: Any, limit: int = 0) -> RingBudget:
+        """A budget shared by the workers spawned from ``context``."""
+        return cls(limit, context.Value("q", 0))
+
+    @property
+    def used(self) -> int:
+        """Bytes of rings held now (by the unit's workers together)."""
+        with self._lock:
+            return self._local if self._counter is None else int(self._counter.value)
+
+    def reserve(self, size: int) -> bool:
+        """Whether a ring of ``size`` bytes fits (counted as held if so); warns once a
+        process when it does not."""
+        available = _memory()[1]
+        with self._lock:
+            used = self._local if self._counter is None else int(self._counter.value)
+            fits = used + size <= self.limit and size <= available // 2
+            if fits:
+                if self._counter is None:
+                    self._local += size
+                else:
+                    self._counter.value += size
+        if not fits:
+            _warn_once(
+                "budget",
+                "no room for a stream's %.0f MiB of shared memory (rings hold %.0f MiB of "
+                "their %.0f MiB, and %.0f MiB of memory is available, of which a ring takes "
+                "at most half): such streams send their batches in their messages; raise "
+                "shared_memory_mib, or give the host or container more memory, to send "
+                "batches to trainers on this host without copies",
+                size / 2**20,
+                used / 2**20,
+                self.limit / 2**20,
+                available / 2**20,
+            )
+        return fits
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            if self._counter is None:
+                self._local -= size
+            else:
+                self._counter.value -= size
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._counter is None:
+            raise TypeError("only a unit's RingBudget (for_unit) travels to other processes")
+        return {"limit": self.limit, "counter": self._counter}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["limit"], state["counter"])  # type: ignore[misc]
 
 
 class SharedRing:
-    """``buffers`` batch-sized buffers of shared memory for one stream's batches (thread-safe:
-    the pipeline fills buffers, the event loop releases them)."""
+    """``buffers`` batch-sized buffers of shared memory for one stream's batches, used
+    once its client has claimed them (thread-safe: the pipeline fills buffers, the event
+    loop releases them and hands the memfd over)."""
 
-    def __init__(self, buffers: int, directory: pathlib.Path = SHM_DIR) -> None:
+    def __init__(
+        self, buffers: int, budget: RingBudget, offer: pb.SharedMemoryOffer | None = None
+    ) -> None:
         self.buffers = buffers
-        self._directory = directory
+        self._budget = budget
+        self._offer = offer or pb.SharedMemoryOffer()
         self._lock = threading.Lock()
         # Popped from the end, where a released buffer goes back: the buffers in use are
         # reused, and one more is backed by memory only when they are all taken.
@@ -121,12 +183,47 @@ class SharedRing:
         self._taken: set[int] = set()
         self._backed: set[int] = set()  # buffers whose pages are reserved
         self._memory: mmap.mmap | None = None
-        self._fd = -1
+        self._fd = -1  # the memfd, from the claim to the close
+        self._size = 0  # bytes reserved in the budget
         self._buffer_bytes = 0
-        self._path: pathlib.Path | None = None  # until removed
-        self._name = ""
-        self._usable = True  # False once closed, or when the file could not be made
+        self._claimed = False
+        self._usable = True  # False once closed, or once the ring could not be made
         self._writing = 0  # batches being copied in now
+
+    # -- the claim (the broker, on the event loop) --------------------------------------
+
+    def checks_out(self, pid: int, uid: int) -> str | None:
+        """Why a process with ``pid`` and ``uid`` (its socket's credentials, in this
+        server's namespaces) is not the one that made the offer; None if it is. Compared
+        where this server shares the client's namespace (pid 0: not visible here)."""
+        offer = self._offer
+        same_users = bool(offer.user_namespace) and offer.user_namespace == namespace("user")
+        if same_users and uid != offer.uid:
+            return f"uid {uid} claimed the shared memory offered to uid {offer.uid}"
+        same_pids = bool(offer.pid_namespace) and offer.pid_namespace == namespace("pid")
+        if same_pids and pid and pid != offer.pid:
+            return f"pid {pid} claimed the shared memory offered to pid {offer.pid}"
+        return None
+
+    def descriptor(self) -> int:
+        """The ring's memfd, made now, read-only for the client (OSError where it cannot
+        be made): the caller sends it and closes it."""
+        with self._lock:
+            if not self._usable or self._fd >= 0:
+                raise OSError(0, "the stream's shared memory was claimed already, or ended")
+            self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                # The same memory through a description that cannot write: the client's.
+                return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # no /proc: the seals alone keep it from writing
+                return os.dup(self._fd)
+
+    def claimed(self) -> None:
+        """The client holds the memfd: batches may go in the ring from now on."""
+        with self._lock:
+            self._claimed = self._fd >= 0
+
+    # -- batches (the pipeline's threads) -----------------------------------------------
 
     def encoder(self, fallback: Callable[[Batch], EncodedBatch]) -> Callable[[Batch], EncodedBatch]:
         """A stream's encode: each batch in a free buffer, else ``fallback(batch)``."""
@@ -138,7 +235,7 @@ class SharedRing:
 
     def encode(self, batch: Batch) -> EncodedBatch | None:
         """``batch`` as one message whose images lie in a buffer (copied there once), or
-        None when no buffer is free or it does not fit."""
+        None when the ring is not claimed, no buffer is free or it does not fit."""
         images = batch.images
         buffer = self._acquire(images.nbytes)
         if buffer is None:
@@ -153,7 +250,6 @@ class SharedRing:
             self._written()
         header = batch_header(batch, slice(None), 0, 1)
         header.images.CopyFrom(images_head(images, batch.layout))
-        header.shared_images.name = self._name
         header.shared_images.buffer = buffer
         header.shared_images.offset = offset
         header.shared_images.length = images.nbytes
@@ -168,7 +264,7 @@ class SharedRing:
 
     def _acquire(self, nbytes: int) -> int | None:
         with self._lock:
-            if not self._usable or not nbytes:
+            if not self._usable or not self._claimed or not nbytes:
                 return None
             if self._memory is None and not self._make(nbytes):
                 return None
@@ -176,7 +272,7 @@ class SharedRing:
                 return None
             buffer = self._free.pop()
             if buffer not in self._backed and not self._back(buffer):
-                return None  # no room in /dev/shm for it: this buffer is not used
+                return None  # no memory for it: this buffer is not used
             self._taken.add(buffer)
             self._writing += 1
             return buffer
@@ -188,46 +284,51 @@ class SharedRing:
                 self._unmap()
 
     def _make(self, buffer_bytes: int) -> bool:
-        """The ring's file and its mapping, sized for ``buffer_bytes`` a buffer; a
-        buffer's pages are reserved as it is first used (:meth:`_back`)."""
+        """Size, map and seal the memfd for ``buffer_bytes`` a buffer (under the lock);
+        a buffer's pages are reserved as it is first used (:meth:`_back`)."""
         size = buffer_bytes * self.buffers
-        if not _reserve(self._directory, size):
+        if not self._budget.reserve(size):
             self._usable = False
             return False
-        name = f"{RING_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        path = self._directory / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, size)
-            self._memory = mmap.mmap(fd, size)
+            os.ftruncate(self._fd, size)
+            memory = mmap.mmap(self._fd, size)
+            # A process this one forks (a custom pipeline's helper) does not inherit it.
+            memory.madvise(mmap.MADV_DONTFORK)
+            # This mapping is the only writable one there will ever be.
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            _unreserve(size)
+            self._budget.release(size)
             self._usable = False
-            log.warning("could not map shared memory under %s (%s)", self._directory, exc)
+            _warn_once(
+                "make",
+                "could not make a stream's shared memory (%s): such streams send their "
+                "batches in their messages",
+                exc.strerror or exc,
+            )
             return False
-        self._fd, self._path, self._name, self._buffer_bytes = fd, path, name, buffer_bytes
+        self._memory, self._size, self._buffer_bytes = memory, size, buffer_bytes
         return True
 
     def _back(self, buffer: int) -> bool:
-        """Reserve ``buffer``'s pages (under the lock): a /dev/shm without room fails here,
-        not with SIGBUS at a write. A buffer that cannot be reserved is not used again."""
+        """Reserve ``buffer``'s pages (under the lock): no memory fails here, not with
+        SIGBUS at a write. A buffer that cannot be reserved is not used again."""
         try:
             os.posix_fallocate(self._fd, buffer * self._buffer_bytes, self._buffer_bytes)
         except OSError as exc:
-            log.warning(
-                "could not reserve %.0f MiB of shared memory under %s (%s): batches that "
-                "find no other buffer go in their messages; give the server a larger "
-                "/dev/shm (Docker: shm_size) to send batches to clients on this host "
-                "without copies",
+            _warn_once(
+                "back",
+                "could not reserve %.0f MiB of shared memory (%s): batches that find no other "
+                "buffer go in their messages; give the server more memory to send batches to "
+                "trainers on this host without copies",
                 self._buffer_bytes / 2**20,
-                self._directory,
                 exc.strerror or exc,
             )
             return False
         self._backed.add(buffer)
         return True
+
+    # -- releases and the end (the event loop, and a thread for the unmap) --------------
 
     def release(self, buffers: Iterable[int]) -> None:
         """The client copied out the batches in ``buffers``: they take other batches now.
@@ -241,61 +342,186 @@ class SharedRing:
                     )
                 self._taken.remove(buffer)
                 self._free.append(buffer)
-            self._remove_file()  # the client has mapped it: the file is no longer needed
 
     def close(self) -> None:
-        """No more batches go in the ring; its file is removed, and its memory unmapped
-        now or, if a pipeline still draining writes a batch to it, once that is done
-        (the client keeps its own mapping for as long as it reads)."""
+        """No more batches go in the ring: its memory is unmapped and its memfd closed now
+        or, if a pipeline still draining writes a batch to it, once that is done (the
+        client keeps its own mapping for as long as it reads). Unmapping a large ring
+        takes milliseconds: call it off the event loop."""
         with self._lock:
             self._usable = False
-            self._remove_file()
             self._unmap()
 
     def _unmap(self) -> None:
-        if self._memory is not None and not self._writing:
-            _unreserve(len(self._memory))
+        if self._writing:
+            return
+        if self._memory is not None:
             self._memory.close()
             self._memory = None
+            self._budget.release(self._size)
+            self._size = 0
+        if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
-    def _remove_file(self) -> None:
+
+class RingBroker:
+    """The Unix socket through which a server's clients on its host claim the rings
+    granted to their streams; runs on the server's event loop.
+
+    ``directory`` None: a name in the abstract namespace, reachable from this server's
+    network namespace (its host, with host networking, or its pod). A directory: the
+    socket ``batchwire-<port>-<worker>.sock`` there, for trainers in other containers that
+    mount the same directory at the same path."""
+
+    def __init__(
+        self, budget: RingBudget, directory: pathlib.Path | None = None, worker: int = 0
+    ) -> None:
+        self.budget = budget
+        self._directory = directory
+        self._worker = worker
+        self._socket: socket.socket | None = None
+        self._path: pathlib.Path | None = None
+        self._address = ""
+        self._grants: dict[bytes, SharedRing] = {}
+        self._claiming: set[asyncio.Task[None]] = set()
+        self._accepting: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        """The socket as a grant names it ("" until started)."""
+        return self._address
+
+    def start(self, port: int) -> bool:
+        """Listen (on the running event loop) beside the gRPC server's ``port``; False,
+        with a warning, where the socket cannot be made: it then grants nothing."""
+        if self._directory is None:
+            address = f"@batchwire-{os.getpid()}-{secrets.token_hex(8)}"
+        else:
+            self._path = self._directory / f"batchwire-{port}-{self._worker}.sock"
+            address = str(self._path)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        except OSError as exc:
+            _warn_once("broker", _NO_BROKER, address, exc.strerror or exc)
+            return False
+        try:
+            if self._path is not None:
+                self._path.unlink(missing_ok=True)  # a killed server's of the same name
+            sock.bind(socket_address(address))
+            if self._path is not None:
+                os.chmod(self._path, 0o666)  # any user may connect: the key is the credential
+            sock.listen(_MAX_CLAIMING)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            _warn_once("broker", _NO_BROKER, address, exc.strerror or exc)
+            return False
+        self._socket, self._address = sock, address
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        log.debug("trainers on this host claim shared memory at %s", address)
+        return True
+
+    def grant(self, offer: pb.SharedMemoryOffer) -> tuple[SharedRing, pb.SharedMemoryGrant] | None:
+        """A ring for a stream whose client offered ``offer``, and the grant that tells
+        the client how to claim it; None while not listening."""
+        if self._socket is None or offer.buffers < 1:
+            return None
+        ring = SharedRing(min(offer.buffers, MAX_BUFFERS), self.budget, offer)
+        key = secrets.token_bytes(KEY_BYTES)
+        self._grants[key] = ring
+        return ring, pb.SharedMemoryGrant(socket=self._address, key=key, uid=os.geteuid())
+
+    def revoke(self, ring: SharedRing) -> None:
+        """The stream ended: its grant, if not claimed, can be claimed no more."""
+        for key, granted in list(self._grants.items()):
+            if granted is ring:
+                del self._grants[key]
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._socket is not None
+        while True:
+            try:
+                connection, _ = await loop.sock_accept(self._socket)
+            except OSError as exc:  # no descriptors left, say: try again shortly
+                _warn_once("accept", "could not accept a shared memory claim (%s)", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._claiming) >= _MAX_CLAIMING:
+                connection.close()
+                continue
+            task = loop.create_task(self._claim(connection))
+            self._claiming.add(task)
+            task.add_done_callback(self._claiming.discard)
+
+    async def _claim(self, connection: socket.socket) -> None:
+        """One client's claim: its key, then its credentials checked, the memfd sent, and
+        its acknowledgement awaited (each step within CLAIM_TIMEOUT_S)."""
+        loop = asyncio.get_running_loop()
+        ring = None
+        try:
+            connection.setblocking(False)
+            key = await asyncio.wait_for(_receive(loop, connection, KEY_BYTES), CLAIM_TIMEOUT_S)
+            ring = self._grants.pop(key, None)
+            if ring is None:
+                return  # no such grant (claimed, ended, or never made): the client goes on
+            pid, uid, _ = _UCRED.unpack(
+                connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            wrong = ring.checks_out(pid, uid)
+            if wrong is not None:
+                log.warning("refused a shared memory claim: %s", wrong)
+                return
+            try:
+                fd = ring.descriptor()
+            except OSError as exc:
+                _warn_once(
+                    "memfd",
+                    "could not make shared memory for a trainer on this host (%s): its "
+                    "batches go in their messages",
+                    exc.strerror or exc,
+                )
+                return
+            try:
+                connection.sendmsg(
+                    [ACK], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                )
+            finally:
+                os.close(fd)
+            if await asyncio.wait_for(_receive(loop, connection, 1), CLAIM_TIMEOUT_S) == ACK:
+                ring.claimed()
+        except (OSError, TimeoutError, EOFError) as exc:
+            log.debug("a shared memory claim ended early: %r", exc)
+        finally:
+            connection.close()
+
+    async def close(self) -> None:
+        """Stop listening (the rings granted live on with their streams)."""
+        tasks = [task for task in (self._accepting, *self._claiming) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._grants.clear()
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
 
 
-def _reserve(directory: pathlib.Path, size: int) -> bool:
-    """Whether a ring of ``size`` bytes fits this process's share of ``directory``
-    (counted as taken if so); warns once a process when it does not."""
-    global _rings_bytes, _room_warned
-    try:
-        stats = os.statvfs(directory)
-    except OSError:
-        return False
-    free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
-    with _rings_lock:
-        if size <= free // 2 and _rings_bytes + size <= total // 2:
-            _rings_bytes += size
-            return True
-        warn, _room_warned = not _room_warned, True
-    if warn:
-        log.warning(
-            "%s has %.0f MiB free of %.0f MiB, too little for a stream's %.0f MiB of shared "
-            "memory (a server takes at most half of what is free, and half of all): such "
-            "streams send their batches in their messages; give the host or container a "
-            "larger /dev/shm (Docker: shm_size) to send batches to clients on this host "
-            "without copies",
-            directory,
-            free / 2**20,
-            total / 2**20,
-            size / 2**20,
-        )
-    return False
+_NO_BROKER = (
+    "cannot listen for shared memory claims at %s (%s): trainers on this host get their "
+    "batches in their messages, as over the network"
+)
 
 
-def _unreserve(size: int) -> None:
-    global _rings_bytes
-    with _rings_lock:
-        _rings_bytes -= size
+async def _receive(loop: asyncio.AbstractEventLoop, connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        more = await loop.sock_recv(connection, size - len(data))
+        if not more:
+            raise EOFError("the client closed the connection")
+        data += more
+    return data

@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -167,6 +168,7 @@ async def serve_stream(
     lane: Lane | None,
     *,
     shared_memory: bool = False,
+    metadata: Sequence[tuple[str, str | bytes]] = (),
 ) -> None:
     """Write the stream's batches until its end, and close it: the batches of ``lane``
     (asked for as the stream opened), or, with None, a pulled stream's (its client asks
@@ -174,7 +176,8 @@ async def serve_stream(
     and its end logged. Writes with context.write rather than yielding: a client's
     hang-up then reaches this handler (as CancelledError, see write) instead of gRPC's
     write loop, and this handler's cleanup runs in its own task rather than when an
-    abandoned generator is garbage-collected."""
+    abandoned generator is garbage-collected. A pulled stream's initial metadata is
+    ``metadata`` (a grant of shared memory, with ``shared_memory``)."""
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
@@ -189,7 +192,7 @@ async def serve_stream(
             # Tells the client the stream is open, so it asks this server for batches
             # only now: a server that is down or refuses never holds any. Inside the
             # try: a client gone by now still gets its stream closed below.
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(metadata)
         await _write_batches(stream, context, metrics, expected, progress)
         status = "OK"
     except Exception as exc:  # the handler's decorator ends the call with its status

@@ -27,6 +27,7 @@ from batchwire.server.serving import (
     BatchwireServer,
     MetricsError,
     MetricsHTTPServer,
+    RingBudget,
     ServerError,
     State,
     WorkerStates,
@@ -54,6 +55,7 @@ class WorkerSpec:
     pipeline functions cannot travel by pickle: the worker loads them itself), then
     ``overrides`` apply (its port, its GPUs). ``setup(index)`` configures logging.
     ``metrics``: serve the worker's registry on a loopback port for the parent.
+    ``ring_budget``: the shared memory the unit's workers hold together.
     """
 
     index: int
@@ -61,6 +63,7 @@ class WorkerSpec:
     overrides: Mapping[str, Any]
     setup: Callable[[int], None] | None = None
     metrics: bool = False
+    ring_budget: RingBudget | None = None
 
 
 def run_worker(spec: WorkerSpec, states: WorkerStates, parent: Connection) -> None:
@@ -87,7 +90,7 @@ def run_worker(spec: WorkerSpec, states: WorkerStates, parent: Connection) -> No
     metrics: MetricsHTTPServer | None = None
     try:
         config = dataclasses.replace(spec.source(), **spec.overrides)
-        server = BatchwireServer(config, member=member)
+        server = BatchwireServer(config, member=member, ring_budget=spec.ring_budget)
         server.start()
         rescan.append(server.request_rescan)
     except (ConfigError, ServerError, DatasetError, DeviceError) as exc:

@@ -44,11 +44,11 @@ from batchwire.server.serving import (
     Listening,
     MetricsError,
     MetricsHTTPServer,
+    RingBudget,
     ServerError,
     State,
     WorkerStates,
     check_port_free,
-    remove_stale,
 )
 from batchwire.server.workers._metrics import WorkerMetricsCollector
 from batchwire.server.workers._process import (
@@ -151,6 +151,8 @@ class WorkerUnit(Listening):
         self._setup = setup
         self._context = multiprocessing.get_context("spawn")
         self._states = WorkerStates.create(self._context, len(self._plans))
+        # One budget of shared memory for the unit, not one a worker.
+        self._ring_budget = RingBudget.for_unit(self._context, config.shared_memory_mib * 2**20)
         self._processes: list[BaseProcess] = []
         self._pipes: list[multiprocessing.connection.Connection] = []
         self._metrics_ports: list[int | None] = [None] * len(self._plans)
@@ -168,8 +170,6 @@ class WorkerUnit(Listening):
         taken or a worker cannot start (its message), with every worker stopped."""
         host = self.config.host
         check_port_free(host, self.config.port)
-        if self.config.shared_memory:
-            remove_stale()  # once for the unit: its workers do not
         self._reserved, self._port = _reserve_port(host, self.config.port)
         try:
             if self.config.metrics_port is not None:
@@ -252,6 +252,7 @@ class WorkerUnit(Listening):
             overrides=overrides,
             setup=self._setup,
             metrics=self.config.metrics_port is not None,
+            ring_budget=self._ring_budget,
         )
         ours, theirs = self._context.Pipe(duplex=False)
         process = self._context.Process(
