@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+import namespaces
 import numpy as np
 import pytest
 import seccomp
@@ -213,6 +214,20 @@ if n == 0:
     assert report[f"/proc/{os.getpid()}/environ"] == errno.EACCES
     assert shared_bytes(server, "val") - before == 512 * 3 * 32 * 32  # all of it shared
     assert_saved_same(out_dir / "epoch.npz", over_the_socket)
+
+
+def test_a_trainer_whose_dev_shm_is_full_gets_its_batches_through_shared_memory(
+    server: BatchwireServer, tmp_path: pathlib.Path, over_the_socket: list[tuple[torch.Tensor, ...]]
+) -> None:
+    # Docker's 64 MiB /dev/shm, filled by DataLoader workers: the ring is not there, and
+    # the loader's ledger goes elsewhere.
+    before = shared_bytes(server, "val")
+    script = TRAINER.format(on_batch="")
+    out = tmp_path / "epoch.npz"
+    done = namespaces.run_python(script, server.target, str(out), shm="full", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert shared_bytes(server, "val") - before == 512 * 3 * 32 * 32  # all of it shared
+    assert_saved_same(out, over_the_socket)
 
 
 def test_a_fork_during_a_pass_leaves_the_child_no_ring(
