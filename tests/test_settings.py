@@ -48,6 +48,8 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "token_file": ("/etc/tokens", pathlib.Path("/etc/tokens")),
     "health_open": ("1", True),
     "shared_memory": ("0", False),
+    "shared_memory_mib": ("64", 64),
+    "shared_memory_socket_dir": ("/run/batchwire", pathlib.Path("/run/batchwire")),
 }
 
 

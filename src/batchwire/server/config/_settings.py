@@ -277,11 +277,17 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", pathlib.Path(self.data_dir))
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+        for name in (
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "token_file",
+            "shared_memory_socket_dir",
+        ):
             value = getattr(self, name)
             if value is not None:
                 if not isinstance(value, str | os.PathLike):
-                    raise ConfigError(f"{name} must be a file path, got {value!r}")
+                    raise ConfigError(f"{name} must be a path, got {value!r}")
                 object.__setattr__(self, name, pathlib.Path(value))
         for setting in settings():
             setting.check(getattr(self, setting.name))
