@@ -4,12 +4,22 @@ A ``RemoteLoader`` handed to ``DataLoader(num_workers=N)`` is copied into each
 worker (by fork, or by pickling for spawn and forkserver), and a worker's copy
 runs the pass. Without something shared, the loader in the training process
 would never learn that a pass happened, and every epoch would replay the
-first. The ledger is that shared thing: a few integers in a small file
-(``/dev/shm`` where it exists), read and written under ``flock``, which works
-across fork, spawn and forkserver alike. The file is removed when its loader goes; the
-files of processes killed before they could (``kill -9``) are removed by the next
-process that makes a ledger: a creator holds a POSIX lock on its file for life, and a
-file nobody holds is a dead process's.
+first. The ledger is that shared thing: a few integers in a small file, read
+and written under ``flock``, which works across fork, spawn and forkserver
+alike. The file is removed when its loader goes; the files of processes killed
+before they could (``kill -9``) are removed by the next process that makes a
+ledger in the same directory: a creator holds a POSIX lock on its file for life,
+and a file nobody holds is a dead process's.
+
+The file goes in ``/dev/shm`` where it can, else in ``tempfile.gettempdir()``
+(``TMPDIR``): a directory that refuses it (full, out of inodes, read-only, not
+writable by this user) is left, with nothing in it, for the next. The file's
+bytes are reserved when it is made, so that writing the record later never
+fails for space. Where no directory takes it (a container's full 64 MiB
+``/dev/shm`` and no writable temporary directory), the ledger is kept in
+memory, of this process alone, and a warning says so once per process: the
+training process then never sees the passes that DataLoader workers run, so
+each epoch must be set with ``set_epoch``.
 
 Only the process that created a ledger and the DataLoader workers of that
 process share it. Any other process holding a copy of the loader (a spawned
@@ -21,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
+import logging
 import os
 import struct
 import tempfile
@@ -33,11 +45,16 @@ import torch.utils.data
 
 __all__ = ["Ledger", "Record"]
 
+_log = logging.getLogger(__name__)
+
 _FORMAT = struct.Struct("<9q")
-_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+_SHM = "/dev/shm"
 _PREFIX = "batchwire-loader-"  # then the creating process's pid, "-" and mkstemp's letters
 _LIVE = _FORMAT.size  # the byte its creator holds a read lock on while it lives
-_swept = False  # this process removed the files of dead processes already
+# posix_fallocate's errors that mean "this file system cannot", not "no room".
+_NO_FALLOCATE = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_swept: set[str] = set()  # the directories this process removed dead processes' files from
+_warned = 0  # the pid of the process that logged that its ledgers are in memory
 
 
 @dataclasses.dataclass
@@ -99,19 +116,36 @@ def _settle_before_fork() -> None:
 os.register_at_fork(before=_settle_before_fork)
 
 
+def _directories() -> tuple[list[str], list[str]]:
+    """Where a ledger file may go, best first: ``/dev/shm`` (memory) where it exists,
+    then the temporary directory; and why one is missing."""
+    candidates, missing = [_SHM] if os.path.isdir(_SHM) else [], []
+    try:
+        candidates.append(tempfile.gettempdir())
+    except OSError as exc:  # none of TMPDIR, /tmp, /var/tmp, ... took its probe file
+        missing.append(str(exc))
+    # By real path: a sweep of a directory this process already has a file in (under
+    # another name) would take that file for a dead process's (POSIX locks of one
+    # process never conflict).
+    unique: dict[str, str] = {}
+    for directory in candidates:
+        unique.setdefault(os.path.realpath(directory), directory)
+    return list(unique.values()), missing
+
+
 def _sweep(directory: str) -> None:
     """Remove the ledger files no live process holds: one killed (``kill -9``, an
     out-of-memory kill) never ran the finalizer that removes its file. Each creator holds
     a POSIX read lock on a byte past its record for life (``_LIVE``); the kernel drops it
-    with the process. This process holds no ledger yet: closing a file here releases no
-    lock of its own."""
+    with the process. This process holds no ledger in ``directory`` yet: closing a file
+    here releases no lock of its own. Needs no room: it only opens, locks and unlinks."""
     for name in os.listdir(directory):
         if not name.startswith(_PREFIX):
             continue
         path = os.path.join(directory, name)
         try:
             fd = os.open(path, os.O_RDWR)
-        except OSError:  # gone already, or another user's
+        except OSError:  # gone already, another user's, or a read-only directory
             continue
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _LIVE)
@@ -124,46 +158,119 @@ def _sweep(directory: str) -> None:
             os.close(fd)
 
 
-def _remove(path: str, owner: int) -> None:
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's first ``size`` bytes now, so that writing them later cannot
+    fail for want of space. Where the file system cannot, the write of the record that
+    follows allocates them (an overwrite in place needs no more room on tmpfs or ext4)."""
+    if not hasattr(os, "posix_fallocate"):  # macOS
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in _NO_FALLOCATE:
+            raise
+
+
+def _write(fd: int, record: Record) -> None:
+    data = record.pack()
+    written = os.pwrite(fd, data, 0)
+    if written != len(data):  # a short write: the file system ran out of room
+        raise OSError(errno.ENOSPC, f"wrote {written} of a record's {len(data)} bytes")
+
+
+def _make_file(directory: str, record: Record) -> tuple[int, str]:
+    """A new ledger file in ``directory`` holding ``record``, locked for life: its
+    descriptor and path. Raises OSError, with nothing left behind, where the directory
+    refuses it or has no room."""
+    # Locked before it takes the name a sweep looks for, so that no sweep finds it
+    # unheld, and complete by then, so that no worker reads half a record. The lock is
+    # for life: the kernel releases it when this process goes, however it goes (POSIX
+    # locks are independent of the flock that guards the record).
+    fd, made = tempfile.mkstemp(prefix=f".{_PREFIX}{os.getpid()}-", dir=directory)
+    path = os.path.join(os.path.dirname(made), os.path.basename(made)[1:])
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH, 1, _LIVE)
+        _reserve(fd, _FORMAT.size)
+        _write(fd, record)
+        os.rename(made, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(made)
+        raise
+    return fd, path
+
+
+def _warn_in_memory(failures: list[str]) -> None:
+    global _warned
+    if _warned == os.getpid():
+        return
+    _warned = os.getpid()
+    _log.warning(
+        "no directory can hold a RemoteLoader's ledger file (%s), so this process keeps its "
+        "loaders' positions in memory, not shared with their DataLoader workers. The training "
+        "process does not see the passes that DataLoader workers run: a loader iterated in "
+        "DataLoader workers repeats one epoch unless each epoch is set with "
+        "loader.set_epoch(epoch) (persistent_workers=True advance on their own and miss later "
+        "set_epoch calls). To share it, free space in /dev/shm or give the container a larger "
+        "shm_size (docker run --shm-size, Compose shm_size), or set TMPDIR to a writable "
+        "directory",
+        "; ".join(failures),
+    )
+
+
+def _remove(path: str | None, owner: int) -> None:
     # Finalizers are inherited by forked children: only the creator removes the file.
-    if os.getpid() == owner:
+    if path is not None and os.getpid() == owner:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
 class Ledger:
-    """A ``Record`` shared between a loader and its DataLoader workers; see the module."""
+    """A ``Record`` shared between a loader and its DataLoader workers; see the module.
+
+    ``_path`` is the file (None: the record is in memory, ``_snapshot`` itself);
+    ``_snapshot``, the values a copy carried; ``_fd``, this process's descriptor of the
+    file (-1: none yet, or in memory); ``_pid``, the process ``_fd`` belongs to.
+    """
 
     def __init__(self, initial: Record | None = None) -> None:
         self._create(initial or Record())
         _ledgers.add(self)
 
     def _create(self, initial: Record) -> None:
-        global _swept
-        if not _swept:
-            _swept = True
-            with contextlib.suppress(OSError):
-                _sweep(_DIR or tempfile.gettempdir())
-        # Locked before it takes the name a sweep looks for, so that no sweep finds it
-        # unheld. The lock is for life: the kernel releases it when this process goes,
-        # however it goes (POSIX locks are independent of the flock that guards the record).
-        fd, made = tempfile.mkstemp(prefix=f".{_PREFIX}{os.getpid()}-", dir=_DIR)
-        fcntl.lockf(fd, fcntl.LOCK_SH, 1, _LIVE)
-        self._path = os.path.join(os.path.dirname(made), os.path.basename(made)[1:])
-        os.rename(made, self._path)
-        os.write(fd, initial.pack())
-        self._fd = fd
+        directories, missing = _directories()
+        failures: list[str] = []
+        self._fd, self._path = -1, None
+        for directory in directories:
+            if directory not in _swept:
+                _swept.add(directory)
+                with contextlib.suppress(OSError):
+                    _sweep(directory)
+            try:
+                self._fd, self._path = _make_file(directory, initial)
+                break
+            except OSError as exc:
+                failures.append(f"{directory}: {exc.strerror or exc}")
+        else:
+            _warn_in_memory(failures + missing)
         self._snapshot = initial
         self._pid = self._owner = os.getpid()
         self._finalizer = weakref.finalize(self, _remove, self._path, self._owner)
 
     def _handle(self) -> int:
-        """This process's descriptor (flock needs one per process: fork shares them)."""
+        """This process's descriptor (flock needs one per process: fork shares them),
+        or -1 for a ledger in memory."""
         if self._pid == os.getpid():
             return self._fd
         if torch.utils.data.get_worker_info() is None:
             # Not a DataLoader worker of the owner: continue on a ledger of our own.
             self._create(self._read_from_path())
+            return self._fd
+        if self._path is None:
+            # A worker of a loader whose ledger is in memory runs on its own copy, the
+            # values it forked with or was pickled with; nobody else sees it.
+            self._fd, self._pid = -1, os.getpid()
             return self._fd
         try:
             self._fd = os.open(self._path, os.O_RDWR)
@@ -176,6 +283,8 @@ class Ledger:
         return self._fd
 
     def _read_from_path(self) -> Record:
+        if self._path is None:
+            return dataclasses.replace(self._snapshot)
         try:
             with open(self._path, "rb") as file:
                 return Record.unpack(file.read(_FORMAT.size))
@@ -186,13 +295,18 @@ class Ledger:
     def update(self) -> Iterator[Record]:
         """The record, locked against the other processes; changes are written back."""
         fd = self._handle()
+        if fd < 0:  # in memory: this process alone
+            record = dataclasses.replace(self._snapshot)
+            yield record
+            self._snapshot = record
+            return
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             record = Record.unpack(os.pread(fd, _FORMAT.size, 0))
             before = dataclasses.replace(record)
             yield record
             if record != before:
-                os.pwrite(fd, record.pack(), 0)
+                _write(fd, record)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -209,6 +323,7 @@ class Ledger:
         # the values, so that whichever way _handle goes, it has what it needs. Read
         # first: a copy this process never opened moves onto a ledger of its own there,
         # and its spawned workers must share that one, not the file it was copied from.
+        # A ledger in memory has no path: a copy starts from its values.
         snapshot = self.read()
         return {"path": self._path, "snapshot": snapshot}
 
