@@ -23,13 +23,13 @@ from processes import serve_process
 
 from batchwire.client import RemoteLoader
 from batchwire.client._shared_memory import SharedMemory
+from batchwire.common import shared_memory as common_shared_memory
 from batchwire.common.batch_codec import decode_batch
 from batchwire.common.sampler import Plan
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.server import BatchwireServer
 from batchwire.server.core import Batch
 from batchwire.server.errors import InvalidRequest
-from batchwire.server.serving import _shared_memory
 from batchwire.server.serving._shared_memory import RingBudget, SharedRing
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -261,7 +261,7 @@ def test_a_full_ring_sends_batches_in_their_messages_until_the_client_releases_o
 def test_a_ring_past_the_budget_sends_batches_in_their_messages_and_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_shared_memory, "_warned", set())
+    monkeypatch.setattr(common_shared_memory, "_warned", set())
     budget = RingBudget(3 * batch(0).images.nbytes)  # one ring of 2 buffers, not two
     first, fd = claimed_ring(2, budget)
     assert first.encode(batch(0)) is not None

@@ -45,6 +45,7 @@ from batchwire.common.shared_memory import (
     SEALS,
     namespace,
     socket_address,
+    warn_once,
 )
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # Not there: the server is on another host (or network namespace), the usual case.
 _ELSEWHERE = (errno.ENOENT, errno.ECONNREFUSED)
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
 
 # A fork waits while a descriptor is being received or a ring mapped, so that a child
 # never inherits one that is not yet accounted for below.
@@ -70,14 +69,6 @@ class SharedMemoryFailed(BatchwireError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code=grpc.StatusCode.UNAVAILABLE)
-
-
-def _warn_once(kind: str, message: str, *args: object) -> None:
-    with _warned_lock:
-        if kind in _warned:
-            return
-        _warned.add(kind)
-    log.warning(message, *args)
 
 
 class SharedMemory:
@@ -142,7 +133,8 @@ class SharedMemory:
             if exc.errno in _ELSEWHERE:
                 log.debug("%s is on another host: batches come in their messages", server)
                 return
-            _warn_once(
+            warn_once(
+                log,
                 "claim",
                 "could not take shared memory from %s, a server on this host (%s): batches "
                 "come in their messages",
@@ -151,7 +143,8 @@ class SharedMemory:
             )
         except _Refused as exc:
             self._drop_descriptor()
-            _warn_once(
+            warn_once(
+                log,
                 "refused",
                 "refused shared memory from %s (%s): batches come in their messages",
                 server,

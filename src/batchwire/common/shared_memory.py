@@ -19,7 +19,9 @@ process can map it writable or write to it any more, whoever opens it (even thro
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import threading
 
 __all__ = [
     "ACK",
@@ -30,6 +32,7 @@ __all__ = [
     "SEALS",
     "namespace",
     "socket_address",
+    "warn_once",
 ]
 
 GRANT_METADATA = "batchwire-shared-memory-bin"  # the initial metadata key of a grant
@@ -56,3 +59,18 @@ def namespace(kind: str) -> str:
         return os.readlink(f"/proc/self/ns/{kind}")
     except OSError:
         return ""
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(log: logging.Logger, kind: str, message: str, *args: object) -> None:
+    """Log ``message`` as a warning, the first time this process meets ``kind`` of
+    failure on ``log``'s side only: a transport that falls back says why once, not once
+    a stream."""
+    with _warned_lock:
+        if (log.name, kind) in _warned:
+            return
+        _warned.add((log.name, kind))
+    log.warning(message, *args)

@@ -53,6 +53,7 @@ from batchwire.common.shared_memory import (
     SEALS,
     namespace,
     socket_address,
+    warn_once,
 )
 from batchwire.server.core import Batch
 from batchwire.server.errors import InvalidRequest
@@ -66,16 +67,6 @@ log = logging.getLogger(__name__)
 MAX_BUFFERS = 16  # batches one stream may hold in shared memory
 _MAX_CLAIMING = 64  # claims a broker serves at once; more connections are closed
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-_warned: set[str] = set()  # the warnings this process gave (each once)
-_warned_lock = threading.Lock()
-
-
-def _warn_once(kind: str, message: str, *args: object) -> None:
-    with _warned_lock:
-        if kind in _warned:
-            return
-        _warned.add(kind)
-    log.warning(message, *args)
 
 
 def _memory() -> tuple[int, int]:
@@ -135,7 +126,8 @@ class RingBudget:
                 else:
                     self._counter.value += size
         if not fits:
-            _warn_once(
+            warn_once(
+                log,
                 "budget",
                 "no room for a stream's %.0f MiB of shared memory (rings hold %.0f MiB of "
                 "their %.0f MiB, and %.0f MiB of memory is available, of which a ring takes "
@@ -300,7 +292,8 @@ class SharedRing:
         except OSError as exc:
             self._budget.release(size)
             self._usable = False
-            _warn_once(
+            warn_once(
+                log,
                 "make",
                 "could not make a stream's shared memory (%s): such streams send their "
                 "batches in their messages",
@@ -316,7 +309,8 @@ class SharedRing:
         try:
             os.posix_fallocate(self._fd, buffer * self._buffer_bytes, self._buffer_bytes)
         except OSError as exc:
-            _warn_once(
+            warn_once(
+                log,
                 "back",
                 "could not reserve %.0f MiB of shared memory (%s): batches that find no other "
                 "buffer go in their messages; give the server more memory to send batches to "
@@ -403,7 +397,7 @@ class RingBroker:
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         except OSError as exc:
-            _warn_once("broker", _NO_BROKER, address, exc.strerror or exc)
+            warn_once(log, "broker", _NO_BROKER, address, exc.strerror or exc)
             return False
         try:
             if self._path is not None:
@@ -415,7 +409,7 @@ class RingBroker:
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
-            _warn_once("broker", _NO_BROKER, address, exc.strerror or exc)
+            warn_once(log, "broker", _NO_BROKER, address, exc.strerror or exc)
             return False
         self._socket, self._address = sock, address
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
@@ -445,7 +439,7 @@ class RingBroker:
             try:
                 connection, _ = await loop.sock_accept(self._socket)
             except OSError as exc:  # no descriptors left, say: try again shortly
-                _warn_once("accept", "could not accept a shared memory claim (%s)", exc)
+                warn_once(log, "accept", "could not accept a shared memory claim (%s)", exc)
                 await asyncio.sleep(0.1)
                 continue
             if len(self._claiming) >= _MAX_CLAIMING:
@@ -476,7 +470,8 @@ class RingBroker:
             try:
                 fd = ring.descriptor()
             except OSError as exc:
-                _warn_once(
+                warn_once(
+                    log,
                     "memfd",
                     "could not make shared memory for a trainer on this host (%s): its "
                     "batches go in their messages",
