@@ -133,6 +133,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--every", type=float, default=5.0, help="with --chaos: seconds between stops (5)"
     )
     parser.add_argument(
+        "--stops",
+        type=int,
+        default=0,
+        help="with --chaos: stop at least this many servers, however long --duration is (0)",
+    )
+    parser.add_argument(
         "--cold-streams",
         default=",".join(map(str, cold.STREAMS)),
         help="with --cold: stream counts (default 1,4,16)",

@@ -86,12 +86,13 @@ def chaos(
     batch_size: int,
     seconds: float,
     every: float,
+    stops: int = 0,
     params: Mapping[str, float] | None = None,
     seed: int = 11,
 ) -> ChaosResult:
     """Three servers, two ranks, one server killed or drained every ``every`` seconds for
-    ``seconds`` seconds, from the end of each rank's first epoch; then every rank finishes
-    the epoch under way."""
+    ``seconds`` seconds (and at least ``stops`` times, however long that takes), from the
+    end of each rank's first epoch; then every rank finishes the epoch under way."""
     servers = _Servers(data_dir, work, 3)
     options = _rank_options(dataset, pipeline, batch_size, seed, params)
     until = threading.Event()
@@ -114,7 +115,7 @@ def chaos(
         rss_start = servers.rss()
         started = time.monotonic()
         rng = random.Random(seed)
-        while time.monotonic() - started < seconds and not failures:
+        while (time.monotonic() - started < seconds or servers.stopped < stops) and not failures:
             time.sleep(every * rng.uniform(0.5, 1.5))
             how, victim = servers.stop_one(rng)
             epochs = [t.epochs for t in tallies]
@@ -172,6 +173,10 @@ class _Servers:
         which = self.addresses.index(address)
         port = int(address.rsplit(":", 1)[1])
         self._servers[which] = LocalServer(self._data_dir, self._work, threads=1, port=port)
+
+    @property
+    def stopped(self) -> int:
+        return sum(self.kills.values())
 
     def rss(self) -> list[float]:
         return [rss_mib([s.pid]) for s in self._servers]
@@ -251,7 +256,8 @@ def run_chaos(args: argparse.Namespace) -> int:
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
     seconds = args.duration or 300.0
     print(
-        f"{dataset}: 3 servers, 2 ranks, a server stopped every ~{args.every:.0f} s for {seconds:.0f} s"
+        f"{dataset}: 3 servers, 2 ranks, a server stopped every ~{args.every:.0f} s for "
+        f"{seconds:.0f} s" + (f" (at least {args.stops} stops)" if args.stops else "")
     )
     with tempfile.TemporaryDirectory(prefix="batchwire-bench-") as work:
         result = chaos(
@@ -263,6 +269,7 @@ def run_chaos(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             seconds=seconds,
             every=args.every,
+            stops=args.stops,
             params={"size": float(args.size)} if args.size else None,
         )
     print(chaos_report(result))

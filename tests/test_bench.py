@@ -214,9 +214,8 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result = tmp_path / "chaos.json"
-    # Long enough for two stops on a loaded 2-core host, where a stop and a restart (drain,
-    # exit, start, warm-up) take up to about 8 s.
-    mode = ["--chaos", "--duration", "16", "--every", "2"]
+    # Two stops however long a stop and a restart (drain, exit, start, warm-up) take here.
+    mode = ["--chaos", "--duration", "4", "--every", "2", "--stops", "2"]
     assert benchmarks.main(_small(data_dir, result, *mode)) == 0
     assert "exactly once: yes" in capsys.readouterr().out
     chaos = json.loads(result.read_text())["chaos"]
