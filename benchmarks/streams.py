@@ -6,7 +6,10 @@ epoch of its own (a stream that ends starts the next epoch). Each is a ``PullBat
 that asks for batches as ``RemoteLoader`` does: ``CREDIT`` at first, then one more for
 each batch received. Reported per K:
 
-- aggregate images/s over the second half of the run (the first half is warm-up);
+- aggregate images/s over the second half of the run (the first half is warm-up); where a
+  stream's first batch comes later than half-time (a slow host, a long pipeline build), the
+  counted half starts at that batch instead, and the run is longer by as much (at most
+  half again), so that no warm-up is counted;
 - the server's threads and resident memory at their peak;
 - the time to each stream's first batch, p50/p99/max, from the moment all were opened (a
   stream that got none in the whole run counts as "starved" and as infinitely late);
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import pathlib
 import statistics
@@ -144,8 +148,13 @@ class StreamsRun:
         self.requests = requests
         self.num_samples = 0  # set once the dataset is described
         self.started = started
+        # The counted half: from half-time, or from the last stream's first batch if later
+        # (no later than the nominal end: a starved stream holds nothing up), for seconds/2.
         self.half = started + seconds / 2
-        self.end = started + seconds
+        self.end = started + seconds * 1.5  # the latest it can be; set when the half starts
+        self.length = seconds / 2
+        self.counting = False
+        self.warm = asyncio.Event()  # every stream has had its first batch
         self.firsts: list[float | None] = [None] * streams
         self.counted = [0] * streams  # images in the second half
         self.batches = [0] * streams  # batches in the whole run
@@ -153,10 +162,19 @@ class StreamsRun:
         self.window: list[Counters] = []  # the server's, at the second half's start and end
 
     async def watch(self, probe: ServerProbe) -> None:
-        """Read the server's counters as the second half starts and as it ends."""
-        for moment in (self.half, self.end):
-            await asyncio.sleep(max(0.0, moment - time.perf_counter()))
-            self.window.append(await asyncio.to_thread(probe.counters))
+        """Start the counted half, reading the server's counters then and as it ends."""
+        await asyncio.sleep(max(0.0, self.half - time.perf_counter()))
+        nominal_end = self.started + 2 * self.length
+        with contextlib.suppress(TimeoutError):  # a stream starved: it counts as such
+            await asyncio.wait_for(
+                self.warm.wait(), timeout=max(0.0, nominal_end - time.perf_counter())
+            )
+        self.window.append(await asyncio.to_thread(probe.counters))
+        self.half = time.perf_counter()
+        self.end = self.half + self.length
+        self.counting = True
+        await asyncio.sleep(max(0.0, self.end - time.perf_counter()))
+        self.window.append(await asyncio.to_thread(probe.counters))
 
     async def stream(self, index: int) -> None:
         """Epochs of stream ``index``, each a PullBatches call, until the run ends."""
@@ -184,7 +202,9 @@ class StreamsRun:
                 now = time.perf_counter()
                 if self.firsts[index] is None:
                     self.firsts[index] = now - self.started
-                if self.half <= now < self.end:
+                    if all(first is not None for first in self.firsts):
+                        self.warm.set()
+                if self.counting and now < self.end:
                     self.counted[index] += len(batch.ids)
                 if now >= self.end:
                     call.cancel()
