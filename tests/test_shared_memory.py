@@ -74,7 +74,8 @@ def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
     return condition()
 
 
-def epoch(target: str, **kwargs: object) -> list[tuple[torch.Tensor, ...]]:
+def loader(target: str, **kwargs: object) -> RemoteLoader:
+    """The loader every epoch here is read with: data epoch 3 of ``val``, ids returned."""
     loader = RemoteLoader(
         target,
         dataset="shapes",
@@ -88,10 +89,12 @@ def epoch(target: str, **kwargs: object) -> list[tuple[torch.Tensor, ...]]:
         **kwargs,  # type: ignore[arg-type]
     )
     loader.set_epoch(3)
-    try:
-        return list(loader)
-    finally:
-        loader.close()
+    return loader
+
+
+def epoch(target: str, **kwargs: object) -> list[tuple[torch.Tensor, ...]]:
+    with loader(target, **kwargs) as reading:
+        return list(reading)
 
 
 def assert_same(a: list[tuple[torch.Tensor, ...]], b: list[tuple[torch.Tensor, ...]]) -> None:

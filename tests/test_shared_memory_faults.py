@@ -29,6 +29,7 @@ from test_shared_memory import (
     assert_same,
     epoch,
     eventually,
+    loader,
     nothing_held,
     ring_mappings,
     shared_bytes,
@@ -143,22 +144,8 @@ def test_a_same_uid_process_can_find_no_ring_by_name_and_change_none_it_finds(
     server: BatchwireServer, over_the_socket: list[tuple[torch.Tensor, ...]]
 ) -> None:
     loader_epoch = []
-    from batchwire.client import RemoteLoader
-
-    loader = RemoteLoader(
-        server.target,
-        dataset="shapes",
-        pipeline="val",
-        batch_size=32,
-        return_ids=True,
-        normalize=False,
-        params={"size": 32},
-        shuffle=True,
-        seed=7,
-    )
-    loader.set_epoch(3)
-    with loader:
-        for n, batch in enumerate(loader):
+    with loader(server.target) as reading:
+        for n, batch in enumerate(reading):
             loader_epoch.append(batch)
             if n == 1:
                 assert ring_mappings() >= 2  # the server's and the loader's
