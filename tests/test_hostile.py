@@ -78,6 +78,8 @@ tails = mostly(
 )
 
 
+# 500 requests, each a call: seconds on a quiet host, over 5 minutes on a loaded slow one.
+@pytest.mark.timeout(900)
 @settings(
     max_examples=500,
     deadline=None,
