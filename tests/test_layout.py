@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import mypy.api
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "batchwire"
@@ -329,6 +330,7 @@ def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
     assert status == 0, stdout + stderr
 
 
+@pytest.mark.timeout(900)  # three collections of the suite: minutes each on a slow host
 def test_the_slow_integration_tests_carry_their_markers() -> None:
     """``-m docker``, ``-m frameworks`` and ``-m docs`` select exactly their modules, and
     nothing else is marked, so ``-m "not docker and not frameworks and not docs"`` (the
