@@ -76,7 +76,7 @@ def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
 
 def loader(target: str, **kwargs: object) -> RemoteLoader:
     """The loader every epoch here is read with: data epoch 3 of ``val``, ids returned."""
-    loader = RemoteLoader(
+    made = RemoteLoader(
         target,
         dataset="shapes",
         pipeline="val",
@@ -88,8 +88,8 @@ def loader(target: str, **kwargs: object) -> RemoteLoader:
         seed=7,
         **kwargs,  # type: ignore[arg-type]
     )
-    loader.set_epoch(3)
-    return loader
+    made.set_epoch(3)
+    return made
 
 
 def epoch(target: str, **kwargs: object) -> list[tuple[torch.Tensor, ...]]:
