@@ -6,6 +6,7 @@
   (``read``, ``pipeline``, ``encode``) and ``batchwire_client_wait_seconds_sum``
   (``send``: batches waiting in gRPC writes), with ``batchwire_samples_sent_total``
   to divide them by, and the device from ``batchwire_server_info``;
+- batches sent by each worker of a unit (``batchwire_batches_sent_total{worker}``);
 - GPU memory: the process's, from NVML (``pynvml``, from the ``nvidia-ml-py`` package,
   imported only here and only if installed), else from ``nvidia-smi``; None where
   neither answers (no GPU). Where the driver lists processes by pids of another PID
@@ -76,6 +77,15 @@ class ServerProbe:
             elif sample.name == "batchwire_samples_sent_total":
                 samples += sample.value
         return Counters(cpu_seconds=cpu, samples=samples, seconds=seconds)
+
+    def batches_by_worker(self) -> dict[str, float]:
+        """Batches sent so far by each worker of a unit (a lone server: worker "0")."""
+        sent: dict[str, float] = {}
+        for sample in self.scrape():
+            if sample.name == "batchwire_batches_sent_total":
+                worker = sample.labels.get("worker", "0")
+                sent[worker] = sent.get(worker, 0.0) + sample.value
+        return sent
 
     def device(self) -> str:
         """Where the server runs its pipelines (``cpu`` or ``gpu``), as it reports."""

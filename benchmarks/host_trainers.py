@@ -5,11 +5,12 @@ process on that host.
 DALI's own pipeline (``run_dali``: its caffe reader, the served pipeline's graph, its
 PyTorch iterator) runs first, at the server's ``hw_decoder_load`` and, on a GPU, at DALI's
 default 0.65 too. Then, for each server setting (its defaults; ``--no-shared-memory``, which
-serves the trainers as it would serve another host's; ``--workers 1``) and each K, K
-processes of ``batchwire bench --address`` stream for ``--duration`` seconds (default 20)
-at once: their images/s summed, against DALI's best, with the server's CPU per image and
-cores busy (its process tree) over the same window, and the slowest and fastest trainer's
-rate (how evenly the kernel spread their connections over the workers). Made for a GPU
+serves the trainers as it would serve another host's; ``--workers 1``; ``--workers 2``) and
+each K, K processes of ``batchwire bench --address`` stream for ``--duration`` seconds
+(default 20) at once: their images/s summed, against DALI's best, with the server's CPU per
+image and cores busy (its process tree) over the same window, the slowest and fastest
+trainer's rate, and each worker's share of the batches sent (how evenly the workers share
+the trainers). A count given twice runs twice (``--host-trainers 4,4,4``). Made for a GPU
 host (``--pipeline train``); on the CPU it runs the same path with CPU pipelines.
 """
 
@@ -33,6 +34,7 @@ _SERVERS: tuple[tuple[str, dict[str, object]], ...] = (
     ("serve (defaults)", {}),
     ("serve --no-shared-memory", {"shared_memory": False}),
     ("serve --workers 1", {"workers": 1}),
+    ("serve --workers 2", {"workers": 2}),
 )
 
 
@@ -40,6 +42,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     from batchwire.bench import LocalServer, bench_dataset, run_dali
     from batchwire.server import ServerConfig
     from batchwire.server.core import visible_gpu_count
+    from benchmarks._server_probe import ServerProbe
 
     counts = [int(k) for k in args.host_trainers.split(",")]
     if not counts or min(counts) < 1:
@@ -52,7 +55,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     best = 0.0
     print(
         f"{'run':<44} {'images/s':>9} {'/ DALI best':>11} {'CPU-ms/img':>10} {'cores':>6} "
-        "trainers (slowest-fastest)"
+        "trainers (slowest-fastest)  workers' shares of the batches"
     )
     for load in loads:
         dali = run_dali(
@@ -64,14 +67,21 @@ def run_host_trainers(args: argparse.Namespace) -> int:
         per_image = 1000 * dali.trainer_cpu / dali.images
         print(f"{name:<44} {dali.images_per_second:9.0f} {'':>11} {per_image:10.3f} {'':>6}")
     for label, settings in _SERVERS:
-        with LocalServer(data_dir, device=args.device, settings=settings) as server:
+        with LocalServer(data_dir, device=args.device, settings=settings, metrics=True) as server:
+            assert server.metrics_port is not None  # metrics=True
+            probe = ServerProbe(server.pid, server.metrics_port)
             for count in counts:
+                before = probe.batches_by_worker()
                 rates, cpu_ms, cores = _trainers(server, dataset, args, count, seconds)
+                after = probe.batches_by_worker()
+                sent = {w: after[w] - before.get(w, 0.0) for w in sorted(after, key=int)}
+                shares = "/".join(f"{n / max(sum(sent.values()), 1):.2f}" for n in sent.values())
                 rate = sum(rates)
                 name = f"{label} -> {count} trainer{'s' if count > 1 else ''}"
                 print(
                     f"{name:<44} {rate:9.0f} {rate / best:11.2f} {cpu_ms:10.3f} {cores:6.2f} "
-                    f"{min(rates):.0f}-{max(rates):.0f}"
+                    f"{min(rates):.0f}-{max(rates):.0f} (x{min(rates) / max(rates):.2f})  "
+                    f"{shares}"
                 )
     return 0
 

@@ -1,5 +1,6 @@
 """`batchwire serve` as a real process on a free port, for tests that kill or signal it;
-and a trainer's code in a process of its own, for tests that fork DataLoader workers."""
+a trainer's code in a process of its own, for tests that fork DataLoader workers; and a
+TCP forwarder, as a container's published port is."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import os
 import pathlib
 import queue
 import re
+import socket
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -129,3 +132,43 @@ def in_trainer_process(function: Callable[..., None], *args: object, timeout: fl
             process.join(10)
     if failure is not None:
         raise AssertionError(f"{function.__name__} failed in the trainer process:\n{failure}")
+
+
+@contextlib.contextmanager
+def tcp_forwarder(host: str, target: tuple[str, int]) -> Iterator[str]:
+    """``host:PORT`` (a free port) forwarding each connection to ``target``, as a port that
+    a container publishes does; nothing else of ``target``'s host is reachable through it."""
+    listener = socket.create_server((host, 0))
+    stop = threading.Event()
+    sockets: list[socket.socket] = [listener]
+
+    def pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(target, timeout=30)
+            upstream.settimeout(None)
+            sockets.extend((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"{host}:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        thread.join(10)

@@ -363,5 +363,10 @@ def test_host_trainers_measures_a_server_and_its_trainer_processes_against_dali(
         "serve (defaults) -> 1 trainer",
         "serve --no-shared-memory -> 1 trainer",
         "serve --workers 1 -> 1 trainer",
+        "serve --workers 2 -> 1 trainer",
     }
     assert all(float(values[0]) > 0 for values in rows.values()), rows
+    # Each worker's share of the batches: one trainer process is served by both workers.
+    assert rows["serve --workers 1 -> 1 trainer"][-1] == "1.00"
+    shares = [float(share) for share in rows["serve --workers 2 -> 1 trainer"][-1].split("/")]
+    assert len(shares) == 2 and min(shares) > 0 and sum(shares) == pytest.approx(1, abs=0.02)

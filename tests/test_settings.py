@@ -35,6 +35,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "max_idle_pipelines": ("6", 6),
     "pipelines_per_device": ("3", 3),
     "metrics_port": ("9405", 9405),
+    "worker_port": ("50100", 50100),
     "preprocess_batch_size": ("32", 32),
     "preprocess_max_delay_ms": ("2.5", 2.5),
     "preprocess_max_queued": ("100", 100),

@@ -5,6 +5,7 @@ worker dies."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from processes import PYTHON_BATCHWIRE, ServeProcess, serve_process
+from processes import PYTHON_BATCHWIRE, ServeProcess, serve_process, tcp_forwarder
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchwire.client import RemoteLoader
@@ -123,15 +124,6 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def _streams_by_worker(port: int) -> dict[str, float]:
-    streams: dict[str, float] = {}
-    for (name, labels), count in _scrape(port).items():
-        if name == "batchwire_streams_started_total":
-            worker = dict(labels)["worker"]
-            streams[worker] = streams.get(worker, 0.0) + count
-    return streams
-
-
 def _worker_pids(parent: int) -> list[int]:
     """The parent's spawned worker processes (not multiprocessing's resource tracker)."""
     children = pathlib.Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
@@ -170,30 +162,60 @@ def test_the_start_line_says_how_many_workers(unit: ServeProcess) -> None:
     assert len(_worker_pids(unit.process.pid)) == 2
 
 
-def test_every_loader_gets_an_exact_epoch_from_whichever_worker(unit: ServeProcess) -> None:
+def _epoch(address: str, epoch: int) -> list[int]:
+    with RemoteLoader(
+        address,
+        dataset="shapes",
+        batch_size=16,
+        shuffle=True,
+        drop_last=False,
+        seed=7,
+        params={"size": 32},
+        return_ids=True,
+        normalize=False,
+    ) as loader:
+        loader.set_epoch(epoch)
+        return [int(i) for _, _, batch in loader for i in batch]
+
+
+def _batches_by_worker(port: int) -> dict[str, float]:
+    sent: dict[str, float] = {}
+    for (name, labels), count in _scrape(port).items():
+        if name == "batchwire_batches_sent_total":
+            worker = dict(labels)["worker"]
+            sent[worker] = sent.get(worker, 0.0) + count
+    return sent
+
+
+def test_one_loader_pulls_an_exact_epoch_from_every_worker(unit: ServeProcess) -> None:
+    """The unit's port hands a process's one connection to one worker; the workers' own
+    ports, which the unit announces, let one trainer process pull from both."""
+    assert re.search(r"each also on its own port: \d+, \d+", unit.log.read_text())
     port = _metrics_port(unit)
-    # Each loader opens its own connection, which the kernel gives to either worker:
-    # loaders until both workers have served (2**-39 odds of 40 on one), each exact.
-    for attempt in range(40):
-        with RemoteLoader(
-            unit.address,
-            dataset="shapes",
-            batch_size=64,
-            shuffle=True,
-            drop_last=False,
-            seed=7,
-            params={"size": 32},
-            return_ids=True,
-            normalize=False,
-        ) as loader:
-            loader.set_epoch(attempt)
-            ids = [int(i) for _, _, batch in loader for i in batch]
-        assert sorted(ids) == list(range(SAMPLES)), f"loader {attempt}"
-        streams = _streams_by_worker(port)
-        if streams.get("0", 0) > 0 and streams.get("1", 0) > 0:
-            break
-    else:
-        raise AssertionError(f"40 loaders all landed on one worker: {streams}")
+    before = _batches_by_worker(port)
+    ids = _epoch(unit.address, 0)
+    assert sorted(ids) == list(range(SAMPLES))
+    after = _batches_by_worker(port)
+    sent = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in ("0", "1")}
+    assert sum(sent.values()) == -(-SAMPLES // 16), sent  # each batch once, by one worker
+    assert sent["0"] > 0 and sent["1"] > 0, sent
+
+
+def test_a_unit_whose_workers_ports_are_closed_is_pulled_through_its_own_port(
+    unit: ServeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a container that publishes the unit's port alone: the workers' ports do not
+    answer from the trainer's side, and the loader streams through the unit's port."""
+    _, _, port = unit.address.rpartition(":")
+    # 127.0.0.2 forwards the unit's port only; the workers listen on localhost.
+    published = tcp_forwarder("127.0.0.2", ("127.0.0.1", int(port)))
+    with published as address, caplog.at_level(logging.WARNING, logger="batchwire"):
+        ids = _epoch(address, 1)
+    assert sorted(ids) == list(range(SAMPLES))
+    messages = [record.getMessage() for record in caplog.records]
+    warning = [m for m in messages if "is a unit of 2 workers" in m]
+    assert len(warning) == 1, caplog.text
+    assert "pulls through the unit's port" in warning[0] and "--worker-port" in warning[0]
 
 
 def test_health_is_one_answer_from_every_worker(unit: ServeProcess) -> None:

@@ -20,12 +20,18 @@ from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import ServerSet
 from batchwire.client._state import Place, Position, Rank, Sharing
-from batchwire.client._transport import Transport, check_target, describe_dataset
+from batchwire.client._transport import Transport, check_target, describe_dataset, find_workers
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["LoaderOptions", "RemoteLoader"]
+
+# Seconds a unit and its workers get to say who they are, once a process: a worker's port
+# that a firewall drops must not hold a pass for the loader's whole timeout.
+_FIND_WORKERS_TIMEOUT_S = 10.0
+# Servers whose credit the window makes room for twice; more share that room.
+_WINDOW_SERVERS = 4
 
 
 def _targets(address: str | Sequence[str]) -> tuple[str, ...]:
@@ -363,8 +369,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 credit=self.prefetch + 2,
                 # Twice the servers' credit: with one credit's worth of room, a server at
                 # half the others' speed held up the loop (bench --fleet: 0.75 of the sum
-                # of the servers' rates, 0.95 with this).
-                window=self.prefetch + 2 * (self.prefetch + 2) * len(self._servers.servers()),
+                # of the servers' rates, 0.95 with this). Past a few servers (a unit of
+                # many workers) they share that room: what a loader holds stays bounded.
+                window=self.prefetch
+                + 2 * (self.prefetch + 2) * min(len(self._servers.servers()), _WINDOW_SERVERS),
                 retry_timeout=self.retry_timeout,
                 timeout=self.timeout,
                 resolve_every=self.resolve_every,
@@ -394,6 +402,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             return  # worker 0 streams the whole share, in order
         info = next(p for p in self._describe().pipelines if p.name == self.pipeline)
         tensors = Tensors(self._options, info, self.layout, self.transfer)
+        # Once a process: a unit's workers in place of the unit, to pull from each.
+        find_workers(
+            self._transport,
+            self._servers,
+            self.dataset_name,
+            timeout=min(self.timeout, _FIND_WORKERS_TIMEOUT_S),
+        )
         stream_pass = self._begin(self._sharing.resolve(), tensors)
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):

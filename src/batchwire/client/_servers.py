@@ -4,6 +4,8 @@ Targets are ``host:port`` strings or ``dns:///name:port``, which is resolved
 here to one server per address so that a pass pulls from every server behind
 the name (gRPC's own DNS resolver would send a channel to one of them), and
 again during a pass (``refresh``) so that servers that join are used. A server
+that is a unit of workers (``batchwire serve --workers N``) is replaced by its workers'
+own addresses once they are known (``expand``), so that a pass pulls from each. A server
 that fails is avoided for ``cooldown`` seconds by the calls that pick one
 (``pick``: dataset descriptions). This module makes no calls: ``_transport`` does.
 """
@@ -80,12 +82,34 @@ class ServerSet:
         self._lock = threading.Lock()
         self._servers: list[Server] | None = None
         self._failed_at: dict[Server, float] = {}
+        # What each server was found to be: [] where it is one server, else its workers.
+        self._workers: dict[Server, list[Server]] = {}
 
     def servers(self) -> list[Server]:
+        """The servers to pull from: a unit's workers in place of the unit."""
         with self._lock:
             if self._servers is None:
                 self._servers = resolve(self._targets)
-            return list(self._servers)
+            return self._expanded(self._servers)
+
+    def _expanded(self, servers: list[Server]) -> list[Server]:
+        out: list[Server] = []
+        for server in servers:
+            out += self._workers.get(server) or [server]
+        return list(dict.fromkeys(out))
+
+    def unexplored(self) -> list[Server]:
+        """The servers behind the targets not yet asked whether they are units."""
+        with self._lock:
+            if self._servers is None:
+                self._servers = resolve(self._targets)
+            return [server for server in self._servers if server not in self._workers]
+
+    def expand(self, server: Server, workers: Sequence[Server]) -> None:
+        """``server`` is a unit whose ``workers`` this process reaches (none: use
+        ``server`` itself, which hands a connection to one of its workers)."""
+        with self._lock:
+            self._workers[server] = list(workers)
 
     @property
     def dynamic(self) -> bool:
@@ -97,7 +121,7 @@ class ServerSet:
         servers = resolve(self._targets)
         with self._lock:
             self._servers = servers
-        return list(servers)
+            return self._expanded(servers)
 
     def pick(self, start: int) -> Server:
         """Server ``start`` (modulo their number) if it has not failed lately, else the

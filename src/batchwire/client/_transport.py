@@ -2,14 +2,16 @@
 
 Every RPC the client makes goes through this module: the health check and the dataset
 listing (``check_health``, ``list_datasets``), dataset descriptions
-(``describe_dataset``), and, through a :class:`Transport`, the ``PullBatches`` calls of
-a loader's passes and a ``Preprocessor``'s calls. ``map_rpc_errors`` is the one place
+(``describe_dataset``), the workers of a unit (``find_workers``), and, through a
+:class:`Transport`, the ``PullBatches`` calls of a loader's passes and a
+``Preprocessor``'s calls. ``map_rpc_errors`` is the one place
 where a ``grpc.RpcError`` becomes the client's own exception (see ``_exceptions``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -37,6 +39,7 @@ __all__ = [
     "check_health",
     "check_target",
     "describe_dataset",
+    "find_workers",
     "list_datasets",
     "map_rpc_errors",
     "open_channel",
@@ -53,6 +56,8 @@ CHANNEL_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 _PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
+
+log = logging.getLogger(__name__)
 
 # host:port or [v6]:port; anything with a scheme (dns:///, unix:, ipv4:) is gRPC's to parse.
 _HOST_PORT = re.compile(r"(\[[^\]]+\]|[^:\[\]/]+):\d{1,5}")
@@ -189,10 +194,15 @@ class Transport:
     def describe(self, server: Server, dataset: str, *, timeout: float) -> pb.DatasetInfo:
         """``dataset`` as ``server`` describes it."""
         with map_rpc_errors(server.address):
-            info: pb.DatasetInfo = _stub(self.channel(server)).DescribeDataset(
-                pb.DescribeDatasetRequest(dataset=dataset), timeout=timeout, metadata=self.metadata
-            )
+            info: pb.DatasetInfo = self.describe_future(server, dataset, timeout=timeout).result()
         return info
+
+    def describe_future(self, server: Server, dataset: str, *, timeout: float) -> grpc.Future:
+        """A ``DescribeDataset`` call under way; read its result under ``map_rpc_errors``."""
+        future: grpc.Future = _stub(self.channel(server)).DescribeDataset.future(
+            pb.DescribeDatasetRequest(dataset=dataset), timeout=timeout, metadata=self.metadata
+        )
+        return future
 
     def preprocess(
         self, server: Server, request: pb.PreprocessRequest, *, timeout: float
@@ -250,6 +260,50 @@ def describe_dataset(
         return info
     assert error is not None
     raise error
+
+
+def find_workers(transport: Transport, servers: ServerSet, dataset: str, *, timeout: float) -> None:
+    """Ask each server not yet asked whether it is a unit of workers (``batchwire serve
+    --workers N``): one that announces its workers' own ports is replaced in ``servers``
+    by those of them that answer from here, so that a pass pulls from every worker rather
+    than from the one the unit's port hands this process's connection to. Where none
+    answers (a firewall, a container that publishes the unit's port alone), the unit's
+    own address is kept, with a warning once. A server that does not answer now is
+    taken as it is."""
+    for server in servers.unexplored():
+        host = server.address.rpartition(":")[0]
+        if not _HOST_PORT.fullmatch(server.address):
+            servers.expand(server, ())  # a gRPC target (unix:, ipv4:) names no host to reuse
+            continue
+        try:
+            info = transport.describe(server, dataset, timeout=timeout)
+        except BatchwireError:
+            servers.expand(server, ())
+            continue
+        workers = [Server(f"{host}:{port}", server.tls_name) for port in info.worker_ports]
+        futures = [transport.describe_future(w, dataset, timeout=timeout) for w in workers]
+        reached, missed = [], []
+        for worker, future in zip(workers, futures, strict=True):
+            try:
+                with map_rpc_errors(worker.address):
+                    future.result()
+                reached.append(worker)
+            except BatchwireError as exc:
+                missed.append(f"{worker.address} ({rpc_details(exc)})")
+        servers.expand(server, reached)
+        if missed:
+            log.warning(
+                "%s is a unit of %d workers, and %s did not answer from here: %s; open "
+                "the workers' own ports (batchwire serve --worker-port) to this host to pull "
+                "from every worker",
+                server.address,
+                len(workers),
+                ", ".join(missed),
+                "this process pulls from the others"
+                if reached
+                else "this process pulls through the unit's port, from the worker it hands "
+                "this connection to",
+            )
 
 
 def announced_ranges(pipeline: pb.PipelineInfo) -> dict[str, ParamRange]:

@@ -118,6 +118,14 @@ class ServerConfig:
         "GPUs, up to 4 per GPU, one per 4 usable CPUs, at least one per GPU; 1 on the CPU)",
         bounds=(1, 256),
     )
+    worker_port: int | None = _setting(
+        None,
+        "with --workers N: worker i also listens on port PORT+i of its own, which the unit "
+        "announces, so that each trainer process pulls from every worker (default: the ports "
+        "after --port, or any free ones with --port 0; 0: any free)",
+        metavar="PORT",
+        bounds=(0, 65535),
+    )
     num_threads: int = _setting(
         0,
         "DALI threads per pipeline (default 0: on the CPU one per CPU this process may use, "

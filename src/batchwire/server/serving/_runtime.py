@@ -85,7 +85,7 @@ class UnitHealthServicer(health.aio.HealthServicer):
         await super().Watch(request, context)
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """ServerError if ``port`` is taken on ``host``: found before gRPC tries to bind, which
     would print a C++ error line of its own."""
     if port == 0:
@@ -105,5 +105,5 @@ def check_port_free(host: str, port: int) -> None:
                 if exc.errno == errno.EADDRINUSE:
                     raise ServerError(
                         f"cannot listen on {host}:{port}: another process is using the port "
-                        "(stop it, or pick another port with --port)"
+                        f"(stop it, or pick another port with {flag})"
                     ) from None

@@ -26,6 +26,7 @@ import contextlib
 import importlib.metadata
 import logging
 import threading
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -73,15 +74,19 @@ class BatchwireServer(Listening):
         *,
         member: UnitMember | None = None,
         ring_budget: RingBudget | None = None,
+        worker_ports: Sequence[int] = (),
     ) -> None:
         """Raises ``ConfigError`` when a TLS or token file is missing or malformed.
 
         ``member``: this server is one worker of a unit sharing its port (SO_REUSEPORT):
         it publishes its state there and reports SERVING only while every worker of
         the unit does. ``ring_budget``: the shared memory its streams may hold, where it
-        is the unit's (default: ``config.shared_memory_mib`` for this server alone)."""
+        is the unit's (default: ``config.shared_memory_mib`` for this server alone).
+        ``worker_ports``: a member's unit's own port of each worker, reserved by the unit
+        (SO_REUSEPORT); this worker also listens on its own, and announces them all."""
         self.config = config
         self._member = member
+        self._worker_ports = tuple(worker_ports) if member is not None else ()
         self._broker: RingBroker | None = None
         if config.shared_memory:
             budget = ring_budget or RingBudget(config.shared_memory_mib * 2**20)
@@ -274,6 +279,7 @@ class BatchwireServer(Listening):
             self.metrics,
             max_message_bytes=self.config.max_message_bytes,
             broker=self._broker,
+            worker_ports=self._worker_ports,
         )
         add_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -288,18 +294,28 @@ class BatchwireServer(Listening):
         if self._member is None:  # a unit's parent checked it, and holds it reserved
             _runtime.check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
-        try:
-            if credentials is None:
-                self._port = server.add_insecure_port(address)
-            else:
-                self._port = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:
-            raise ServerError(
-                f"cannot listen on {address} (is another process using the port? pick another "
-                "with --port)"
-            ) from exc
+        own = None
+        if self._worker_ports and self._member is not None:
+            own = f"{self.config.host}:{self._worker_ports[self._member.index]}"
+        for where, flag in ((address, "--port"), (own, "--worker-port")):
+            if where is None:
+                continue
+            try:
+                if credentials is None:
+                    port = server.add_insecure_port(where)
+                else:
+                    port = server.add_secure_port(where, credentials)
+            except RuntimeError as exc:
+                raise ServerError(
+                    f"cannot listen on {where} (is another process using the port? pick "
+                    f"another with {flag})"
+                ) from exc
+            if where is address:
+                self._port = port
         await server.start()
         log.info("listening on %s (port %d; %s)", address, self._port, self.security.describe())
+        if own is not None:
+            log.info("and on %s, this worker's own port", own)
         if self._metrics_http is not None:
             log.info("metrics on http://%s:%d/metrics", self.config.host, self._metrics_http.port)
         devices = self.engine.devices

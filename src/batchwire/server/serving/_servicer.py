@@ -145,14 +145,17 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         *,
         max_message_bytes: int,
         broker: RingBroker | None = None,
+        worker_ports: Sequence[int] = (),
     ) -> None:
         """``broker``: grants shared memory to the pulled streams that offer it (None:
-        shared memory off)."""
+        shared memory off). ``worker_ports``: where this server is a worker of a unit,
+        every worker's own port, announced in each ``DatasetInfo``."""
         self._engine = engine
         self._executor = executor
         self._metrics = metrics or ServerMetrics()
         self._encode = functools.partial(encode_parts, max_message_bytes=max_message_bytes)
         self._broker = broker
+        self._worker_ports = tuple(worker_ports)
 
     def _info(self, summary: DatasetDescription) -> pb.DatasetInfo:
         pipelines = [
@@ -174,6 +177,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             format_version=summary.format_version,
             version=summary.version,
             max_batch_size=self._engine.config.max_batch_size,
+            worker_ports=self._worker_ports,
         )
 
     @_ends_with_status("listing its datasets")

@@ -56,6 +56,8 @@ class WorkerSpec:
     ``overrides`` apply (its port, its GPUs). ``setup(index)`` configures logging.
     ``metrics``: serve the worker's registry on a loopback port for the parent.
     ``ring_budget``: the shared memory the unit's workers hold together.
+    ``worker_ports``: each worker's own port, reserved by the unit; this one listens on
+    its own (``worker_ports[index]``) too, and announces them all.
     """
 
     index: int
@@ -64,6 +66,7 @@ class WorkerSpec:
     setup: Callable[[int], None] | None = None
     metrics: bool = False
     ring_budget: RingBudget | None = None
+    worker_ports: tuple[int, ...] = ()
 
 
 def run_worker(spec: WorkerSpec, states: WorkerStates, parent: Connection) -> None:
@@ -90,7 +93,9 @@ def run_worker(spec: WorkerSpec, states: WorkerStates, parent: Connection) -> No
     metrics: MetricsHTTPServer | None = None
     try:
         config = dataclasses.replace(spec.source(), **spec.overrides)
-        server = BatchwireServer(config, member=member, ring_budget=spec.ring_budget)
+        server = BatchwireServer(
+            config, member=member, ring_budget=spec.ring_budget, worker_ports=spec.worker_ports
+        )
         server.start()
         rescan.append(server.request_rescan)
     except (ConfigError, ServerError, DatasetError, DeviceError) as exc:

@@ -9,6 +9,12 @@ each binding the port with ``grpc.so_reuseport``; the kernel spreads *connection
 (not calls) over them. The parent creates no gRPC object, and workers are spawned,
 not forked (gRPC forbids a fork after it is initialized).
 
+The kernel's spread is a hash: one trainer process, whose channels share a connection,
+would land on one worker. So each worker also listens on a port of its own (reserved
+by the parent the same way, ``worker_port`` and after), and every worker announces
+them all in its dataset descriptions: a client that reaches them pulls from every
+worker, as from the servers of a fleet.
+
 Contracts:
 
 * Any worker serves any stream: an epoch's order is a pure function of (seed, epoch),
@@ -157,12 +163,19 @@ class WorkerUnit(Listening):
         self._pipes: list[multiprocessing.connection.Connection] = []
         self._metrics_ports: list[int | None] = [None] * len(self._plans)
         self._reserved: socket.socket | None = None
+        self._reserved_own: list[socket.socket] = []
+        self._worker_ports: tuple[int, ...] = ()
         self._metrics_http: MetricsHTTPServer | None = None
         self._port = 0
 
     @property
     def workers(self) -> int:
         return len(self._plans)
+
+    @property
+    def worker_ports(self) -> tuple[int, ...]:
+        """Each worker's own port, once started (empty for a unit of one)."""
+        return self._worker_ports
 
     def start(self, timeout: float = _START_TIMEOUT) -> None:
         """Reserve the port, serve the unit's metrics, spawn the workers and return
@@ -172,6 +185,8 @@ class WorkerUnit(Listening):
         check_port_free(host, self.config.port)
         self._reserved, self._port = _reserve_port(host, self.config.port)
         try:
+            if self.workers > 1:
+                self._reserve_own_ports()
             if self.config.metrics_port is not None:
                 self._metrics_http = self._serve_metrics()
             for index, plan in enumerate(self._plans):
@@ -181,10 +196,13 @@ class WorkerUnit(Listening):
             self.stop(grace=0)
             raise
         log.info(
-            "%d workers on %s:%d (SO_REUSEPORT: connections spread over them)",
+            "%d workers on %s:%d (SO_REUSEPORT: connections spread over them)%s",
             self.workers,
             host,
             self._port,
+            f", each also on its own port: {', '.join(map(str, self._worker_ports))}"
+            if self._worker_ports
+            else "",
         )
 
     def failed(self) -> str | None:
@@ -226,6 +244,9 @@ class WorkerUnit(Listening):
         if self._reserved is not None:
             self._reserved.close()
             self._reserved = None
+        for reserved in self._reserved_own:
+            reserved.close()
+        self._reserved_own = []
         return clean
 
     # -- internals --------------------------------------------------------------------
@@ -244,6 +265,29 @@ class WorkerUnit(Listening):
         except MetricsError as exc:
             raise ServerError(str(exc)) from exc
 
+    def _reserve_own_ports(self) -> None:
+        """Reserve each worker's own port: ``worker_port`` and the ones after it, by
+        default those after the unit's port (any free ones where either is 0)."""
+        host = self.config.host
+        first = self.config.worker_port
+        if first is None:
+            first = self._port + 1 if self.config.port else 0
+        if first and first <= self._port < first + self.workers:
+            raise ServerError(
+                f"the workers' own ports {first} to {first + self.workers - 1} include the "
+                f"unit's port {self._port}: pick --worker-port outside it"
+            )
+        for index in range(self.workers):
+            port = first + index if first else 0
+            if port > 65535:
+                raise ServerError(
+                    f"worker {index}'s own port would be {port}: pick a lower --worker-port"
+                )
+            check_port_free(host, port, "--worker-port")
+            reserved, _ = _reserve_port(host, port, "--worker-port")
+            self._reserved_own.append(reserved)
+        self._worker_ports = tuple(s.getsockname()[1] for s in self._reserved_own)
+
     def _spawn(self, index: int, plan: dict[str, Any]) -> None:
         overrides = {**plan, "port": self._port, "metrics_port": None, "workers": 1}
         spec = WorkerSpec(
@@ -253,6 +297,7 @@ class WorkerUnit(Listening):
             setup=self._setup,
             metrics=self.config.metrics_port is not None,
             ring_budget=self._ring_budget,
+            worker_ports=self._worker_ports,
         )
         ours, theirs = self._context.Pipe(duplex=False)
         process = self._context.Process(
@@ -294,7 +339,7 @@ class WorkerUnit(Listening):
                 self._metrics_ports[index] = value
 
 
-def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
+def _reserve_port(host: str, port: int, flag: str = "--port") -> tuple[socket.socket, int]:
     """A bound, never listening SO_REUSEPORT socket holding ``port`` (0: a free one) for
     the workers while the unit runs, and the port."""
     address = host.strip("[]") or None
@@ -310,13 +355,13 @@ def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
         if address != "::":
             raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
         # A host without IPv6: "[::]" means every IPv4 address, as gRPC takes it too.
-        return _reserve_port("0.0.0.0", port)
+        return _reserve_port("0.0.0.0", port, flag)
     try:
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         reserved.bind(sockaddr)
     except OSError as exc:
         reserved.close()
         raise ServerError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another with --port)"
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another with {flag})"
         ) from exc
     return reserved, reserved.getsockname()[1]
