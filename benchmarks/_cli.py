@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-trainers",
         metavar="K[,K...]",
         help="one server and K trainer processes on this host (--duration seconds each, "
-        "default 20), with and without shared memory and with one worker, next to DALI's own "
-        "pipeline in one process: images/s against DALI's best, the server's CPU per image",
+        "default 20), with and without shared memory, with one worker and with two, next to "
+        "DALI's own pipeline in one process: images/s against DALI's best, the server's CPU "
+        "per image, the trainers' rates and each worker's share of the batches",
     )
     modes.add_argument(
         "--stages", action="store_true", help="CPU per image of each stage, DALI next to PIL"

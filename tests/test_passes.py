@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -81,6 +82,67 @@ def test_set_epoch_chooses_the_next_pass(server: BatchwireServer) -> None:
     assert head == expected(5)[:BATCH]
     assert loader.epoch == 6
     loader.close()
+
+
+def _metric(server: BatchwireServer, name: str) -> float:
+    """The server's ``name`` metric, summed over its labels."""
+    return sum(
+        sample.value
+        for family in server.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def _settled(server: BatchwireServer, name: str, value: float) -> float:
+    """``name`` once it is ``value`` (the server counts a stream as it opens or ends it,
+    after the client's call returns), or as it is after 60 s."""
+    deadline = time.monotonic() + 60
+    while _metric(server, name) != value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _metric(server, name)
+
+
+STARTED = "batchwire_streams_started_total"
+ACTIVE = "batchwire_active_streams"
+
+
+def test_the_next_epoch_is_asked_for_before_this_one_ends(server: BatchwireServer) -> None:
+    """A pass that ran to its end has the next epoch's first batches on their way when the
+    next iter() starts, which takes that pass rather than opening another."""
+    started, active = _metric(server, STARTED), _metric(server, ACTIVE)
+    loader = make(server)
+    assert ids_of(loader) == expected(0)
+    # Epoch 0's stream, and epoch 1's, opened as epoch 0's last batches were asked for.
+    assert _settled(server, STARTED, started + 2) == started + 2
+    assert loader.state_dict()["epoch"] == 1  # nothing of epoch 1 counted yet
+    assert ids_of(loader) == expected(1)
+    # Epoch 1 was the stream already open; epoch 2's opened the same way.
+    assert _settled(server, STARTED, started + 3) == started + 3
+    loader.close()
+    assert _settled(server, ACTIVE, active) == active  # the one ahead ended too
+
+
+def test_a_pass_other_than_the_one_started_ahead_stops_that_one(
+    server: BatchwireServer,
+) -> None:
+    started, active = _metric(server, STARTED), _metric(server, ACTIVE)
+    loader = make(server)
+    assert ids_of(loader) == expected(0)
+    loader.set_epoch(5)
+    assert ids_of(loader) == expected(5)  # not epoch 1's stream, which was opened ahead
+    # Epochs 0, 1 (ahead, then stopped), 5 and 6 (ahead).
+    assert _settled(server, STARTED, started + 4) == started + 4
+    # A pass left mid-way stops the pass it started ahead; the state loaded resumes.
+    state = loader.state_dict()
+    iterator = iter(loader)
+    assert take(iterator, 5) == expected(6)[: 5 * BATCH]  # the rest is asked for
+    del iterator  # left before its end: epoch 7, started ahead, is not the next pass
+    assert _settled(server, ACTIVE, active) == active
+    loader.load_state_dict(state)
+    assert ids_of(loader) == expected(6)
+    loader.close()
+    assert _settled(server, ACTIVE, active) == active
 
 
 def test_a_state_saved_on_one_rank_loads_on_every_rank(server: BatchwireServer) -> None:

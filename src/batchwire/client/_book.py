@@ -73,11 +73,27 @@ class Book:
         """Every batch of the pass was taken by the user."""
         return self._next >= self.num_batches
 
-    def claim(self, held: Held, credit: int, over: Callable[[], bool]) -> list[int] | None:
+    @property
+    def all_asked(self) -> bool:
+        """Every batch of the pass was handed to a server at least once."""
+        with self._cond:
+            return self._fresh >= self.num_batches
+
+    def widen(self, window: int) -> None:
+        """From now on at most ``window`` batches beyond the next are asked for or held;
+        waits for a batch count from now (a pass started ahead of its user, adopted)."""
+        with self._cond:
+            self._window = window
+            self._progress_at = time.monotonic()
+            self._cond.notify_all()
+
+    def claim(
+        self, held: Held, credit: int, over: Callable[[], bool], *, wait: bool = True
+    ) -> list[int] | None:
         """Batches for a call holding ``held`` to ask for, once it holds fewer than
         ``credit`` and the window has room; they are added to ``held``. None once the
         pass is finished or ``over()`` (checked under the lock, so a call that is over
-        takes nothing)."""
+        takes nothing). ``wait`` False: ``[]`` where there is nothing to ask for now."""
         with self._cond:
             while True:
                 if over() or self.finished:
@@ -102,6 +118,8 @@ class Book:
                     self._fresh += 1
                 if got:
                     held.extend(got)
+                    return got
+                if not wait:
                     return got
                 self._cond.wait()  # until a batch is taken, delivered or given back, or wake
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -163,6 +164,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._transport = Transport(self._security, on_open=close_at_exit)
         self._position = Position(self._spec, elastic_batch_size=self._elastic_batch_size)
         self._pass: StreamPass | None = None
+        self._ahead: StreamPass | None = None  # the pass after this one, started early
+        self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
 
@@ -354,35 +357,75 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 # So is a rest of an epoch that drop_last leaves no batch of.
                 place = Place(place.epoch + 1)
                 spec, plan = self._plan(share, place)
-            stream_pass = StreamPass(
-                epoch=place.epoch,
-                origin=plan.origin,
-                world_size=plan.world_size,
-                start=place.cursor,
-                share_size=plan.share_size,
-                num_batches=plan.num_batches,
-                batch_size=self.batch_size,
-                spec=spec.to_proto(),
-                transport=self._transport,
-                tensors=tensors,
-                servers=self._servers,
-                credit=self.prefetch + 2,
-                # Twice the servers' credit: with one credit's worth of room, a server at
-                # half the others' speed held up the loop (bench --fleet: 0.75 of the sum
-                # of the servers' rates, 0.95 with this). Past a few servers (a unit of
-                # many workers) they share that room: what a loader holds stays bounded.
-                window=self.prefetch
-                + 2 * (self.prefetch + 2) * min(len(self._servers.servers()), _WINDOW_SERVERS),
-                retry_timeout=self.retry_timeout,
-                timeout=self.timeout,
-                resolve_every=self.resolve_every,
-            )
+            ahead = self._take_ahead()
+            if ahead is not None and ahead.spec == spec.to_proto():
+                stream_pass = ahead  # started as the last pass ended: its batches are coming
+                stream_pass.book.widen(self._window())
+            else:
+                if ahead is not None:
+                    ahead.stop()
+                stream_pass = self._new_pass(spec, plan, tensors, self._window())
+                stream_pass.start_readers()
             self._position.begin(record, stream_pass.id, plan)
         if place.cursor == 0:
             self.skipped_ids = []
         self._pass = stream_pass
-        stream_pass.start_readers()
         return stream_pass
+
+    def _window(self) -> int:
+        # Twice the servers' credit: with one credit's worth of room, a server at half
+        # the others' speed held up the loop (bench --fleet: 0.75 of the sum of the
+        # servers' rates, 0.95 with this). Past a few servers (a unit of many workers)
+        # they share that room: what a loader holds stays bounded.
+        servers = min(len(self._servers.servers()), _WINDOW_SERVERS)
+        return self.prefetch + 2 * (self.prefetch + 2) * servers
+
+    def _new_pass(self, spec: StreamSpec, plan: Plan, tensors: Tensors, window: int) -> StreamPass:
+        return StreamPass(
+            epoch=spec.epoch,
+            origin=plan.origin,
+            world_size=plan.world_size,
+            start=spec.start,
+            share_size=plan.share_size,
+            num_batches=plan.num_batches,
+            batch_size=self.batch_size,
+            spec=spec.to_proto(),
+            transport=self._transport,
+            tensors=tensors,
+            servers=self._servers,
+            credit=self.prefetch + 2,
+            window=window,
+            retry_timeout=self.retry_timeout,
+            timeout=self.timeout,
+            resolve_every=self.resolve_every,
+        )
+
+    def _look_ahead(self, current: StreamPass, share: Rank, tensors: Tensors) -> None:
+        """Start the pass that follows ``current`` when it runs to its end (the next
+        epoch, from its start), asking each server for its first ``prefetch`` batches
+        only: the next ``iter()`` adopts it if it is that pass, so that a short epoch
+        (a validation pass) starts without a round trip. Anything else the next pass
+        turns out to be (``set_epoch`` to another epoch, a loaded state, another world
+        size) stops it. Nothing of it is in the ledger until it is adopted."""
+        try:
+            spec, plan = self._plan(share, Place(current.epoch + 1))
+        except BatchwireError:
+            return  # the next pass raises it itself
+        if plan.num_batches == 0:
+            return
+        ahead = self._new_pass(spec, plan, tensors, self.prefetch)
+        ahead.start_readers()
+        self._ahead = ahead
+        # A loader dropped without close() stops it too (a finished pass's do end).
+        self._ahead_finalizer = weakref.finalize(self, ahead.stop)
+
+    def _take_ahead(self) -> StreamPass | None:
+        """The pass started ahead, now the caller's to adopt or stop; None if none."""
+        ahead, self._ahead = self._ahead, None
+        if self._ahead_finalizer is not None:
+            self._ahead_finalizer.detach()
+            self._ahead_finalizer = None
+        return ahead
 
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
@@ -409,9 +452,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self.dataset_name,
             timeout=min(self.timeout, _FIND_WORKERS_TIMEOUT_S),
         )
-        stream_pass = self._begin(self._sharing.resolve(), tensors)
+        share = self._sharing.resolve()
+        stream_pass = self._begin(share, tensors)
+        ahead: StreamPass | None = None  # the next pass, if this iterator started it
+        last = False  # this pass's last batch was handed out
         try:
             for index in range(stream_pass.first, stream_pass.num_batches):
+                if self._ahead is None and stream_pass.book.all_asked:
+                    self._look_ahead(stream_pass, share, tensors)
+                    ahead = self._ahead
                 try:
                     delivery = stream_pass.take(index)
                 except BatchwireError as exc:
@@ -425,10 +474,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 self.skipped_ids.extend(delivery.skipped_ids)
                 # Also a batch whose every sample was unreadable (empty): every rank takes
                 # len(loader) steps, or DDP's collectives would wait for this one.
+                # Frameworks that count batches by len() (Lightning) stop asking here.
+                last = index == stream_pass.num_batches - 1
                 yield tensors.output(delivery)
             self._end(stream_pass)
         finally:
             stream_pass.stop()
+            if not last and ahead is not None and self._ahead is ahead:
+                self._take_ahead()
+                ahead.stop()  # left mid-pass: not the pass that follows any more
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -438,6 +492,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         current, self._pass = self._pass, None
         if current is not None:
             current.stop()
+        ahead = self._take_ahead()
+        if ahead is not None:
+            ahead.stop()
         self._transport.close()
 
     def __enter__(self) -> RemoteLoader:
@@ -450,7 +507,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """A copy without threads, channels or locks (spawned DataLoader workers,
         ``ddp_spawn``); it carries the share torch.distributed gives here (Sharing)."""
         state = self.__dict__.copy()
-        for key in ("_servers", "transfer", "_pass"):
+        for key in ("_servers", "transfer", "_pass", "_ahead", "_ahead_finalizer"):
             state[key] = None
         return state
 

@@ -11,8 +11,9 @@ joined before Python tears gRPC down, so the process neither hangs nor aborts.
 A :class:`ServerPuller` is a named daemon thread that streams a pass's batches from one
 server. It holds one ``PullBatches`` call at a time. The call's request stream asks for
 batches from the pass's :class:`~batchwire.client._book.Book` whenever the server holds
-fewer than ``credit`` (so a faster server is asked for more), once the server has
-accepted the stream; what arrives goes to the book, in the order asked. When the server
+fewer than ``credit`` (so a faster server is asked for more), from its first message
+on (no round trip waits for the call to open); what arrives goes to the book, in the
+order asked. When the server
 fails (connection lost, UNAVAILABLE from a draining server, ...), the batches it held go
 back to the book for the other servers, and the puller tries the server again with
 backoff. A refusal that no server can fix (bad arguments, credentials) fails the pass. It
@@ -100,6 +101,7 @@ class StreamPass:
         resolve_every: float = 5.0,
     ) -> None:
         self.id = secrets.randbits(62) + 1  # names the pass in the ledger; 0 is none
+        self.spec = spec  # the stream asked of every server
         self.epoch = epoch
         self.origin = origin
         self.world_size = world_size
@@ -266,7 +268,6 @@ class ServerPuller(threading.Thread):
         while not self._halted() and not self._book.finished:
             held = Held()
             over = threading.Event()  # the call is over: its request stream asks for nothing
-            accepted = threading.Event()  # the server opened the stream: ask it for batches
             failure: tuple[grpc.StatusCode, str] | None = None
             before = self.delivered
             # Each call offers shared memory anew: a server on this host grants it.
@@ -277,12 +278,13 @@ class ServerPuller(threading.Thread):
                         if self._halted():
                             return
                         call = self._call = self._transport.open_pull(
-                            self.server, self._requests(held, over, accepted, shared)
+                            self.server, self._requests(held, over, shared)
                         )
                     metadata = call.initial_metadata()  # sent once it opened
                     if shared is not None:
-                        shared.claim(metadata, self.server.address)  # before any batch is asked
-                    accepted.set()
+                        # Batches the server finishes before the claim is done come in
+                        # their messages: the first of a pass may.
+                        shared.claim(metadata, self.server.address)
                     self._receive(call, held, shared, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except SharedMemoryFailed as exc:
@@ -310,7 +312,6 @@ class ServerPuller(threading.Thread):
                 failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
                 over.set()  # before giving back, so the request stream claims no more
-                accepted.set()  # the request stream waits for one of the two
                 returned = self._book.give_back(held, failure)
                 if shared is not None:
                     shared.close()
@@ -351,24 +352,23 @@ class ServerPuller(threading.Thread):
         self,
         held: Held,
         over: threading.Event,
-        accepted: threading.Event,
         shared: SharedMemory | None,
     ) -> Iterator[pb.PullRequest]:
         """The call's request stream (read by gRPC's own thread): the stream (and an offer
-        of shared memory), then batches as the server has room, each request releasing
-        the shared memory buffers copied out since the last. Ends (half-closes) once the
-        pass is finished or the call is over."""
+        of shared memory) with the first batches it has room for, so that the server
+        starts on them without waiting a round trip for the call to open; then batches
+        as the server has room, each request releasing the shared memory buffers copied
+        out since the last. Ends (half-closes) once the pass is finished or the call is
+        over."""
+
+        def ended() -> bool:
+            return over.is_set() or self._pass_stop.is_set()
+
         offer = None if shared is None else shared.message()
-        yield pb.PullRequest(stream=self._spec, shared_memory=offer)
-        # Set once the server opened the stream, or the call is over (every way out of
-        # _pull sets it; the pass's stop cancels the call first).
-        accepted.wait()
-        if over.is_set() or self._pass_stop.is_set():
-            return
+        first = self._book.claim(held, self._credit, ended, wait=False)
+        yield pb.PullRequest(stream=self._spec, shared_memory=offer, batches=first or ())
         while True:
-            batches = self._book.claim(
-                held, self._credit, lambda: over.is_set() or self._pass_stop.is_set()
-            )
+            batches = self._book.claim(held, self._credit, ended)
             if batches is None:
                 return
             released = () if shared is None else shared.take_released()
