@@ -106,13 +106,15 @@ def test_against_a_running_server_reports_rate_and_client_cpu(
         "--pipeline",
         "val",
         "--images",
-        "64",
+        "2080",
         "--batch-size",
-        "32",
+        "130",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "images/s" in out and "time to first batch" in out and "per 1000 images" in out
+    # 520 samples: 4 passes of 4 batches, 3 waits from one pass to the next.
+    assert re.search(r"between passes: [\d.]+s .* \(median of 3\), against [\d.]+s", out), out
 
 
 @pytest.mark.timeout(120)  # it used to open empty streams forever

@@ -108,17 +108,20 @@ ACTIVE = "batchwire_active_streams"
 
 
 def test_the_next_epoch_is_asked_for_before_this_one_ends(server: BatchwireServer) -> None:
-    """A pass that ran to its end has the next epoch's first batches on their way when the
-    next iter() starts, which takes that pass rather than opening another."""
+    """A loader iterated again has the next epoch's first batches on their way as a pass
+    ends, and the next iter() takes that pass rather than opening another."""
     started, active = _metric(server, STARTED), _metric(server, ACTIVE)
     loader = make(server)
     assert ids_of(loader) == expected(0)
-    # Epoch 0's stream, and epoch 1's, opened as epoch 0's last batches were asked for.
-    assert _settled(server, STARTED, started + 2) == started + 2
-    assert loader.state_dict()["epoch"] == 1  # nothing of epoch 1 counted yet
+    # A loader's first pass looks nowhere ahead: it may be its only one.
+    assert _settled(server, STARTED, started + 1) == started + 1
     assert ids_of(loader) == expected(1)
-    # Epoch 1 was the stream already open; epoch 2's opened the same way.
+    # Epoch 1's stream, and epoch 2's, opened as epoch 1's last batches were asked for.
     assert _settled(server, STARTED, started + 3) == started + 3
+    assert loader.state_dict()["epoch"] == 2  # nothing of epoch 2 counted yet
+    assert ids_of(loader) == expected(2)
+    # Epoch 2 was the stream already open; epoch 3's opened the same way.
+    assert _settled(server, STARTED, started + 4) == started + 4
     loader.close()
     assert _settled(server, ACTIVE, active) == active  # the one ahead ended too
 
@@ -128,11 +131,11 @@ def test_a_pass_other_than_the_one_started_ahead_stops_that_one(
 ) -> None:
     started, active = _metric(server, STARTED), _metric(server, ACTIVE)
     loader = make(server)
-    assert ids_of(loader) == expected(0)
+    assert ids_of(loader) + ids_of(loader) == expected(0) + expected(1)
     loader.set_epoch(5)
-    assert ids_of(loader) == expected(5)  # not epoch 1's stream, which was opened ahead
-    # Epochs 0, 1 (ahead, then stopped), 5 and 6 (ahead).
-    assert _settled(server, STARTED, started + 4) == started + 4
+    assert ids_of(loader) == expected(5)  # not epoch 2's stream, which was opened ahead
+    # Epochs 0, 1, 2 (ahead, then stopped), 5 and 6 (ahead).
+    assert _settled(server, STARTED, started + 5) == started + 5
     # A pass left mid-way stops the pass it started ahead; the state loaded resumes.
     state = loader.state_dict()
     iterator = iter(loader)

@@ -1,7 +1,8 @@
 """batchwire bench: a running server as a trainer sees it, or the runs side by side.
 
   batchwire bench --address HOST:PORT --dataset D          a running server, as a trainer
-                                                           sees it (rate, first batch, CPU)
+                                                           sees it (rate, first batch, CPU,
+                                                           the wait between passes)
   batchwire bench --address HOST:PORT --dataset D --duration 600   the same for 10 minutes
   batchwire bench --compare [--json F] [--plot F.png]      the runs below, alternated on
                                                            this host, medians printed
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import os
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -148,19 +150,29 @@ def _measure_against(args: argparse.Namespace) -> int:
     rss_start = rss_mib([os.getpid()])
     images = nbytes = 0
     first = None
+    # Seconds from a batch to the next: within a pass, and from a pass's last batch to the
+    # first of the pass after it (what a trainer waits at each epoch's start).
+    within: list[float] = []
+    between: list[float] = []
+    last_at = None
     started = time.perf_counter()
     with progress(0 if deadline else target, "streaming", show=not args.no_progress) as bar:
         while (deadline and time.monotonic() < deadline) or (not deadline and images < target):
             batches = 0
             for batch, _ in loader:
+                now = time.perf_counter()
+                if last_at is not None:
+                    (within if batches else between).append(now - last_at)
+                last_at = now
                 batches += 1
-                first = first or time.perf_counter() - started
+                first = first or now - started
                 images += len(batch)
                 nbytes += batch.numel() * batch.element_size()
                 bar.update(len(batch))
                 if (deadline and time.monotonic() >= deadline) or (
                     not deadline and images >= target
                 ):
+                    last_at = None  # a pass left mid-way: the next is not its sequel
                     break
             if batches == 0:  # another epoch would yield none either: stop, and say why
                 samples = loader.num_samples
@@ -176,6 +188,12 @@ def _measure_against(args: argparse.Namespace) -> int:
         f"time to first batch {first:.2f}s; client CPU {cpu.seconds() / images * 1000:.3f} s per 1000 images"
     )
     print(f"client RSS {rss_start:.0f} MiB at start, {rss_mib([os.getpid()]):.0f} MiB at end")
+    if between and within:
+        print(
+            f"between passes: {statistics.median(between):.3f}s from a pass's last batch to the "
+            f"next one's first (median of {len(between)}), against "
+            f"{statistics.median(within):.3f}s from batch to batch within a pass"
+        )
     return 0
 
 

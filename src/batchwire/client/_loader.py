@@ -166,6 +166,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._pass: StreamPass | None = None
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
+        self._passes_ended = 0  # passes of this loader (in this process) run to their end
 
     # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
 
@@ -406,7 +407,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         only: the next ``iter()`` adopts it if it is that pass, so that a short epoch
         (a validation pass) starts without a round trip. Anything else the next pass
         turns out to be (``set_epoch`` to another epoch, a loaded state, another world
-        size) stops it. Nothing of it is in the ledger until it is adopted."""
+        size) stops it. Nothing of it is in the ledger until it is adopted. Only a
+        loader that ran a pass to its end before looks ahead: one that runs a single
+        epoch (an inference job) asks the servers for nothing more."""
+        if not self._passes_ended:
+            return
         try:
             spec, plan = self._plan(share, Place(current.epoch + 1))
         except BatchwireError:
@@ -429,6 +434,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
+        self._passes_ended += 1
         with self._position.ledger.update() as record:
             self._position.end(record, stream_pass)
 

@@ -11,10 +11,10 @@ joined before Python tears gRPC down, so the process neither hangs nor aborts.
 A :class:`ServerPuller` is a named daemon thread that streams a pass's batches from one
 server. It holds one ``PullBatches`` call at a time. The call's request stream asks for
 batches from the pass's :class:`~batchwire.client._book.Book` whenever the server holds
-fewer than ``credit`` (so a faster server is asked for more), from its first message
-on (no round trip waits for the call to open); what arrives goes to the book, in the
-order asked. When the server
-fails (connection lost, UNAVAILABLE from a draining server, ...), the batches it held go
+fewer than ``credit`` (so a faster server is asked for more): from its first message on
+where the server is on another host (no round trip waits for the call to open), once the
+stream's shared memory is claimed where it is on this one. What arrives goes to the book,
+in the order asked. When the server fails (connection lost, UNAVAILABLE from a draining server, ...), the batches it held go
 back to the book for the other servers, and the puller tries the server again with
 backoff. A refusal that no server can fix (bad arguments, credentials) fails the pass. It
 stops promptly when ``stop`` is set (the RPC is cancelled).
@@ -272,19 +272,28 @@ class ServerPuller(threading.Thread):
             before = self.delivered
             # Each call offers shared memory anew: a server on this host grants it.
             shared = SharedMemory.offer(self._credit + 1) if self._shared_memory else None
+            # Where the server may be on this host (its shared memory was taken before, or
+            # this is the first call to it), the first batches are asked for once the ring
+            # is claimed, so that they go there too; else (a server on another host) with
+            # the call's first message, not a round trip later.
+            accepted = threading.Event()
+            if shared is None or not self._transport.shares_memory.get(self.server, True):
+                accepted.set()
             try:
                 with map_rpc_errors(self.server.address):
                     with self._lock:
                         if self._halted():
                             return
                         call = self._call = self._transport.open_pull(
-                            self.server, self._requests(held, over, shared)
+                            self.server, self._requests(held, over, accepted, shared)
                         )
                     metadata = call.initial_metadata()  # sent once it opened
                     if shared is not None:
                         # Batches the server finishes before the claim is done come in
-                        # their messages: the first of a pass may.
+                        # their messages.
                         shared.claim(metadata, self.server.address)
+                        self._transport.shares_memory[self.server] = shared.claimed
+                    accepted.set()
                     self._receive(call, held, shared, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except SharedMemoryFailed as exc:
@@ -312,6 +321,7 @@ class ServerPuller(threading.Thread):
                 failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
                 over.set()  # before giving back, so the request stream claims no more
+                accepted.set()  # the request stream may wait for one of the two
                 returned = self._book.give_back(held, failure)
                 if shared is not None:
                     shared.close()
@@ -352,21 +362,25 @@ class ServerPuller(threading.Thread):
         self,
         held: Held,
         over: threading.Event,
+        accepted: threading.Event,
         shared: SharedMemory | None,
     ) -> Iterator[pb.PullRequest]:
         """The call's request stream (read by gRPC's own thread): the stream (and an offer
-        of shared memory) with the first batches it has room for, so that the server
-        starts on them without waiting a round trip for the call to open; then batches
-        as the server has room, each request releasing the shared memory buffers copied
-        out since the last. Ends (half-closes) once the pass is finished or the call is
-        over."""
+        of shared memory), with the first batches it has room for unless a ring is awaited
+        (``accepted`` not set), so that the server starts on them without waiting a round
+        trip for the call to open; then batches as the server has room, each request
+        releasing the shared memory buffers copied out since the last. Ends (half-closes)
+        once the pass is finished or the call is over."""
 
         def ended() -> bool:
             return over.is_set() or self._pass_stop.is_set()
 
         offer = None if shared is None else shared.message()
-        first = self._book.claim(held, self._credit, ended, wait=False)
+        first = self._book.claim(held, self._credit, ended, wait=False) if accepted.is_set() else []
         yield pb.PullRequest(stream=self._spec, shared_memory=offer, batches=first or ())
+        # Set once the ring is claimed (where one is awaited), or the call is over (every
+        # way out of _pull sets it; the pass's stop cancels the call first).
+        accepted.wait()
         while True:
             batches = self._book.claim(held, self._credit, ended)
             if batches is None:

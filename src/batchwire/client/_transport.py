@@ -163,6 +163,9 @@ class Transport:
         self._on_open = on_open
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = os.getpid()
+        # Whether a server's last call gave this process its shared memory (it is on this
+        # host): a call to one that did not asks for batches without waiting for a ring.
+        self.shares_memory: dict[Server, bool] = {}
 
     @property
     def metadata(self) -> Sequence[tuple[str, str]]:
@@ -218,7 +221,7 @@ class Transport:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._channels, self._pid = {}, os.getpid()
+        self._channels, self._pid, self.shares_memory = {}, os.getpid(), {}
 
     def close(self) -> None:
         """Close this process's channels (a parent's are left to the parent)."""
