@@ -14,10 +14,11 @@ batches from the pass's :class:`~batchwire.client._book.Book` whenever the serve
 fewer than ``credit`` (so a faster server is asked for more): from its first message on
 where the server is on another host (no round trip waits for the call to open), once the
 stream's shared memory is claimed where it is on this one. What arrives goes to the book,
-in the order asked. When the server fails (connection lost, UNAVAILABLE from a draining server, ...), the batches it held go
-back to the book for the other servers, and the puller tries the server again with
-backoff. A refusal that no server can fix (bad arguments, credentials) fails the pass. It
-stops promptly when ``stop`` is set (the RPC is cancelled).
+in the order asked. When the server fails (connection lost, UNAVAILABLE from a draining
+server, ...), the batches it held go back to the book for the other servers, and the
+puller tries the server again with backoff. A refusal that no server can fix (bad
+arguments, credentials) fails the pass. It stops promptly when ``stop`` is set (the RPC
+is cancelled).
 """
 
 from __future__ import annotations
