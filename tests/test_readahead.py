@@ -9,6 +9,7 @@ import shutil
 import threading
 
 import numpy as np
+import pytest
 from conftest import start_server
 from test_corrupt import corrupt, truncated
 from test_resources import within
@@ -16,6 +17,7 @@ from test_resources import within
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
 from batchwire.server.data import Dataset
+from batchwire.server.data.records import _dataset
 from batchwire.server.data.records._readahead import ReadAhead, StreamReadAhead
 from batchwire.server.runners import read_job
 from batchwire.v1 import datum_pb2
@@ -124,6 +126,44 @@ def test_a_stream_reads_ahead_only_while_its_reads_wait_for_the_disk(
         assert dataset.misses > misses
     assert warm <= 4 * BATCH  # its first batches (_FIRST_BATCHES), then nothing
     assert cold > 8 * BATCH, (warm, cold)
+
+
+def test_a_batch_from_a_cold_cache_asks_the_disk_for_all_its_records_before_waiting(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's records not in the page cache are all advised to the kernel, then read:
+    the disk has the whole batch queued, not one record at a time. The bytes are those of
+    a warm read; a warm read asks the disk for nothing."""
+    shutil.copytree(data_dir / "shapes", tmp_path / "shapes")
+    ids = np.random.default_rng(3).permutation(512)[:64]
+    calls: list[tuple[str, int]] = []
+    advise, pread_rest = _dataset.advise, _dataset._pread_rest
+
+    def advised(fd: int, offset: int, length: int) -> None:
+        calls.append(("advise", offset + length))
+        advise(fd, offset, length)
+
+    def waited(fd: int, buffer: memoryview, offset: int) -> int:
+        calls.append(("read", offset + len(buffer)))
+        return pread_rest(fd, buffer, offset)
+
+    monkeypatch.setattr(_dataset, "advise", advised)
+    monkeypatch.setattr(_dataset, "_pread_rest", waited)
+    with Dataset(tmp_path / "shapes") as dataset:
+        warm_images, warm_labels = dataset.read(ids)  # the copy's pages are cached
+        assert calls == [] and dataset.misses == 0  # nothing asked of the disk
+        os.sync()  # written back, so that they can be dropped
+        evict(tmp_path / "shapes")
+        images, labels = dataset.read(ids)
+        assert dataset.misses > 0
+    kinds = [kind for kind, _ in calls]
+    assert "read" in kinds and kinds.index("read") == kinds.count("advise"), kinds
+    assert sorted(end for kind, end in calls if kind == "read") == sorted(
+        end for kind, end in calls if kind == "advise"
+    )  # each record waited for was advised first
+    assert labels.tolist() == warm_labels.tolist()
+    for image, warm in zip(images, warm_images, strict=True):
+        assert image is not None and warm is not None and image.tobytes() == warm.tobytes()
 
 
 def small_loader(server: BatchwireServer, **options: object) -> RemoteLoader:

@@ -1,16 +1,16 @@
 """Read-ahead: the records streams will read next, brought into the page cache before them.
 
-A stream reads its batches' records one at a time, in order (``Dataset.read``); from a
-cold page cache each record costs a disk latency or several (the LMDB map is opened
-without the kernel's read-ahead, so each 4 KiB page of a record is read on its own). So
-the server asks the disk for the records of the next batches of every open stream ahead
-of time, many at once: a pool of ``reads`` threads finds where each record lies in its
+A stream reads its batches' records in order (``Dataset.read``); from a cold page cache
+a batch costs at least a disk latency (``Dataset.read`` asks for a batch's missing
+records together, then waits), and a stream waits for it batch after batch. So the
+server asks the disk for the records of the next batches of every open stream ahead of
+time, many at once: a pool of ``reads`` threads finds where each record lies in its
 shard's file (:meth:`Dataset.locate`, from the shard's B-tree pages, without reading the
 record) and advises the kernel (``posix_fadvise(POSIX_FADV_WILLNEED)``) to read those
-bytes, which queues their reads and returns. When the stream comes to those records their
-pages are in the page cache, or on their way. (Threads that looked records up through
-py-lmdb and touched or ``madvise``-d their pages read each record in, page by page, before
-going on: measured slower, see docs/performance.md.)
+bytes, which queues their reads and returns. When the stream comes to those records
+their pages are in the page cache, or on their way. (Threads that looked records up
+through py-lmdb and touched or ``madvise``-d their pages read each record in, page by
+page, before going on: measured slower, see docs/performance.md.)
 
 The pool is one per server, shared by every stream. It is bounded in bytes: the records
 advised and not yet read by their stream hold at most ``max_bytes`` (a single record
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from batchwire.server.data.records._dataset import Dataset
+from batchwire.server.data.records._dataset import Dataset, advise
 
 __all__ = ["ReadAhead", "ReadAheadStats", "StreamReadAhead"]
 
@@ -56,16 +55,6 @@ _WAIT_S = 0.25  # how often an idle read-ahead thread looks for a stop
 _FIRST_BATCHES = 4  # a stream's first batches are read ahead whatever the cache holds
 _MAX_HORIZON = 64  # batches read ahead, at most, past a read that missed the cache
 _CLOSE_WAIT_S = 10.0  # how long a closing stream waits for its records being advised
-
-
-def advise(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to read ``length`` bytes of ``fd`` at ``offset`` into the page cache
-    now (``POSIX_FADV_WILLNEED``: it queues the reads and returns). Best effort: a failure
-    is ignored, the record is then read when its stream reads it."""
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-    except OSError as exc:
-        log.debug("read-ahead of %d bytes at %d failed: %s", length, offset, exc)
 
 
 @dataclasses.dataclass(frozen=True)
