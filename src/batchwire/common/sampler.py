@@ -189,9 +189,12 @@ class Plan(Share):
         """Batches in this rank's share of the epoch."""
         return num_batches(self.remaining, self.batch_size, self.world_size, self.drop_last)
 
+    def order(self) -> np.ndarray:
+        """The epoch's order of ids (read-only): :func:`epoch_order` of the dataset."""
+        return epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
+
     def share(self) -> np.ndarray:
-        order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
-        rest = order[self.origin :]
+        rest = self.order()[self.origin :]
         return rank_share(rest, self.rank, self.world_size, self.drop_last)[: self.share_size]
 
     def batches(self) -> Iterator[PlannedBatch]:
@@ -220,7 +223,7 @@ class Plan(Share):
                 )
         if not bounds:
             return []
-        order = epoch_order(self.seed, self.epoch, self.num_samples, self.shuffle)
+        order = self.order()
         # Share position p is element rank + p * world_size of the rest of the order,
         # wrapped around when ranks are padded (rank_share's tiling).
         rest = order[self.origin :]

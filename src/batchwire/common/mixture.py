@@ -1,0 +1,207 @@
+"""Mixtures of datasets: one epoch order over several sources in set proportions, as pure
+functions, so that every server and client computes the same order.
+
+A mixture's sources are datasets of ``sizes[s]`` samples, each taking ``counts[s]``
+positions of every epoch (:func:`mixture_counts` turns weights, or counts, and a rule for
+the epoch's length into those counts). Sample ``i`` of source ``s`` has the *mixed id*
+``offsets[s] + i``, the offsets being the running sum of the sizes in source order
+(:func:`split_ids` goes back). An epoch of a mixture is then an order of mixed ids, which
+ranks split, batches cut and cursors resume exactly as they do one dataset's:
+:class:`MixturePlan` is a :class:`~batchwire.common.sampler.Plan` whose order is the
+mixture's.
+
+The order of epoch ``e`` (:func:`mixture_order`) is a pure function of ``(seed, e, sizes,
+counts)``, from NumPy's ``SeedSequence`` and ``PCG64`` bit streams as one dataset's is:
+
+* Source ``s`` gives ``counts[s]`` ids: its own permutation for ``(seed, e, s)`` taken in
+  order. Fewer than its size (downsampled): distinct ids, a different subset each epoch.
+  More (upsampled): further passes, each a permutation of its own, so every sample comes
+  ``counts[s] // sizes[s]`` or one more times.
+* The sources take their positions in a seeded permutation of the multiset of source
+  labels (``counts[s]`` copies of ``s``): the epoch's per-source counts are exact, and
+  every batch is a random mix of them. Without ``shuffle``, ids come in id order and the
+  sources are interleaved evenly (each source's ``k``-th sample at ``(k + 0.5) /
+  counts[s]`` of the epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from batchwire.common.sampler import Plan
+
+__all__ = ["EPOCH_LENGTHS", "MixturePlan", "mixture_counts", "mixture_order", "split_ids"]
+
+# How long a mixture's epoch is, given weights (see mixture_counts).
+EPOCH_LENGTHS = ("sum", "first", "all")
+
+# Tags that keep the mixture's random streams apart from one dataset's ([seed, epoch]).
+_SOURCE_STREAM, _INTERLEAVE_STREAM = 1, 2
+
+
+def mixture_counts(
+    sizes: Sequence[int],
+    *,
+    weights: Sequence[float] | None = None,
+    counts: Sequence[int] | None = None,
+    length: int | str = "sum",
+) -> tuple[int, ...]:
+    """Samples each source gives an epoch: ``counts`` as given, or ``weights`` (relative
+    proportions of the epoch) applied to its length, rounded by largest remainder so that
+    they add up to it exactly. ``length`` is a number of samples, or ``"sum"`` (the
+    sources' sizes added up), ``"first"`` (the epoch ends as the first source would repeat
+    a sample), or ``"all"`` (as the last source would see its last new sample: the
+    smaller ones repeat). ``ValueError`` says what is wrong with the input."""
+    if not sizes:
+        raise ValueError("a mixture needs at least one source")
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"a source's size must be >= 0, got {list(sizes)}")
+    if (weights is None) == (counts is None):
+        raise ValueError("give each source either a weight or a count, not both or neither")
+    if counts is not None:
+        given = [int(count) for count in counts]
+        if len(given) != len(sizes):
+            raise ValueError(f"{len(given)} counts for {len(sizes)} sources")
+        if any(count < 0 for count in given):
+            raise ValueError(f"a count must be >= 0, got {given}")
+        result = tuple(given)
+    else:
+        assert weights is not None
+        result = _counts_of_weights(sizes, [float(w) for w in weights], length)
+    empty = [
+        s for s, (size, count) in enumerate(zip(sizes, result, strict=True)) if count and not size
+    ]
+    if empty:
+        raise ValueError(f"source {empty[0]} is empty but is given {result[empty[0]]} samples")
+    if not sum(result):
+        raise ValueError("the mixture's epoch has no samples")
+    return result
+
+
+def _counts_of_weights(
+    sizes: Sequence[int], weights: list[float], length: int | str
+) -> tuple[int, ...]:
+    if len(weights) != len(sizes):
+        raise ValueError(f"{len(weights)} weights for {len(sizes)} sources")
+    if not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise ValueError(f"weights must be finite numbers >= 0, got {weights}")
+    total_weight = sum(weights)
+    if total_weight <= 0:
+        raise ValueError(f"at least one weight must be above 0, got {weights}")
+    shares = [w / total_weight for w in weights]
+    used = [(size, share) for size, share in zip(sizes, shares, strict=True) if share > 0]
+    if isinstance(length, str):
+        if length not in EPOCH_LENGTHS:
+            raise ValueError(
+                f"length must be a number of samples or one of {EPOCH_LENGTHS}, got {length!r}"
+            )
+        if length == "sum":
+            total = sum(sizes)
+        elif length == "first":
+            total = min(math.floor(size / share) for size, share in used)
+        else:
+            total = max(math.ceil(size / share) for size, share in used)
+    else:
+        total = int(length)
+        if total < 1:
+            raise ValueError(f"length must be at least 1 sample, got {length}")
+    exact = [share * total for share in shares]
+    result = [math.floor(x) for x in exact]
+    # Largest remainder, ties to the earlier source: the counts add up to ``total``.
+    by_remainder = sorted(range(len(exact)), key=lambda s: (result[s] - exact[s], s))
+    for s in by_remainder[: total - sum(result)]:
+        result[s] += 1
+    return tuple(result)
+
+
+def offsets_of(sizes: Sequence[int]) -> np.ndarray:
+    """Each source's first mixed id: the running sum of the sizes before it."""
+    return np.concatenate(([0], np.cumsum(np.asarray(sizes, dtype=np.int64))[:-1])).astype(np.int64)
+
+
+def split_ids(mixed: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, id within the source) of each mixed id."""
+    mixed = np.asarray(mixed, dtype=np.int64)
+    bounds = np.cumsum(np.asarray(sizes, dtype=np.int64))
+    if len(mixed) and not (mixed.min() >= 0 and mixed.max() < bounds[-1]):
+        raise ValueError(
+            f"mixed ids must be in [0, {int(bounds[-1])}), got {mixed.min()}..{mixed.max()}"
+        )
+    sources = np.searchsorted(bounds, mixed, side="right")
+    return sources, mixed - offsets_of(sizes)[sources]
+
+
+def _source_ids(
+    seed: int, epoch: int, source: int, size: int, count: int, shuffle: bool
+) -> np.ndarray:
+    """Source ``source``'s ``count`` ids of the epoch, in the order it gives them."""
+    passes = -(-count // size) if count else 0
+    if not shuffle:
+        return np.tile(np.arange(size, dtype=np.int64), passes)[:count]
+    taken = []
+    for p in range(passes):
+        stream = np.random.SeedSequence([seed, epoch, _SOURCE_STREAM, source, p])
+        keys = np.random.PCG64(stream).random_raw(size)
+        taken.append(np.argsort(keys, kind="stable").astype(np.int64))
+    return np.concatenate(taken)[:count] if taken else np.zeros(0, dtype=np.int64)
+
+
+def mixture_order(
+    seed: int, epoch: int, sizes: Sequence[int], counts: Sequence[int], shuffle: bool = True
+) -> np.ndarray:
+    """The mixed ids of epoch ``epoch``, ``sum(counts)`` of them (read-only int64)."""
+    if seed < 0 or epoch < 0:
+        raise ValueError("seed and epoch must be >= 0")
+    if len(sizes) != len(counts):
+        raise ValueError(f"{len(counts)} counts for {len(sizes)} sources")
+    return _mixture_order(seed, epoch, tuple(sizes), tuple(counts), shuffle)
+
+
+@functools.lru_cache(maxsize=8)
+def _mixture_order(
+    seed: int, epoch: int, sizes: tuple[int, ...], counts: tuple[int, ...], shuffle: bool
+) -> np.ndarray:
+    labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    if shuffle:
+        stream = np.random.SeedSequence([seed, epoch, _INTERLEAVE_STREAM])
+        keys = np.random.PCG64(stream).random_raw(len(labels))
+    else:  # each source's k-th sample at (k + 0.5) / count of the epoch, evenly spread
+        keys = np.concatenate([(np.arange(c) + 0.5) / c for c in counts if c] or [np.zeros(0)])
+    labels = labels[np.argsort(keys, kind="stable")]
+    order = np.empty(len(labels), dtype=np.int64)
+    for source, (size, count, offset) in enumerate(
+        zip(sizes, counts, offsets_of(sizes), strict=True)
+    ):
+        if count:
+            order[labels == source] = offset + _source_ids(
+                seed, epoch, source, size, count, shuffle
+            )
+    order.setflags(write=False)
+    return order
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixturePlan(Plan):
+    """One rank's share of one epoch of a mixture: a :class:`Plan` over ``sum(counts)``
+    positions whose order is :func:`mixture_order`; its ids are mixed ids
+    (:func:`split_ids`)."""
+
+    sizes: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.sizes) != len(self.counts) or not self.sizes:
+            raise ValueError(f"{len(self.counts)} counts for {len(self.sizes)} sources")
+        if self.num_samples != sum(self.counts):
+            raise ValueError(
+                f"num_samples must be the mixture's epoch, {sum(self.counts)}, got {self.num_samples}"
+            )
+
+    def order(self) -> np.ndarray:
+        return mixture_order(self.seed, self.epoch, self.sizes, self.counts, self.shuffle)
