@@ -144,6 +144,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         default=",".join(map(str, cold.STREAMS)),
         help="with --cold: stream counts (default 1,4,16)",
     )
+    parser.add_argument(
+        "--host-servers",
+        default=",".join(host_trainers.SERVERS),
+        help="with --host-trainers: which server settings, in order (default "
+        f"{','.join(host_trainers.SERVERS)})",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
 
 

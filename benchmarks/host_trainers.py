@@ -5,7 +5,8 @@ process on that host.
 DALI's own pipeline (``run_dali``: its caffe reader, the served pipeline's graph, its
 PyTorch iterator) runs first, at the server's ``hw_decoder_load`` and, on a GPU, at DALI's
 default 0.65 too. Then, for each server setting (its defaults; ``--no-shared-memory``, which
-serves the trainers as it would serve another host's; ``--workers 1``; ``--workers 2``) and
+serves the trainers as it would serve another host's; ``--workers 1``; ``--workers 2``; or
+those ``--host-servers`` names, e.g. ``--host-servers workers2``) and
 each K, K processes of ``batchwire bench --address`` stream for ``--duration`` seconds
 (default 20) at once: their images/s summed, against DALI's best, with the server's CPU per
 image and cores busy (its process tree) over the same window, the slowest and fastest
@@ -26,16 +27,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from batchwire.bench import LocalServer
 
-__all__ = ["run_host_trainers"]
+__all__ = ["SERVERS", "run_host_trainers"]
 
 DURATION = 20.0
 _RATE = re.compile(r"(\d+) images in ([\d.]+)s: (\d+) images/s")
-_SERVERS: tuple[tuple[str, dict[str, object]], ...] = (
-    ("serve (defaults)", {}),
-    ("serve --no-shared-memory", {"shared_memory": False}),
-    ("serve --workers 1", {"workers": 1}),
-    ("serve --workers 2", {"workers": 2}),
-)
+# The server settings compared, by the name --host-servers gives them: (row label, settings).
+SERVERS: dict[str, tuple[str, dict[str, object]]] = {
+    "defaults": ("serve (defaults)", {}),
+    "no-shared-memory": ("serve --no-shared-memory", {"shared_memory": False}),
+    "workers1": ("serve --workers 1", {"workers": 1}),
+    "workers2": ("serve --workers 2", {"workers": 2}),
+}
 
 
 def run_host_trainers(args: argparse.Namespace) -> int:
@@ -47,6 +49,15 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     counts = [int(k) for k in args.host_trainers.split(",")]
     if not counts or min(counts) < 1:
         print("error: --host-trainers takes counts >= 1, e.g. 1,8", file=sys.stderr)
+        return 2
+    chosen = args.host_servers.split(",")
+    unknown = sorted(set(chosen) - set(SERVERS))
+    if unknown:
+        print(
+            f"error: --host-servers: unknown {', '.join(unknown)}; choose from "
+            f"{','.join(SERVERS)}",
+            file=sys.stderr,
+        )
         return 2
     seconds = args.duration or DURATION
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
@@ -66,7 +77,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
         name = "DALI's own in-process" + (f" (hw_decoder_load {load})" if gpu else "")
         per_image = 1000 * dali.trainer_cpu / dali.images
         print(f"{name:<44} {dali.images_per_second:9.0f} {'':>11} {per_image:10.3f} {'':>6}")
-    for label, settings in _SERVERS:
+    for label, settings in (SERVERS[name] for name in chosen):
         with LocalServer(data_dir, device=args.device, settings=settings, metrics=True) as server:
             assert server.metrics_port is not None  # metrics=True
             probe = ServerProbe(server.pid, server.metrics_port)

@@ -372,3 +372,11 @@ def test_host_trainers_measures_a_server_and_its_trainer_processes_against_dali(
     assert rows["serve --workers 1 -> 1 trainer"][-1] == "1.00"
     shares = [float(share) for share in rows["serve --workers 2 -> 1 trainer"][-1].split("/")]
     assert len(shares) == 2 and min(shares) > 0 and sum(shares) == pytest.approx(1, abs=0.02)
+
+
+def test_host_trainers_refuses_a_server_setting_it_does_not_know(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert benchmarks.main(["--host-trainers", "1", "--host-servers", "workers2,workers9"]) == 2
+    error = capsys.readouterr().err
+    assert "unknown workers9" in error and "defaults,no-shared-memory,workers1,workers2" in error
