@@ -25,6 +25,7 @@ from batchwire.server.data.records._dataset import (
     sample_key,
 )
 from batchwire.server.data.records._formats import unsupported_reason
+from batchwire.server.data.records._mixed import MixedDataset
 from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
 
 
@@ -41,6 +42,7 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "Manifest",
+    "MixedDataset",
     "ReadAhead",
     "ReadAheadStats",
     "Shard",

@@ -1,0 +1,93 @@
+"""Several datasets read as one, by mixed ids (:mod:`batchwire.common.mixture`): what a
+stream over a mixture reads its batches from.
+
+A batch of mixed ids is split by source and each source's records are read and screened by
+its own :class:`Dataset` (one ``pread`` a record into that source's buffer, as for one
+dataset), then put back in the batch's order: the images stay views of those buffers, so a
+mixed batch reaches DALI with no copy more than one dataset's. Labels are each source's
+own (the mixed id says which source); a record left out is reported by its mixed id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from batchwire.common.mixture import offsets_of, split_ids
+from batchwire.server.data.records._dataset import Dataset
+
+__all__ = ["MixedDataset"]
+
+
+class MixedDataset:
+    """``sources`` read as one dataset whose sample ``offsets[s] + i`` is sample ``i`` of
+    source ``s``. The sources stay the caller's to close."""
+
+    def __init__(self, sources: Sequence[Dataset]) -> None:
+        if not sources:
+            raise ValueError("a mixture needs at least one source")
+        self.sources = tuple(sources)
+        self.sizes = tuple(source.num_samples for source in self.sources)
+        self.offsets = offsets_of(self.sizes)
+
+    @property
+    def name(self) -> str:
+        return "+".join(source.name for source in self.sources)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def misses(self) -> int:
+        """Records read that were not all in the page cache, over every source."""
+        return sum(source.misses for source in self.sources)
+
+    def read_screened(
+        self, ids: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]:
+        """:meth:`Dataset.read_screened` of a batch of mixed ids: the mixed ids that may
+        reach a decoder, their encoded images and labels (each in its source's classes),
+        in the batch's order, and the mixed ids left out."""
+        ids = np.asarray(ids, dtype=np.int64)
+        sources, local = split_ids(ids, self.sizes)
+        position_of_kept: list[np.ndarray] = []
+        images: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        skipped: list[int] = []
+        for source in np.unique(sources).tolist():
+            positions = np.flatnonzero(sources == source)
+            kept, found, found_labels, left_out = self.sources[source].read_screened(
+                local[positions]
+            )
+            position_of_kept.append(positions[_kept_positions(local[positions], kept)])
+            images += found
+            labels.append(found_labels)
+            skipped += [int(self.offsets[source]) + sample for sample in left_out]
+        if not position_of_kept:
+            return ids[:0], [], np.zeros(0, dtype=np.int64), []
+        kept_positions = np.concatenate(position_of_kept)
+        order = np.argsort(kept_positions, kind="stable")
+        kept_positions = kept_positions[order]
+        return (
+            ids[kept_positions],
+            [images[i] for i in order.tolist()],
+            np.concatenate(labels)[order],
+            sorted(skipped, key=lambda sample: int(np.flatnonzero(ids == sample)[0])),
+        )
+
+
+def _kept_positions(asked: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Where in ``asked`` the ids ``kept`` (a subsequence of it, in order) lie. An id asked
+    twice (an upsampled source) is kept or left out both times, as both are one record."""
+    positions = np.empty(len(kept), dtype=np.int64)
+    at = 0
+    kept_list = kept.tolist()
+    for position, sample in enumerate(asked.tolist()):
+        if at < len(kept_list) and sample == kept_list[at]:
+            positions[at] = position
+            at += 1
+    if at != len(kept_list):
+        raise AssertionError("read_screened kept ids that were not asked for, or out of order")
+    return positions
