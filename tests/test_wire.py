@@ -21,8 +21,13 @@ from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
 
-def test_encoded_batches_are_plain_protobuf_and_decode_without_copying() -> None:
-    images = np.random.default_rng(0).integers(0, 255, (5, 3, 8, 8), dtype=np.uint8)
+# A batch of a few hundred bytes, and one of 1.8 MB: a large batch's message is filled
+# with the interpreter lock released (batch_codec._filled_bytes), a small one by bytes.join.
+@pytest.mark.parametrize("shape", [(5, 3, 8, 8), (5, 3, 224, 224), (12, 3, 224, 224)])
+def test_encoded_batches_are_plain_protobuf_and_decode_without_copying(
+    shape: tuple[int, ...],
+) -> None:
+    images = np.random.default_rng(0).integers(0, 255, shape, dtype=np.uint8)
     header = pb.Batch(
         index=3, ids=[1, 2, 3, 4, 5], labels=to_proto("labels", np.arange(5), "N"), cursor=40
     )

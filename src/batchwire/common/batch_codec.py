@@ -19,6 +19,7 @@ serialized. For a 77 MB batch those copies cost more CPU than the network.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Callable, Iterator
 
@@ -110,16 +111,46 @@ def images_head(images: np.ndarray, layout: str) -> pb.Tensor:
 
 
 def encode_batch(header: pb.Batch, images: np.ndarray, layout: str) -> bytes:
-    """``header`` (every field but images) plus ``images``, as Batch message bytes."""
+    """``header`` (every field but images) plus ``images``, as Batch message bytes. The
+    images are copied once, into the message, without the interpreter lock where they
+    are large (:func:`_filled_bytes`)."""
     tensor = images_head(images, layout)
     # The bytes as a flat uint8 view (no copy); memoryview.cast refuses an empty batch's
     # zero-length dimension.
-    data = memoryview(np.ascontiguousarray(images).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    data = np.ascontiguousarray(images).reshape(-1).view(np.uint8)
     tensor_head = tensor.SerializeToString()
     data_key = _varint(_TENSOR_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(data))
     tensor_length = len(tensor_head) + len(data_key) + len(data)
     images_key = _varint(_BATCH_IMAGES << 3 | _LENGTH_DELIMITED) + _varint(tensor_length)
-    return b"".join((header.SerializeToString(), images_key, tensor_head, data_key, data))
+    head = b"".join((header.SerializeToString(), images_key, tensor_head, data_key))
+    if len(data) < _UNLOCKED_COPY_BYTES:
+        return b"".join((head, memoryview(data)))  # type: ignore[arg-type]  # a buffer
+    return _filled_bytes(head, data)
+
+
+# From this many bytes of images on, a message is filled with the interpreter lock released.
+_UNLOCKED_COPY_BYTES = 1 << 20
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype = ctypes.c_void_p
+_bytes_address.argtypes = (ctypes.py_object,)
+
+
+def _filled_bytes(head: bytes, data: np.ndarray) -> bytes:
+    """``head + data`` as a new bytes object, ``data`` copied by NumPy, which releases the
+    interpreter lock while it copies: the server's event loop writes other streams'
+    messages meanwhile (``bytes.join`` holds the lock for the whole copy). The object is
+    made as C code makes one it fills, ``PyBytes_FromStringAndSize(NULL, n)``, and is
+    written only before anything else sees it, as the C API allows."""
+    size = len(head) + len(data)
+    message = _new_bytes(None, size)
+    out = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(_bytes_address(message)))
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    np.copyto(out[len(head) :], data)
+    return message  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)
