@@ -54,8 +54,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     unknown = sorted(set(chosen) - set(SERVERS))
     if unknown:
         print(
-            f"error: --host-servers: unknown {', '.join(unknown)}; choose from "
-            f"{','.join(SERVERS)}",
+            f"error: --host-servers: unknown {', '.join(unknown)}; choose from {','.join(SERVERS)}",
             file=sys.stderr,
         )
         return 2
