@@ -33,9 +33,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchwire.common.sampler import Plan
+from batchwire.common.sampler import Plan, seeded_permutation
 
-__all__ = ["EPOCH_LENGTHS", "MixturePlan", "mixture_counts", "mixture_order", "split_ids"]
+__all__ = [
+    "EPOCH_LENGTHS",
+    "MixturePlan",
+    "mixture_counts",
+    "mixture_order",
+    "offsets_of",
+    "split_ids",
+]
 
 # How long a mixture's epoch is, given weights (see mixture_counts).
 EPOCH_LENGTHS = ("sum", "first", "all")
@@ -143,11 +150,9 @@ def _source_ids(
     passes = -(-count // size) if count else 0
     if not shuffle:
         return np.tile(np.arange(size, dtype=np.int64), passes)[:count]
-    taken = []
-    for p in range(passes):
-        stream = np.random.SeedSequence([seed, epoch, _SOURCE_STREAM, source, p])
-        keys = np.random.PCG64(stream).random_raw(size)
-        taken.append(np.argsort(keys, kind="stable").astype(np.int64))
+    taken = [
+        seeded_permutation((seed, epoch, _SOURCE_STREAM, source, p), size) for p in range(passes)
+    ]
     return np.concatenate(taken)[:count] if taken else np.zeros(0, dtype=np.int64)
 
 
@@ -168,11 +173,10 @@ def _mixture_order(
 ) -> np.ndarray:
     labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     if shuffle:
-        stream = np.random.SeedSequence([seed, epoch, _INTERLEAVE_STREAM])
-        keys = np.random.PCG64(stream).random_raw(len(labels))
+        labels = labels[seeded_permutation((seed, epoch, _INTERLEAVE_STREAM), len(labels))]
     else:  # each source's k-th sample at (k + 0.5) / count of the epoch, evenly spread
         keys = np.concatenate([(np.arange(c) + 0.5) / c for c in counts if c] or [np.zeros(0)])
-    labels = labels[np.argsort(keys, kind="stable")]
+        labels = labels[np.argsort(keys, kind="stable")]
     order = np.empty(len(labels), dtype=np.int64)
     for source, (size, count, offset) in enumerate(
         zip(sizes, counts, offsets_of(sizes), strict=True)

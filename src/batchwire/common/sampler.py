@@ -42,15 +42,22 @@ __all__ = [
     "epoch_order",
     "num_batches",
     "rank_share",
+    "seeded_permutation",
 ]
+
+
+def seeded_permutation(entropy: Sequence[int], size: int) -> np.ndarray:
+    """A uniform permutation of ``0..size-1`` (int64), a pure function of ``entropy``
+    (a ``SeedSequence``'s entropy) and ``size``."""
+    keys = np.random.PCG64(np.random.SeedSequence(list(entropy))).random_raw(size)
+    # Sorting 64-bit random keys gives a uniform permutation; a stable sort
+    # makes the (vanishingly rare) ties deterministic too.
+    return np.argsort(keys, kind="stable").astype(np.int64)
 
 
 @functools.lru_cache(maxsize=8)
 def _permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
-    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_samples)
-    # Sorting 64-bit random keys gives a uniform permutation; a stable sort
-    # makes the (vanishingly rare) ties deterministic too.
-    order = np.argsort(keys, kind="stable").astype(np.int64)
+    order = seeded_permutation((seed, epoch), num_samples)
     order.setflags(write=False)
     return order
 

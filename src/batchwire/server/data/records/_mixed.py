@@ -14,22 +14,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchwire.common.mixture import offsets_of, split_ids
+from batchwire.common.mixture import split_ids
 from batchwire.server.data.records._dataset import Dataset
 
 __all__ = ["MixedDataset"]
 
 
 class MixedDataset:
-    """``sources`` read as one dataset whose sample ``offsets[s] + i`` is sample ``i`` of
-    source ``s``. The sources stay the caller's to close."""
+    """``sources`` read as one dataset whose mixed id ``offsets_of(sizes)[s] + i`` is
+    sample ``i`` of source ``s`` (:mod:`batchwire.common.mixture`). The sources stay the
+    caller's to close."""
 
     def __init__(self, sources: Sequence[Dataset]) -> None:
         if not sources:
             raise ValueError("a mixture needs at least one source")
         self.sources = tuple(sources)
         self.sizes = tuple(source.num_samples for source in self.sources)
-        self.offsets = offsets_of(self.sizes)
 
     @property
     def name(self) -> str:
@@ -52,29 +52,28 @@ class MixedDataset:
         in the batch's order, and the mixed ids left out."""
         ids = np.asarray(ids, dtype=np.int64)
         sources, local = split_ids(ids, self.sizes)
+        # Each record asked for is kept or left out by its source: where the kept ones lie
+        # in the batch says both.
+        kept = np.zeros(len(ids), dtype=bool)
         position_of_kept: list[np.ndarray] = []
         images: list[np.ndarray] = []
         labels: list[np.ndarray] = []
-        skipped: list[int] = []
         for source in np.unique(sources).tolist():
             positions = np.flatnonzero(sources == source)
-            kept, found, found_labels, left_out = self.sources[source].read_screened(
-                local[positions]
-            )
-            position_of_kept.append(positions[_kept_positions(local[positions], kept)])
+            found_ids, found, found_labels, _ = self.sources[source].read_screened(local[positions])
+            position_of_kept.append(positions[_kept_positions(local[positions], found_ids)])
             images += found
             labels.append(found_labels)
-            skipped += [int(self.offsets[source]) + sample for sample in left_out]
         if not position_of_kept:
             return ids[:0], [], np.zeros(0, dtype=np.int64), []
         kept_positions = np.concatenate(position_of_kept)
         order = np.argsort(kept_positions, kind="stable")
-        kept_positions = kept_positions[order]
+        kept[kept_positions] = True
         return (
-            ids[kept_positions],
+            ids[kept],
             [images[i] for i in order.tolist()],
             np.concatenate(labels)[order],
-            sorted(skipped, key=lambda sample: int(np.flatnonzero(ids == sample)[0])),
+            ids[~kept].tolist(),
         )
 
 
