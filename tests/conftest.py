@@ -7,12 +7,20 @@ import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hypothesis
 import numpy as np
 import pytest
 
 from batchwire.server import BatchwireServer, ServerConfig
 from batchwire.server.core import DevicePlan, visible_gpu_count
 from batchwire.server.data import Manifest, ingest, write_image_folders
+
+# Hypothesis's own timers (a deadline per example, a health check on how fast inputs are
+# generated) are timing thresholds: a slow or loaded host fails them with nothing wrong.
+hypothesis.settings.register_profile(
+    "batchwire", deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
+hypothesis.settings.load_profile("batchwire")
 
 SHAPES_PER_CLASS = 130  # 4 classes: 520 samples, enough for a batch of 512
 

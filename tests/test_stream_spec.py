@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchwire.common.stream import LIMITS, StreamSpec
+from batchwire.common.mixture import MixturePlan, mixture_order
+from batchwire.common.stream import LIMITS, MAX_SOURCES, Source, StreamSpec
 from batchwire.v1 import batchwire_pb2 as pb
 
 specs = st.builds(
@@ -72,3 +74,53 @@ def test_a_spec_is_frozen_and_its_plan_is_the_contracts() -> None:
     assert plan.num_batches == 5 and [b.index for b in plan.batches()] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="start"):
         spec.replace(start=21).plan(40)
+
+
+def test_a_mixtures_sources_survive_the_wire_and_plan_its_order() -> None:
+    sources = (Source("web", 70, "ab12"), Source("curated", 30))
+    spec = StreamSpec(sources=sources, batch_size=8, seed=4, epoch=1, rank=1, world_size=2)
+    wire = pb.StreamBatchesRequest.FromString(spec.to_proto().SerializeToString())
+    assert StreamSpec.from_proto(wire) == spec
+    assert spec.datasets == ("web", "curated") and spec.name == "web+curated"
+    plan = spec.plan([200, 10])  # curated upsampled three times, web a subset
+    assert isinstance(plan, MixturePlan) and plan.num_samples == 100
+    mixed = plan.order()
+    assert mixed.tolist() == mixture_order(4, 1, (200, 10), (70, 30)).tolist()
+    assert [b.ids.tolist() for b in plan.batches()] == [
+        mixed[1::2][k : k + 8].tolist() for k in range(0, 48, 8)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"dataset": "web"}, "leave dataset and dataset_version empty"),
+        ({"sources": (Source("web", 1), Source("web", 2))}, "named more than once"),
+        ({"sources": (Source("web", 0),)}, "1 to"),
+        ({"sources": tuple(Source(f"d{i}", 1) for i in range(MAX_SOURCES + 1))}, "at most"),
+    ],
+)
+def test_an_invalid_mixture_says_what_is_wrong(change: dict[str, object], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        StreamSpec(**{"sources": (Source("web", 4),), "batch_size": 4, **change})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [
+        (("a/b", 1), "not a valid name"),
+        (("web", -1), "count must be a whole number"),
+        (("web", 1, "xyz"), "hex digits"),
+    ],
+)
+def test_an_invalid_source_says_what_is_wrong(source: tuple[Any, ...], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        Source(*source)
+
+
+def test_a_mixture_plans_only_on_its_sources_sizes() -> None:
+    spec = StreamSpec(sources=(Source("web", 4), Source("curated", 2)), batch_size=2)
+    with pytest.raises(ValueError, match="1 sizes for a mixture of 2 sources"):
+        spec.plan(10)
+    with pytest.raises(ValueError, match="source 1 is empty"):
+        spec.plan([10, 0])

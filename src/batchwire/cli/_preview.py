@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         with loader:
             loader.set_epoch(args.epoch)
             classes = loader.classes
-            spec = next(p for p in loader._describe().pipelines if p.name == args.pipeline)
+            spec = next(p for p in loader._describe().info.pipelines if p.name == args.pipeline)
             images, labels = next(iter(loader))
     except BatchwireError as exc:
         print(f"error: {exc.details}", file=sys.stderr)

@@ -25,6 +25,7 @@ from batchwire.client._exceptions import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from batchwire.client._mixture import Mixture
 from batchwire.client._security import ChannelSecurity
 from batchwire.client._transport import check_health, list_datasets
 from batchwire.common import __version__
@@ -42,6 +43,7 @@ __all__ = [
     "ImageError",
     "InvalidArgumentError",
     "LoaderOptions",
+    "Mixture",
     "NotFoundError",
     "Preprocessed",
     "Preprocessor",

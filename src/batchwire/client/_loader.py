@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 import torch.utils.data
 
@@ -17,14 +18,14 @@ from batchwire.client._exceptions import (
     InvalidArgumentError,
 )
 from batchwire.client._frameworks import refuse_accelerate_wrappers, worker_id
+from batchwire.client._mixture import Described, Mixture
 from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import ServerSet
 from batchwire.client._state import Place, Position, Rank, Sharing
 from batchwire.client._transport import Transport, check_target, describe_dataset, find_workers
 from batchwire.common.sampler import Plan
-from batchwire.common.stream import StreamSpec
-from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.common.stream import Source, StreamSpec
 
 __all__ = ["LoaderOptions", "RemoteLoader"]
 
@@ -51,8 +52,19 @@ def _warn_if_lanes(lanes: int | None) -> None:
         )
 
 
+def _names(dataset: str | Mixture) -> dict[str, Any]:
+    """The StreamSpec fields that name ``dataset``. A mixture given weights has no counts
+    until its sources are described (each pass, :class:`Described`): its counts here are
+    placeholders, so that the spec is checked as one of a mixture."""
+    if not isinstance(dataset, Mixture):
+        return {"dataset": dataset}
+    counts = dataset.counts or {}
+    return {"sources": tuple(Source(name, counts.get(name, 1)) for name in dataset.names)}
+
+
 class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """Batches of one dataset, preprocessed by a named pipeline on remote servers.
+    """Batches of one dataset, or of a :class:`Mixture` of several, preprocessed by a
+    named pipeline on remote servers.
 
     ``for images, labels in loader`` yields ``batch_size`` samples at a time
     (``images, labels, ids`` with ``return_ids=True``): images as float32 normalized
@@ -87,7 +99,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self,
         address: str | Sequence[str],
         *,
-        dataset: str,
+        dataset: str | Mixture,
         pipeline: str = "train",
         batch_size: int = 256,
         shuffle: bool = True,
@@ -119,8 +131,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         try:
             # The stream every pass asks for (rank, world, epoch and cursor filled in
             # then) and how it is delivered: validated once, here, read-only from now on.
+            self._mixture = dataset if isinstance(dataset, Mixture) else None
             self._spec = StreamSpec(
-                dataset=dataset,
+                **_names(dataset),
                 pipeline=pipeline,
                 batch_size=batch_size,
                 seed=seed,
@@ -159,7 +172,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.skipped_ids: list[int] = []
         # Image payload bytes received and copied: one copy each, by design.
         self.transfer = TransferStats()
-        self._info: pb.DatasetInfo | None = None
+        self._info: Described | None = None
         self._servers = ServerSet(self._addresses)
         self._transport = Transport(self._security, on_open=close_at_exit)
         self._position = Position(self._spec, elastic_batch_size=self._elastic_batch_size)
@@ -177,8 +190,14 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     @property
     def spec(self) -> StreamSpec:
-        """The stream this loader asks for (rank, world size, epoch and cursor aside)."""
+        """The stream this loader asks for (rank, world size, epoch and cursor aside; a
+        mixture's counts and versions are those of its sources' descriptions, each pass)."""
         return self._spec
+
+    @property
+    def mixture(self) -> Mixture | None:
+        """The mixture this loader reads, or None for one dataset."""
+        return self._mixture
 
     @property
     def options(self) -> LoaderOptions:
@@ -187,8 +206,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     @property
     def dataset_name(self) -> str:
-        """The dataset's name."""
-        return self._spec.dataset
+        """The dataset's name (a mixture's: its sources' names joined by "+")."""
+        return self._spec.name
 
     @property
     def pipeline(self) -> str:
@@ -272,23 +291,74 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     # -- dataset facts -----------------------------------------------------------------
 
-    def _describe(self, again: bool = False) -> pb.DatasetInfo:
-        """The dataset as the first server that answers describes it (cached)."""
+    def _describe(self, again: bool = False) -> Described:
+        """The dataset, or each of a mixture's, as the first server that answers
+        describes it (cached)."""
         if self._info is None or again:
-            self._info = describe_dataset(
-                self._transport, self._servers, self._spec, timeout=self.timeout
-            )
+            if self._mixture is None:
+                self._info = Described(
+                    describe_dataset(
+                        self._transport, self._servers, self._spec, timeout=self.timeout
+                    )
+                )
+            else:
+                infos = [
+                    describe_dataset(
+                        self._transport,
+                        self._servers,
+                        self._spec.replace(dataset=name, sources=()),
+                        timeout=self.timeout,
+                    )
+                    for name in self._mixture.names
+                ]
+                try:
+                    self._info = Described.mixture(self._mixture, infos)
+                except ValueError as exc:
+                    raise InvalidArgumentError(f"{self._mixture!r}: {exc}") from None
         return self._info
 
     @property
     def num_samples(self) -> int:
-        """Samples in the whole dataset (all ranks)."""
-        return int(self._describe().num_samples)
+        """Samples in an epoch (all ranks): the dataset's, or the mixture's counts added
+        up."""
+        return self._describe().num_samples
 
     @property
     def classes(self) -> list[str]:
-        """Class names by label, from the dataset's manifest."""
-        return list(self._describe().classes)
+        """Class names by label, from the dataset's manifest; a mixture's where its
+        sources share them (else InvalidArgumentError: see :attr:`source_classes`)."""
+        try:
+            return self._describe().classes
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+
+    @property
+    def source_classes(self) -> dict[str, list[str]]:
+        """Each dataset's class names by label (one entry for one dataset): a mixed
+        sample's label is in its source's classes."""
+        described = self._describe()
+        if not described.sources:
+            return {self._spec.dataset: list(described.info.classes)}
+        return {name: list(classes) for name, classes in described.source_classes.items()}
+
+    @property
+    def source_counts(self) -> dict[str, int]:
+        """Samples each dataset gives an epoch (a mixture's, planned from their sizes)."""
+        described = self._describe()
+        if not described.sources:
+            return {self._spec.dataset: described.num_samples}
+        return {source.dataset: source.count for source in described.sources}
+
+    def split_ids(self, ids: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, id within its dataset) of each id a batch carries (``return_ids``): a
+        mixture's ids are mixed ids, source ``s``'s sample ``i`` being ``i`` plus the sizes
+        of the sources before it. Sources are numbered in the mixture's order."""
+        values = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+        try:
+            sources, local = self._describe().split(values)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        return torch.from_numpy(np.asarray(sources)), torch.from_numpy(np.asarray(local))
 
     def _plan(self, share: Rank, place: Place) -> tuple[StreamSpec, Plan]:
         """The stream of ``share`` from ``place`` (in this loader's units), and its plan."""
@@ -449,13 +519,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         refuse_accelerate_wrappers()
         if worker_id() not in (None, 0):
             return  # worker 0 streams the whole share, in order
-        info = next(p for p in self._describe().pipelines if p.name == self.pipeline)
+        info = next(p for p in self._describe().info.pipelines if p.name == self.pipeline)
         tensors = Tensors(self._options, info, self.layout, self.transfer)
         # Once a process: a unit's workers in place of the unit, to pull from each.
         find_workers(
             self._transport,
             self._servers,
-            self.dataset_name,
+            self._spec.datasets[0],
             timeout=min(self.timeout, _FIND_WORKERS_TIMEOUT_S),
         )
         share = self._sharing.resolve()
@@ -524,6 +594,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def __repr__(self) -> str:
         return (
-            f"RemoteLoader({list(self.addresses)!r}, dataset={self.dataset_name!r}, "
+            f"RemoteLoader({list(self.addresses)!r}, "
+            f"dataset={(self._mixture or self.dataset_name)!r}, "
             f"pipeline={self.pipeline!r}, batch_size={self.batch_size})"
         )

@@ -28,22 +28,27 @@ from batchwire.client._ledger import Ledger, Record
 from batchwire.common.sampler import Plan
 
 if TYPE_CHECKING:
+    from batchwire.client._mixture import Described
     from batchwire.client._pass import StreamPass
     from batchwire.common.stream import StreamSpec
-    from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["Place", "Position", "Rank", "Sharing"]
 
 _STATE_VERSION = 3
 # 1: batchwire 0.1, 2: the release after it. Same fields and meaning, without origin (0).
 _READABLE_STATES = (1, 2, 3)
-# A state loads into a loader only if these match. The rank may differ (frameworks save
-# rank 0's state and load it on every rank), and so may the world size (see the module).
+# A state loads into a loader only if these match (a mixture's "dataset" is its sources'
+# names joined by "+"). The rank may differ (frameworks save rank 0's state and load it on
+# every rank), and so may the world size (see the module).
 _IDENTITY = ("dataset", "seed", "shuffle", "drop_last")
 # The version of the dataset's content a state was saved on (DatasetInfo.version): a
 # state loads only where the server serves that version. Absent in states saved by
 # earlier releases, or before the loader described its dataset: not checked.
 _DATASET_VERSION = "dataset_version"
+# A mixture's sources as its state's epoch was planned: [dataset, count, version] each.
+# The rest of that epoch is the same order only where the server serves those versions
+# and the loader plans those counts.
+_SOURCES = "sources"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,21 +204,22 @@ class Position:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "loaded_in_worker": False, "_probe": None}
 
-    def plan(self, share: Rank, place: Place, info: pb.DatasetInfo) -> tuple[StreamSpec, Plan]:
+    def plan(self, share: Rank, place: Place, info: Described) -> tuple[StreamSpec, Plan]:
         """The stream of ``share`` from ``place`` (in the loader's units) of the dataset
-        ``info`` describes, and its plan."""
+        or mixture ``info`` describes, and its plan."""
         try:
-            # The version the share is planned on: a server that serves another one
-            # refuses the stream (FAILED_PRECONDITION) rather than mix versions.
+            # The version the share is planned on (a mixture's counts and versions): a
+            # server that serves another one refuses the stream (FAILED_PRECONDITION)
+            # rather than mix versions.
             spec = self._spec.replace(
                 rank=share.rank,
                 world_size=share.world_size,
                 epoch=place.epoch,
                 origin=place.origin,
                 start=place.cursor,
-                dataset_version=info.version,
+                **info.planned(),
             )
-            plan = spec.plan(info.num_samples)
+            plan = spec.plan(info.sizes if info.sources else info.num_samples)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from exc
         if plan.num_batches == 0 and place.origin == 0:
@@ -236,7 +242,7 @@ class Position:
                 Place(epoch).write(record)
 
     def state_dict(
-        self, current: StreamPass | None, share: Rank, info: pb.DatasetInfo | None
+        self, current: StreamPass | None, share: Rank, info: Described | None
     ) -> dict[str, Any]:
         """The state of RemoteLoader.state_dict: ``epoch``, ``origin``, ``cursor`` in
         shares of ``world_size`` ranks of ``batch_size``, and ``position``, the samples of
@@ -254,7 +260,7 @@ class Position:
         position = place.origin + place.cursor * world
         state = {
             "version": _STATE_VERSION,
-            **{key: getattr(self._spec, key) for key in _IDENTITY},
+            **self._identity(),
             "batch_size": place.batch or self._spec.batch_size,
             "world_size": world,
             "pipeline": self._spec.pipeline,
@@ -267,11 +273,17 @@ class Position:
         # Known once the loader described its dataset, which every pass does first.
         if info is not None and info.version:
             state[_DATASET_VERSION] = info.version
+        if info is not None and info.sources:
+            state[_SOURCES] = _sources_of(info)
         return state
 
-    def load_state_dict(
-        self, state: Mapping[str, Any], describe: Callable[[], pb.DatasetInfo]
-    ) -> bool:
+    def _identity(self) -> dict[str, Any]:
+        return {
+            key: self._spec.name if key == "dataset" else getattr(self._spec, key)
+            for key in _IDENTITY
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], describe: Callable[[], Described]) -> bool:
         """Check ``state`` (see RemoteLoader.load_state_dict) and make it the place the
         next pass starts at; False in a DataLoader worker that streams nothing.
         ``describe`` asks a server for the dataset as it is served now."""
@@ -279,12 +291,11 @@ class Position:
             raise InvalidArgumentError(
                 f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
             )
-        for key in _IDENTITY:
-            if state.get(key) != getattr(self._spec, key):
+        for key, value in self._identity().items():
+            if state.get(key) != value:
                 raise InvalidArgumentError(
                     f"state was saved with {key}={state.get(key)!r} but this loader has "
-                    f"{key}={getattr(self._spec, key)!r}; create the loader with the same "
-                    "settings to resume"
+                    f"{key}={value!r}; create the loader with the same settings to resume"
                 )
         if state.get("batch_size") != self._spec.batch_size and not self._elastic_batch_size:
             raise InvalidArgumentError(
@@ -305,16 +316,44 @@ class Position:
         if worker not in (None, 0):
             return False  # workers other than 0 stream nothing (see RemoteLoader)
         if place.cursor > 0 or place.origin > 0:  # at an epoch's start nothing is left over
-            _check_dataset_version(self._spec.dataset, state.get(_DATASET_VERSION), describe)
+            if self._spec.sources:
+                _check_sources(state.get(_SOURCES), describe)
+            else:
+                _check_dataset_version(self._spec.dataset, state.get(_DATASET_VERSION), describe)
         with self.ledger.update() as record:
             place.write(record)
         self.loaded_in_worker = worker is not None
         return True
 
 
-def _check_dataset_version(
-    dataset: str, saved: object, describe: Callable[[], pb.DatasetInfo]
-) -> None:
+def _sources_of(info: Described) -> list[list[Any]]:
+    return [[source.dataset, source.count, source.version] for source in info.sources]
+
+
+def _check_sources(saved: object, describe: Callable[[], Described]) -> None:
+    """Refuse a mixture's state whose epoch was planned on other counts, or on other
+    versions of its datasets, than this loader plans on what the server serves now."""
+    if saved is None:
+        raise InvalidArgumentError(
+            "this state of a mixture does not say its sources' counts and versions: it was "
+            "not saved by a RemoteLoader of a mixture"
+        )
+    now = _sources_of(describe())
+    try:
+        if [list(source) for source in saved] == now:  # type: ignore[attr-defined]
+            return
+    except TypeError:
+        pass  # not a list of lists: refused below
+    raise InvalidArgumentError(
+        f"state was saved on the mixture's sources {saved} ([dataset, samples per epoch, "
+        f"version]) but this loader plans {now} on what the server serves now: a dataset "
+        "was replaced (re-ingested) or the weights changed, and the rest of the saved "
+        "epoch no longer exists. Start the epoch again (load no state, or call set_epoch), "
+        "or serve the old versions with the same weights"
+    )
+
+
+def _check_dataset_version(dataset: str, saved: object, describe: Callable[[], Described]) -> None:
     """Refuse a state saved on another version of the dataset than the server's."""
     if not saved:
         return

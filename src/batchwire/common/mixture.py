@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,6 +39,8 @@ from batchwire.common.sampler import Plan, seeded_permutation
 __all__ = [
     "EPOCH_LENGTHS",
     "MixturePlan",
+    "check_length",
+    "check_weights",
     "mixture_counts",
     "mixture_order",
     "offsets_of",
@@ -95,18 +98,12 @@ def _counts_of_weights(
 ) -> tuple[int, ...]:
     if len(weights) != len(sizes):
         raise ValueError(f"{len(weights)} weights for {len(sizes)} sources")
-    if not all(math.isfinite(w) and w >= 0 for w in weights):
-        raise ValueError(f"weights must be finite numbers >= 0, got {weights}")
+    check_weights(weights)
+    check_length(length)
     total_weight = sum(weights)
-    if total_weight <= 0:
-        raise ValueError(f"at least one weight must be above 0, got {weights}")
     shares = [w / total_weight for w in weights]
     used = [(size, share) for size, share in zip(sizes, shares, strict=True) if share > 0]
     if isinstance(length, str):
-        if length not in EPOCH_LENGTHS:
-            raise ValueError(
-                f"length must be a number of samples or one of {EPOCH_LENGTHS}, got {length!r}"
-            )
         if length == "sum":
             total = sum(sizes)
         elif length == "first":
@@ -115,8 +112,6 @@ def _counts_of_weights(
             total = max(math.ceil(size / share) for size, share in used)
     else:
         total = int(length)
-        if total < 1:
-            raise ValueError(f"length must be at least 1 sample, got {length}")
     exact = [share * total for share in shares]
     result = [math.floor(x) for x in exact]
     # Largest remainder, ties to the earlier source: the counts add up to ``total``.
@@ -124,6 +119,29 @@ def _counts_of_weights(
     for s in by_remainder[: total - sum(result)]:
         result[s] += 1
     return tuple(result)
+
+
+def check_weights(weights: Sequence[float]) -> None:
+    """``ValueError`` unless ``weights`` are finite numbers >= 0, one of them above 0."""
+    if not all(
+        isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+        for w in weights
+    ):
+        raise ValueError(f"weights must be finite numbers >= 0, got {list(weights)}")
+    if sum(weights) <= 0:
+        raise ValueError(f"at least one weight must be above 0, got {list(weights)}")
+
+
+def check_length(length: int | str) -> None:
+    """``ValueError`` unless ``length`` is a number of samples (>= 1) or one of
+    :data:`EPOCH_LENGTHS`."""
+    if isinstance(length, str):
+        if length not in EPOCH_LENGTHS:
+            raise ValueError(
+                f"length must be a number of samples or one of {EPOCH_LENGTHS}, got {length!r}"
+            )
+    elif not isinstance(length, numbers.Integral) or isinstance(length, bool) or length < 1:
+        raise ValueError(f"length must be at least 1 sample, got {length!r}")
 
 
 def offsets_of(sizes: Sequence[int]) -> np.ndarray:

@@ -15,17 +15,21 @@ import dataclasses
 import math
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from batchwire.common.sampler import Share
+from batchwire.common.mixture import MixturePlan, mixture_counts
+from batchwire.common.sampler import Plan, Share
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
     "LAYOUTS",
     "LIMITS",
+    "MAX_MIXTURE_EPOCH",
+    "MAX_SOURCES",
     "NAME_PATTERN",
     "OUTPUT_DTYPES",
+    "Source",
     "StreamSpec",
     "check_name",
     "output_fields",
@@ -59,6 +63,9 @@ _LAYOUT_NAMES: dict[int, str] = {
 LIMITS: Mapping[str, int] = types.MappingProxyType(
     {"world_size": 1 << 16, "seed": (1 << 63) - 1, "epoch": 1 << 40}
 )
+# A mixture's sources, and the samples of its epoch (each an int64 of its order).
+MAX_SOURCES = 256
+MAX_MIXTURE_EPOCH = 1 << 31
 
 
 def check_name(kind: str, name: str) -> None:
@@ -87,6 +94,32 @@ def output_fields(message: pb.StreamBatchesRequest | pb.PreprocessRequest) -> di
     return {"dtype": dtype, "layout": layout, "params": dict(message.params)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One dataset of a mixture: ``count`` samples of it each epoch (more than its size
+    repeats samples, fewer takes a subset), planned on its ``version`` ("": not checked)."""
+
+    dataset: str
+    count: int
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        check_name("dataset", self.dataset)
+        if not isinstance(self.count, int) or not 0 <= self.count <= MAX_MIXTURE_EPOCH:
+            raise ValueError(
+                f"source {self.dataset!r}: count must be a whole number in "
+                f"[0, {MAX_MIXTURE_EPOCH}], got {self.count!r}"
+            )
+        _check_version(self.version)
+
+
+def _check_version(version: str) -> None:
+    if not _VERSION_PATTERN.match(version):
+        raise ValueError(
+            f"dataset_version must be hex digits (DatasetInfo.version), got {version[:80]!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamSpec(Share):
     """A share of a dataset (:class:`~batchwire.common.sampler.Share`: batch size, seed,
@@ -96,28 +129,32 @@ class StreamSpec(Share):
     ``dtype``/``layout`` are the images' output format. ``dataset_version``, when set, is
     the version of the dataset the share was planned on: a server serving another version
     refuses the stream.
+
+    A mixture names ``sources`` instead of a ``dataset`` (left ""): its epoch is
+    :mod:`batchwire.common.mixture`'s order of their counts, its ids mixed ids.
     """
 
-    dataset: str
+    dataset: str = ""
     pipeline: str = "train"
     dtype: str = "uint8"
     layout: str = "NCHW"
     params: Mapping[str, float] = dataclasses.field(default_factory=dict)
     dataset_version: str = ""
+    sources: tuple[Source, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_name("dataset", self.dataset)
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if self.sources:
+            self._check_sources()
+        else:
+            check_name("dataset", self.dataset)
         check_name("pipeline", self.pipeline)
         if self.dtype not in OUTPUT_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
-        if not _VERSION_PATTERN.match(self.dataset_version):
-            raise ValueError(
-                f"dataset_version must be hex digits (DatasetInfo.version), got "
-                f"{self.dataset_version[:80]!r}"
-            )
+        _check_version(self.dataset_version)
         for name, limit in LIMITS.items():
             if getattr(self, name) > limit:
                 raise ValueError(f"{name} must be at most {limit}, got {getattr(self, name)}")
@@ -127,6 +164,59 @@ class StreamSpec(Share):
                 raise ValueError(f"params[{key!r}] must be a finite number, got {value!r}")
             params[str(key)] = float(value)
         object.__setattr__(self, "params", params)  # a copy of its own
+
+    def _check_sources(self) -> None:
+        if self.dataset or self.dataset_version:
+            raise ValueError(
+                "a mixture names its datasets in sources: leave dataset and dataset_version empty"
+            )
+        if len(self.sources) > MAX_SOURCES:
+            raise ValueError(
+                f"a mixture has at most {MAX_SOURCES} sources, got {len(self.sources)}"
+            )
+        names = [source.dataset for source in self.sources]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"dataset {twice[0]!r} is named more than once in the mixture: give it one "
+                "count (or weight)"
+            )
+        total = sum(source.count for source in self.sources)
+        if not 0 < total <= MAX_MIXTURE_EPOCH:
+            raise ValueError(
+                f"a mixture's epoch must hold 1 to {MAX_MIXTURE_EPOCH} samples (its sources' "
+                f"counts added up), got {total}"
+            )
+
+    @property
+    def datasets(self) -> tuple[str, ...]:
+        """The datasets this stream reads: its one ``dataset``, or its sources'."""
+        return tuple(s.dataset for s in self.sources) if self.sources else (self.dataset,)
+
+    @property
+    def name(self) -> str:
+        """The dataset's name, or a mixture's sources' names joined by "+" (for logs and
+        metrics)."""
+        return "+".join(self.datasets)
+
+    def plan(self, num_samples: int | Sequence[int]) -> Plan:
+        """This share of a dataset of ``num_samples``, or of a mixture of sources of
+        these sizes (a :class:`~batchwire.common.mixture.MixturePlan`). ``ValueError``
+        if, say, ``start`` lies past the epoch's end or a source is empty."""
+        if not self.sources:
+            if not isinstance(num_samples, int):
+                raise TypeError("the plan of one dataset takes its size")
+            return super().plan(num_samples)
+        sizes = (num_samples,) if isinstance(num_samples, int) else tuple(num_samples)
+        if len(sizes) != len(self.sources):
+            raise ValueError(f"{len(sizes)} sizes for a mixture of {len(self.sources)} sources")
+        try:
+            counts = mixture_counts(sizes, counts=[source.count for source in self.sources])
+        except ValueError as exc:
+            raise ValueError(f"mixture of {list(self.datasets)}: {exc}") from None
+        return MixturePlan(
+            num_samples=sum(counts), sizes=sizes, counts=counts, **self.share_fields()
+        )
 
     def replace(self, **changes: Any) -> StreamSpec:
         """A copy with ``changes``, validated again."""
@@ -140,6 +230,9 @@ class StreamSpec(Share):
             layout=LAYOUTS[self.layout],
             params=dict(self.params),
             dataset_version=self.dataset_version,
+            sources=[
+                pb.Source(dataset=s.dataset, count=s.count, version=s.version) for s in self.sources
+            ],
             **self.share_fields(),
         )
 
@@ -155,6 +248,7 @@ class StreamSpec(Share):
             dataset=message.dataset,
             pipeline=message.pipeline,
             dataset_version=message.dataset_version,
+            sources=tuple(Source(s.dataset, s.count, s.version) for s in message.sources),
             **output_fields(message),
             **share,
         )

@@ -28,7 +28,13 @@ from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
-from batchwire.server.data.records import Dataset, ReadAhead, StreamReadAhead
+from batchwire.server.data.records import (
+    Dataset,
+    MixedDataset,
+    ReadAhead,
+    Records,
+    StreamReadAhead,
+)
 from batchwire.server.errors import (
     Draining,
     InvalidRequest,
@@ -167,28 +173,36 @@ class Engine:
         they are copied once, into what it builds (by default Batches of their own)."""
         if self._drain.is_set():
             raise Draining("the server is shutting down; resume the stream on another server")
-        # The stream holds this Dataset to its end, whatever a rescan does meanwhile.
-        dataset = self.catalog.acquire(spec.dataset)
+        # The stream holds its Datasets to its end, whatever a rescan does meanwhile.
+        datasets: list[Dataset] = []
         try:
-            return self._open(spec, dataset, encode, batches)
+            for name in spec.datasets:
+                datasets.append(self.catalog.acquire(name))
+            return self._open(spec, datasets, encode, batches)
         except BaseException:
-            self.catalog.release(dataset)
+            for dataset in datasets:
+                self.catalog.release(dataset)
             raise
 
     def _open(
         self,
         spec: StreamSpec,
-        dataset: Dataset,
+        datasets: list[Dataset],
         encode: Callable[[Batch], Any],
         batches: Callable[[Plan], Sequence[int]] | None,
     ) -> BatchStream[Any]:
-        check_version(spec.dataset, spec.dataset_version, dataset)
+        if spec.sources:
+            for source, dataset in zip(spec.sources, datasets, strict=True):
+                check_version(source.dataset, source.version, dataset)
+        else:
+            check_version(spec.dataset, spec.dataset_version, datasets[0])
+        records: Records = MixedDataset(datasets) if spec.sources else datasets[0]
         pipeline = pipeline_named(self.pipelines, spec.pipeline)
         try:
             check_batch_size(spec.batch_size, self.config.max_batch_size)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        plan = self._plan(spec, dataset)
+        plan = self._plan(spec, [dataset.num_samples for dataset in datasets])
         key, output = runner_key(
             pipeline, spec, batch_size=spec.batch_size, device=self.devices.kind
         )
@@ -197,17 +211,17 @@ class Engine:
         try:
             key = dataclasses.replace(key, device_id=next(self._device_cycle))
             if self.readahead is not None:
-                ahead = self.readahead.open(dataset)
+                ahead = self.readahead.open(records)
             # A stream asks for a few batches beyond the pipelines' own prefetch, so that
             # one stream alone keeps more than one pipeline busy.
             window = self.config.prefetch + 2
             setup = StreamSetup(
-                dataset=dataset,
+                dataset=records,
                 plan=plan,
                 normalized=output.normalized,
                 layout=output.layout,
                 schedule=functools.partial(self._stream_ticket, key, ahead, window=window),
-                release=functools.partial(self._release, dataset, ahead),
+                release=functools.partial(self._release, datasets, ahead),
                 draining=self._drain.is_set,
             )
             stream = BatchStream(
@@ -225,9 +239,9 @@ class Engine:
             self._uncount()
             raise
 
-    def _plan(self, spec: StreamSpec, dataset: Dataset) -> Plan:
+    def _plan(self, spec: StreamSpec, sizes: list[int]) -> Plan:
         try:
-            return spec.plan(dataset.num_samples)
+            return spec.plan(sizes if spec.sources else sizes[0])
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
@@ -285,12 +299,13 @@ class Engine:
         with self._streams_lock:
             self._streams -= 1
 
-    def _release(self, dataset: Dataset, ahead: StreamReadAhead | None) -> None:
-        """A stream ended: uncount it, end its read-ahead and give its dataset back."""
+    def _release(self, datasets: list[Dataset], ahead: StreamReadAhead | None) -> None:
+        """A stream ended: uncount it, end its read-ahead and give its datasets back."""
         self._uncount()
         if ahead is not None:
-            ahead.close()  # before the dataset may close: it reads the dataset's map
-        self.catalog.release(dataset)
+            ahead.close()  # before the datasets may close: it reads their maps
+        for dataset in datasets:
+            self.catalog.release(dataset)
 
     @property
     def active_streams(self) -> int:

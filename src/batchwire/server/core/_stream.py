@@ -20,8 +20,9 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from batchwire.common.mixture import MixturePlan, split_ids
 from batchwire.common.sampler import Plan, PlannedBatch
-from batchwire.server.data.records import Dataset
+from batchwire.server.data.records import Records
 from batchwire.server.errors import Draining, InvalidRequest
 from batchwire.server.runners import Job, Result, read_job
 from batchwire.server.scheduling import Ticket
@@ -48,6 +49,8 @@ class Batch:
     normalized: bool
     num_batches: int
     layout: str
+    # A mixture's: samples of each of its sources in this batch (empty for one dataset).
+    source_counts: tuple[int, ...] = ()
 
 
 def own(batch: Batch) -> Batch:
@@ -68,7 +71,7 @@ class StreamSetup:
     """What the engine gives a stream: its plan and output format, how it asks the server's
     pipelines (``schedule(read)``, a ticket), its end (``release``) and a drain's notice."""
 
-    dataset: Dataset
+    dataset: Records
     plan: Plan
     normalized: bool
     layout: str
@@ -133,6 +136,10 @@ class BatchStream(Generic[P]):
     def _finish(self, seq: int, result: Result[P]) -> P:
         planned = self._planned[seq]
         plan = self._setup.plan
+        source_counts: tuple[int, ...] = ()
+        if isinstance(plan, MixturePlan):
+            sources = split_ids(result.ids, plan.sizes)[0]
+            source_counts = tuple(np.bincount(sources, minlength=len(plan.sizes)).tolist())
         return self._encode(
             Batch(
                 index=planned.index,
@@ -144,6 +151,7 @@ class BatchStream(Generic[P]):
                 normalized=self._setup.normalized,
                 num_batches=plan.num_batches,
                 layout=self._setup.layout,
+                source_counts=source_counts,
             )
         )
 

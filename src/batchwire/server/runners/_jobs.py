@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from batchwire.server.data.records import Dataset
+from batchwire.server.data.records import Records
 
 __all__ = ["Job", "Result", "empty_result", "read_job"]
 
@@ -70,7 +70,7 @@ def empty_result(
     )
 
 
-def read_job(dataset: Dataset, seq: int, ids: np.ndarray) -> Job[Any]:
+def read_job(dataset: Records, seq: int, ids: np.ndarray) -> Job[Any]:
     """Batch ``seq``'s job: the records of ``ids`` that may reach a pipeline, read and
     screened by the record path (:meth:`Dataset.read_screened`); the rest in
     ``Job.skipped``."""

@@ -115,6 +115,16 @@ class ServerMetrics:
             "batchwire_batches_sent", "Batches sent to clients (handed to gRPC)."
         )
         self.samples_sent = counter("batchwire_samples_sent", "Samples in the batches sent.")
+        self.source_samples_sent = counter(
+            "batchwire_mixture_samples_sent",
+            "Samples of each dataset in the batches of mixtures sent (label dataset: the "
+            "source's own).",
+        )
+        self.source_batches_sent = counter(
+            "batchwire_mixture_batches_sent",
+            "Batches of mixtures sent that held samples of the dataset (label dataset: the "
+            "source's own).",
+        )
         self.bytes_sent = counter(
             "batchwire_bytes_sent", "Serialized bytes of the batches sent (before gRPC framing)."
         )

@@ -252,6 +252,7 @@ class SharedRing:
             len(message),
             skipped=len(batch.skipped_ids),
             shared=images.nbytes,
+            source_counts=batch.source_counts,
         )
 
     def _acquire(self, nbytes: int) -> int | None:

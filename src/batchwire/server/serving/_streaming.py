@@ -48,6 +48,7 @@ class EncodedBatch:
     nbytes: int
     skipped: int = 0  # samples left out of the batch (undecodable)
     shared: int = 0  # bytes of images in shared memory, not in the messages
+    source_counts: tuple[int, ...] = ()  # a mixture's: samples of each source
 
 
 def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
@@ -63,7 +64,11 @@ def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
         header = batch_header(batch, slice(lo, hi), part, parts)
         messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
     return EncodedBatch(
-        messages, total, sum(len(m) for m in messages), skipped=len(batch.skipped_ids)
+        messages,
+        total,
+        sum(len(m) for m in messages),
+        skipped=len(batch.skipped_ids),
+        source_counts=batch.source_counts,
     )
 
 
@@ -112,10 +117,20 @@ class _Progress:
 
 
 class StreamMetrics:
-    """The metrics of one stream, bound to its dataset and pipeline labels."""
+    """The metrics of one stream, bound to its dataset and pipeline labels (a mixture's
+    dataset label is its ``sources``' names joined by "+"; each source counts its own
+    samples and batches too)."""
 
-    def __init__(self, metrics: ServerMetrics, dataset: str, pipeline: str) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, dataset: str, pipeline: str, sources: Sequence[str] = ()
+    ) -> None:
         labels = {"dataset": dataset, "pipeline": pipeline}
+        self._source_samples = [
+            metrics.source_samples_sent.labels(dataset=name, pipeline=pipeline) for name in sources
+        ]
+        self._source_batches = [
+            metrics.source_batches_sent.labels(dataset=name, pipeline=pipeline) for name in sources
+        ]
         self._ended = metrics.streams_ended
         self._labels = labels
         self._active = metrics.active_streams.labels(**labels)
@@ -145,14 +160,23 @@ class StreamMetrics:
             self._skipped.inc(skipped)
             self._skipped_batches.inc()
 
-    def sent(self, samples: int, nbytes: int, shared: int = 0) -> None:
+    def sent(
+        self, samples: int, nbytes: int, shared: int = 0, source_counts: Sequence[int] = ()
+    ) -> None:
         """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC, its
-        images in ``shared`` bytes of shared memory if not in the messages."""
+        images in ``shared`` bytes of shared memory if not in the messages; a mixture's
+        holding ``source_counts`` samples of each source."""
         self._batches.inc()
         self._samples.inc(samples)
         self._bytes.inc(nbytes)
         if shared:
             self._shared.inc(shared)
+        for count, source_samples, source_batches in zip(
+            source_counts, self._source_samples, self._source_batches, strict=False
+        ):
+            if count:
+                source_samples.inc(count)
+                source_batches.inc()
 
     def waited(self, seconds: float) -> None:
         """gRPC took a batch's messages after ``seconds`` (flow control: a slow client)."""
@@ -182,7 +206,8 @@ async def serve_stream(
     pulled = lane is None
     expected = None if pulled else stream.waiting
     fields = _log_start(spec, context.peer(), lane, shared_memory)
-    metrics = StreamMetrics(server_metrics, spec.dataset, spec.pipeline)
+    sources = [source.dataset for source in spec.sources]
+    metrics = StreamMetrics(server_metrics, spec.name, spec.pipeline, sources)
     metrics.opened()
     progress = _Progress()
     status = "CANCELLED"  # unless the loop ends otherwise: the client went away
@@ -229,7 +254,7 @@ async def _write_batches(
         # before this handler resumes after its last write.
         progress.sent += encoded.samples
         progress.batches += 1
-        metrics.sent(encoded.samples, encoded.nbytes, encoded.shared)
+        metrics.sent(encoded.samples, encoded.nbytes, encoded.shared, encoded.source_counts)
         waited = 0.0  # each write returns once gRPC has taken the message
         try:
             for part, message in enumerate(encoded.messages):
@@ -251,7 +276,7 @@ def _log_start(
     # Structured copies of the start and end lines (JSON logs: --log-format json).
     fields = {
         "peer": peer,
-        "dataset": spec.dataset,
+        "dataset": spec.name,
         "pipeline": spec.pipeline,
         "rank": spec.rank,
         "world_size": spec.world_size,
@@ -265,7 +290,7 @@ def _log_start(
     log.info(
         "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d %s epoch=%d start=%d",
         peer,
-        spec.dataset,
+        spec.name,
         spec.pipeline,
         spec.rank,
         spec.world_size,
@@ -289,7 +314,7 @@ def _log_end(
     log.info(
         "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f status=%s",
         fields["peer"],
-        spec.dataset,
+        spec.name,
         spec.pipeline,
         spec.rank,
         progress.sent,

@@ -25,7 +25,7 @@ from batchwire.server.data.records._dataset import (
     sample_key,
 )
 from batchwire.server.data.records._formats import unsupported_reason
-from batchwire.server.data.records._mixed import MixedDataset
+from batchwire.server.data.records._mixed import MixedDataset, Records
 from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
 
 
@@ -45,6 +45,7 @@ __all__ = [
     "MixedDataset",
     "ReadAhead",
     "ReadAheadStats",
+    "Records",
     "Shard",
     "StreamReadAhead",
     "manifest_version",

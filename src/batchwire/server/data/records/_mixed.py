@@ -10,14 +10,37 @@ own (the mixed id says which source); a record left out is reported by its mixed
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from batchwire.common.mixture import split_ids
 from batchwire.server.data.records._dataset import Dataset
 
-__all__ = ["MixedDataset"]
+__all__ = ["MixedDataset", "Records"]
+
+
+class Records(Protocol):
+    """What a stream reads its batches from: one :class:`Dataset`, or a
+    :class:`MixedDataset` (ids are then mixed ids)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_samples(self) -> int: ...
+
+    @property
+    def misses(self) -> int: ...
+
+    def read_screened(
+        self, ids: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]: ...
+
+    def locate(self, sample_id: int) -> tuple[int, int, int] | None: ...
 
 
 class MixedDataset:
@@ -30,6 +53,7 @@ class MixedDataset:
             raise ValueError("a mixture needs at least one source")
         self.sources = tuple(sources)
         self.sizes = tuple(source.num_samples for source in self.sources)
+        self._ends = list(itertools.accumulate(self.sizes))  # each source's last id + 1
 
     @property
     def name(self) -> str:
@@ -43,6 +67,13 @@ class MixedDataset:
     def misses(self) -> int:
         """Records read that were not all in the page cache, over every source."""
         return sum(source.misses for source in self.sources)
+
+    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
+        """:meth:`Dataset.locate` of a mixed id (None outside the mixture)."""
+        source = bisect.bisect_right(self._ends, sample_id)
+        if sample_id < 0 or source >= len(self.sources):
+            return None
+        return self.sources[source].locate(sample_id - (self._ends[source] - self.sizes[source]))
 
     def read_screened(
         self, ids: np.ndarray

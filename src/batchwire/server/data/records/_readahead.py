@@ -43,7 +43,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from batchwire.server.data.records._dataset import Dataset, advise
+from batchwire.server.data.records._dataset import advise
+from batchwire.server.data.records._mixed import Records
 
 __all__ = ["ReadAhead", "ReadAheadStats", "StreamReadAhead"]
 
@@ -80,7 +81,7 @@ class StreamReadAhead:
     batch with :meth:`around`, so the read-ahead knows which batch is being read.
     """
 
-    def __init__(self, pool: ReadAhead, dataset: Dataset) -> None:
+    def __init__(self, pool: ReadAhead, dataset: Records) -> None:
         self._pool = pool
         self._dataset = dataset
         self._batch_ids: Callable[[int], np.ndarray | None] = lambda seq: None
@@ -207,7 +208,7 @@ class ReadAhead:
         (each record is then read when its batch is)."""
         return cls(reads=reads, max_bytes=mib << 20, on_seconds=on_seconds) if reads else None
 
-    def open(self, dataset: Dataset) -> StreamReadAhead:
+    def open(self, dataset: Records) -> StreamReadAhead:
         """A stream's read-ahead over ``dataset``; :meth:`StreamReadAhead.close` it."""
         stream = StreamReadAhead(self, dataset)
         with self.lock:

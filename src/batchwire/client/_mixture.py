@@ -1,0 +1,190 @@
+"""A mixture of datasets as a loader asks for it (:class:`Mixture`), and what a loader
+plans its passes with (:class:`Described`): one dataset's description, or a mixture's,
+whose sources' sizes and versions fix its counts and so its epochs' order
+(:mod:`batchwire.common.mixture`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.common.mixture import check_length, check_weights, mixture_counts, split_ids
+from batchwire.common.stream import Source, check_name
+from batchwire.v1 import batchwire_pb2 as pb
+
+__all__ = ["Described", "Mixture"]
+
+
+class Mixture:
+    """Several datasets of one server read as one, in set proportions: pass it as a
+    :class:`~batchwire.client.RemoteLoader`'s ``dataset``.
+
+    ``weights`` (``{"imagenet": 0.7, "domain": 0.3}``) are each source's proportion of
+    every epoch, relative to their sum; ``length`` is the epoch's samples: ``"sum"`` (the
+    sources' sizes added up), ``"first"`` (it ends as the first source would repeat a
+    sample: nothing repeats), ``"all"`` (as the last source gives its last new sample:
+    the smaller ones repeat), or a number. ``counts`` (``{"web": 1_000_000, "curated":
+    50_000}``) give each source's samples per epoch instead: more than its size repeats
+    its samples (each ``count // size`` or one more times), fewer takes a different subset
+    each epoch. Each epoch holds exactly those counts, in an order that depends only on
+    ``(seed, epoch)``, the sources' sizes and the counts, and every batch mixes the
+    sources (they go through the loader's one pipeline)."""
+
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        *,
+        counts: Mapping[str, int] | None = None,
+        length: int | str = "sum",
+    ) -> None:
+        try:
+            given = _checked(weights, counts, length)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        self._weights = types.MappingProxyType(
+            {k: float(v) for k, v in given.items()} if weights is not None else {}
+        )
+        self._counts = types.MappingProxyType(
+            {k: int(v) for k, v in given.items()} if counts is not None else {}
+        )
+        self._length = length
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The sources' datasets, in the order given (the order of their mixed ids)."""
+        return tuple(self._weights or self._counts)
+
+    @property
+    def weights(self) -> Mapping[str, float] | None:
+        return self._weights or None
+
+    @property
+    def counts(self) -> Mapping[str, int] | None:
+        return self._counts or None
+
+    @property
+    def length(self) -> int | str:
+        return self._length
+
+    def counts_for(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """Each source's samples per epoch, its datasets being of ``sizes``
+        (``ValueError`` says what cannot be: an empty dataset given samples)."""
+        if self._counts:
+            return mixture_counts(sizes, counts=list(self._counts.values()))
+        return mixture_counts(sizes, weights=list(self._weights.values()), length=self._length)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mixture) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple[Any, ...]:
+        return (tuple(self._weights.items()), tuple(self._counts.items()), self._length)
+
+    def __repr__(self) -> str:
+        if self._counts:
+            return f"Mixture(counts={dict(self._counts)!r})"
+        return f"Mixture({dict(self._weights)!r}, length={self._length!r})"
+
+
+def _checked(
+    weights: Mapping[str, float] | None, counts: Mapping[str, int] | None, length: int | str
+) -> dict[str, Any]:
+    """The mixture's datasets and their weights or counts; ValueError says what is wrong."""
+    if (weights is None) == (counts is None):
+        raise ValueError("a Mixture takes weights or counts, one of them")
+    given = dict(weights if weights is not None else counts or {})
+    if not given:
+        raise ValueError("a Mixture needs at least one dataset")
+    for name in given:
+        check_name("dataset", name)
+    if weights is not None:
+        check_weights(list(given.values()))
+        check_length(length)
+    else:
+        if length != "sum":
+            raise ValueError("length is for weights: counts fix the epoch's length")
+        bad = {k: v for k, v in given.items() if not _is_count(v)}
+        if bad:
+            raise ValueError(f"counts must be whole numbers >= 0, got {bad}")
+        if not sum(given.values()):
+            raise ValueError("the mixture's epoch has no samples: every count is 0")
+    return given
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and bool(value >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """What a loader plans with: the description of its dataset (``info``), or of a
+    mixture's first source (its pipelines and limits are the server's) with ``sources``:
+    each dataset's count per epoch and version, as planned from their sizes now."""
+
+    info: pb.DatasetInfo
+    sources: tuple[Source, ...] = ()
+    sizes: tuple[int, ...] = ()
+    source_classes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def mixture(cls, mixture: Mixture, infos: Sequence[pb.DatasetInfo]) -> Described:
+        """A mixture's sources as ``infos`` describe them (``ValueError`` if its counts
+        cannot be planned on their sizes)."""
+        sizes = tuple(int(info.num_samples) for info in infos)
+        counts = mixture.counts_for(sizes)
+        return cls(
+            info=infos[0],
+            sources=tuple(
+                Source(info.name, count, info.version)
+                for info, count in zip(infos, counts, strict=True)
+            ),
+            sizes=sizes,
+            source_classes={info.name: tuple(info.classes) for info in infos},
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch: the dataset's, or the mixture's counts added up."""
+        if self.sources:
+            return sum(source.count for source in self.sources)
+        return int(self.info.num_samples)
+
+    @property
+    def version(self) -> str:
+        """One dataset's version ("" for a mixture: its sources have theirs)."""
+        return "" if self.sources else self.info.version
+
+    def planned(self) -> dict[str, Any]:
+        """The StreamSpec fields that pin a stream to what was described."""
+        if self.sources:
+            return {"sources": self.sources}
+        return {"dataset_version": self.info.version}
+
+    @property
+    def classes(self) -> list[str]:
+        """The dataset's classes by label; a mixture's where its sources share them (every
+        label means the same class whatever its source)."""
+        if not self.sources:
+            return list(self.info.classes)
+        distinct = set(self.source_classes.values())
+        if len(distinct) > 1:
+            raise ValueError(
+                "the mixture's sources have different classes, and each sample's label is "
+                "in its own source's classes: read loader.source_classes[dataset], and "
+                "loader.split_ids(ids) for each sample's source"
+            )
+        return list(next(iter(distinct)))
+
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, id within that source's dataset) of each of ``ids``."""
+        if not self.sources:
+            ids = np.asarray(ids, dtype=np.int64)
+            return np.zeros(len(ids), dtype=np.int64), ids
+        return split_ids(ids, self.sizes)

@@ -1,0 +1,253 @@
+"""A mixture of datasets streamed by a real server (CPU DALI, LMDB datasets built here):
+the set proportions, each rank's disjoint share, exact resume (also on another world
+size), and bad input refused before any stream.
+
+Three datasets of 80, 40 and 12 samples mixed 0.5/0.3/0.2 over an epoch of their sizes
+added up (132): 66 of the first (a different subset each epoch), all 40 of the second,
+26 of the third (each sample twice or three times).
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import start_server
+from processes import serve_process
+from test_metrics import settled, value
+
+from batchwire.client import InvalidArgumentError, Mixture, NotFoundError, RemoteLoader
+from batchwire.common.mixture import mixture_order
+from batchwire.common.stream import Source, StreamSpec
+from batchwire.server import BatchwireServer
+from batchwire.server.data import ingest, write_image_folders
+from batchwire.v1 import batchwire_pb2 as pb
+from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
+
+SIZES = {"big": 80, "mid": 40, "small": 12}  # 4 classes each: 20, 10 and 3 a class
+WEIGHTS = {"big": 0.5, "mid": 0.3, "small": 0.2}
+COUNTS = (66, 40, 26)
+SEED = 3
+
+OPTIONS: dict[str, Any] = {
+    "dataset": Mixture(WEIGHTS),
+    "pipeline": "val",
+    "params": {"size": 32},
+    "return_ids": True,
+    "seed": SEED,
+    "batch_size": 8,
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("mixture")
+    for seed, (name, size) in enumerate(SIZES.items()):
+        write_image_folders(root / name, per_class=size // 4, size=48, seed=seed)
+        ingest(root / name, root / "datasets", name=name, shard_size=32)
+    return root / "datasets"
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
+    server = start_server(data_dir, metrics_port=0)
+    yield server
+    server.stop(grace=1.0)
+
+
+def make(server: BatchwireServer, **kwargs: Any) -> RemoteLoader:
+    return RemoteLoader(server.target, **{**OPTIONS, **kwargs})
+
+
+def ids_of(loader: RemoteLoader, batches: int | None = None) -> list[int]:
+    """The mixed ids of the next ``batches`` batches of a pass (all if None)."""
+    taken: list[int] = []
+    for count, (_, _, ids) in enumerate(loader, start=1):
+        taken += ids.tolist()
+        if count == batches:
+            break
+    return taken
+
+
+def test_each_epoch_holds_the_weights_share_of_each_source(server: BatchwireServer) -> None:
+    loader = make(server, drop_last=False, batch_size=32)
+    assert loader.source_counts == dict(zip(SIZES, COUNTS, strict=True))
+    assert len(loader) == 5 and loader.num_samples == sum(COUNTS)
+    sizes = tuple(SIZES.values())
+    totals = collections.Counter[int]()
+    labels_checked = 0
+    for epoch in range(20):
+        loader.set_epoch(epoch)
+        epoch_ids: list[int] = []
+        for images, labels, ids in loader:
+            assert images.shape[1:] == (3, 32, 32)
+            sources, local = loader.split_ids(ids)
+            # Each sample's label is its source's own: ingest numbers a dataset's samples
+            # class by class, so the label follows from the id within the source.
+            per_class = np.array(sizes)[sources.numpy()] // 4
+            assert (labels.numpy() == local.numpy() // per_class).all()
+            labels_checked += len(ids)
+            epoch_ids += ids.tolist()
+        # The server's order is the mixture's, computed here from (seed, epoch, sizes,
+        # counts) alone.
+        assert epoch_ids == mixture_order(SEED, epoch, sizes, COUNTS).tolist()
+        sources, local = loader.split_ids(epoch_ids)
+        per_source = collections.Counter(sources.tolist())
+        assert [per_source[s] for s in range(3)] == list(COUNTS)
+        totals.update(per_source)
+        for source, (size, count) in enumerate(zip(sizes, COUNTS, strict=True)):
+            taken = local[sources == source].tolist()
+            if count <= size:  # no sample twice within an epoch
+                assert len(set(taken)) == count
+            else:  # every sample, each count // size times or once more
+                assert set(collections.Counter(taken).values()) <= {
+                    count // size,
+                    count // size + 1,
+                }
+                assert len(set(taken)) == size
+    assert labels_checked == 20 * sum(COUNTS)
+    # The server counts each source's samples and the batches that held some: those of
+    # the 20 epochs, and of the first batches of epoch 20 that the loader asked for ahead
+    # as epoch 19 ended.
+    loader.close()
+    metrics = settled(server)
+    mixture = {"dataset": "big+mid+small", "pipeline": "val"}
+    sent = value(metrics, "batchwire_samples_sent_total", **mixture) - 20 * sum(COUNTS)
+    assert sent in (0, 32, 64)
+    ahead = loader.split_ids(mixture_order(SEED, 20, sizes, COUNTS)[: int(sent)])[0]
+    for source, (name, count) in enumerate(zip(SIZES, COUNTS, strict=True)):
+        labels = {"dataset": name, "pipeline": "val"}
+        samples = 20 * count + int((ahead == source).sum())
+        assert value(metrics, "batchwire_mixture_samples_sent_total", **labels) == samples
+        assert 0 < value(metrics, "batchwire_mixture_batches_sent_total", **labels) <= 20 * 5 + 2
+    # 20 epochs: each source's share is its weight's, well within a binomial tolerance
+    # (the counts are exact each epoch).
+    total = sum(totals.values())
+    for source, weight in enumerate(WEIGHTS.values()):
+        spread = 3 * (total * weight * (1 - weight)) ** 0.5
+        assert abs(totals[source] - weight * total) <= spread
+
+
+def test_ranks_split_the_mixture_and_a_state_resumes_exactly_the_rest(
+    server: BatchwireServer,
+) -> None:
+    ranks = [make(server, rank=r, world_size=2) for r in range(2)]
+    shares = [ids_of(loader) for loader in ranks]
+    # Each rank's share is its positions of the epoch, as the contract splits them.
+    sources = tuple(Source(name, count) for name, count in zip(SIZES, COUNTS, strict=True))
+    for rank, share in enumerate(shares):
+        plan = StreamSpec(sources=sources, batch_size=8, seed=SEED, rank=rank, world_size=2).plan(
+            list(SIZES.values())
+        )
+        planned = [i for k in range(plan.num_batches) for i in plan.batch(k).ids.tolist()]
+        assert share == planned
+    assert len(shares[0]) == len(shares[1]) == 64  # 8 batches of 8 each, 4 samples dropped
+    # Together, the epoch's positions once each (an id of the upsampled source comes as
+    # often as the epoch holds it): no position on both ranks.
+    order = mixture_order(SEED, 0, tuple(SIZES.values()), COUNTS).tolist()
+    together = collections.Counter(shares[0] + shares[1])
+    assert not together - collections.Counter(order)
+    for at in (1, 5):
+        loader = make(server, rank=1, world_size=2)
+        before = ids_of(loader, at)
+        state = loader.state_dict()
+        assert state["sources"] == [
+            [name, count, info]
+            for (name, count), info in zip(
+                zip(SIZES, COUNTS, strict=True),
+                [s.version for s in loader._describe().sources],
+                strict=True,
+            )
+        ]
+        resumed = make(server, rank=1, world_size=2)
+        resumed.load_state_dict(state)
+        assert before + ids_of(resumed) == shares[1]
+
+
+def test_a_mixture_saved_on_two_ranks_resumes_exactly_on_three(server: BatchwireServer) -> None:
+    order = mixture_order(SEED, 0, tuple(SIZES.values()), COUNTS).tolist()
+    two = [make(server, rank=r, world_size=2, drop_last=False) for r in range(2)]
+    iterators = [iter(loader) for loader in two]
+    consumed: list[int] = []
+    for _ in range(3):  # three global steps
+        for iterator in iterators:
+            consumed += next(iterator)[2].tolist()
+    state = two[0].state_dict()
+    assert state["position"] == 48
+    rest: list[int] = []
+    for rank in range(3):
+        loader = make(server, rank=rank, world_size=3, drop_last=False)
+        loader.load_state_dict(state)
+        rest += ids_of(loader)
+    assert sorted(consumed) == sorted(order[:48])
+    assert sorted(rest) == sorted(order[48:])  # nothing lost, nothing repeated
+
+
+def test_bad_mixtures_are_refused_before_any_stream(server: BatchwireServer) -> None:
+    for weights, words in (
+        ({"big": 0.5, "mid": -0.1}, "finite numbers >= 0"),
+        ({"big": 0, "mid": 0}, "at least one weight must be above 0"),
+        ({"big": float("nan"), "mid": 1}, "finite numbers >= 0"),
+        ({"big": 1, "no such!": 1}, "not a valid name"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=words):
+            Mixture(weights)
+    with pytest.raises(InvalidArgumentError, match="one of"):
+        Mixture(WEIGHTS, length="longest")
+    with pytest.raises(InvalidArgumentError, match="weights or counts"):
+        Mixture(WEIGHTS, counts={"big": 1})
+    with pytest.raises(NotFoundError, match="missing"):
+        len(make(server, dataset=Mixture({"big": 1, "missing": 1})))
+    # On the wire, in the server's words: before any batch.
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.BatchwireStub(channel)
+
+        def refused(*sources: pb.Source, dataset: str = "") -> grpc.RpcError:
+            request = pb.StreamBatchesRequest(
+                dataset=dataset, pipeline="val", batch_size=4, sources=sources
+            )
+            with pytest.raises(grpc.RpcError) as caught:
+                next(iter(stub.StreamBatches(request, timeout=60)))
+            return caught.value
+
+        error = refused(pb.Source(dataset="big", count=4), pb.Source(dataset="big", count=4))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "named more than once" in str(error.details())
+        error = refused(pb.Source(dataset="big", count=4), dataset="mid")
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "leave dataset and dataset_version empty" in str(error.details())
+        error = refused(pb.Source(dataset="big", count=4), pb.Source(dataset="gone", count=4))
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        error = refused(pb.Source(dataset="big", count=4, version="abc123"))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "version abc123 of dataset 'big'" in str(error.details())
+        error = refused(pb.Source(dataset="big", count=0))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "1 to" in str(error.details())
+
+
+def test_a_server_sigkilled_mid_mixture_loses_and_repeats_nothing(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    expected = mixture_order(SEED, 0, tuple(SIZES.values()), COUNTS).tolist()
+    with (
+        serve_process(data_dir, tmp_path / "a.log") as a,
+        serve_process(data_dir, tmp_path / "b.log") as b,
+    ):
+        loader = RemoteLoader(
+            [a.address, b.address], **{**OPTIONS, "drop_last": False, "retry_timeout": 30}
+        )
+        ids: list[int] = []
+        with loader:
+            for n, (_, _, batch_ids) in enumerate(loader):
+                ids += batch_ids.tolist()
+                if n == 5:
+                    a.process.send_signal(signal.SIGKILL)
+        assert a.process.wait(10) == -signal.SIGKILL
+    assert ids == expected  # the same samples, in the same order, as an undisturbed epoch
