@@ -70,6 +70,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "no-decode remote/DALI images/s",
         "no-decode server/DALI CPU",
         "small remote/DALI images/s",
+        "no-decode: a mixture -> RemoteLoader",
+        "mixture/one dataset images/s",
     ):
         assert label in out
     summary = json.loads(result.read_text())["summary"]
@@ -84,6 +86,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "remote-nodecode",
         "dali-small",
         "remote-small",
+        "remote-one",
+        "remote-mixture",
     }
     for name, row in summary.items():
         # CPU figures are measured, not tested: tiny runs fall within a clock tick.

@@ -338,7 +338,11 @@ def test_the_slow_integration_tests_carry_their_markers() -> None:
     tests = pathlib.Path(__file__).parent
     expected = {
         "docker": {"test_compose_up.py"},
-        "frameworks": {"test_frameworks.py", "test_elastic_frameworks.py"},
+        "frameworks": {
+            "test_frameworks.py",
+            "test_elastic_frameworks.py",
+            "test_frameworks_mixture.py",
+        },
         "docs": {"test_docs.py"},
     }
     for marker, modules in expected.items():

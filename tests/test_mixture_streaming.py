@@ -19,9 +19,12 @@ import grpc
 import numpy as np
 import pytest
 from conftest import start_server
+from PIL import Image
 from processes import serve_process
 from test_metrics import settled, value
+from test_preview import expected_strip, tiles
 
+from batchwire.cli import main
 from batchwire.client import InvalidArgumentError, Mixture, NotFoundError, RemoteLoader
 from batchwire.common.mixture import mixture_order
 from batchwire.common.stream import Source, StreamSpec
@@ -251,3 +254,45 @@ def test_a_server_sigkilled_mid_mixture_loses_and_repeats_nothing(
                     a.process.send_signal(signal.SIGKILL)
         assert a.process.wait(10) == -signal.SIGKILL
     assert ids == expected  # the same samples, in the same order, as an undisturbed epoch
+
+
+def test_preview_and_bench_take_a_mixture(
+    server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "grid.png"
+    preview = ["preview", "--address", server.target, "--pipeline", "val", "--out", str(out)]
+    shown = ["--batch-size", "6", "--seed", "3", "--param", "size=48", "--param", "resize=56"]
+    assert main([*preview, "--dataset", "big=0.5,small=0.5", *shown]) == 0
+    assert "6 images of 'big+small'" in capsys.readouterr().out
+    with RemoteLoader(
+        server.target,
+        dataset=Mixture({"big": 0.5, "small": 0.5}),
+        pipeline="val",
+        batch_size=6,
+        seed=3,
+        drop_last=False,
+        normalize=False,
+        params={"size": 48, "resize": 56},
+        return_ids=True,
+    ) as loader:
+        _, labels, ids = next(iter(loader))
+        sources = loader.split_ids(ids)[0].tolist()
+    with Image.open(out) as png:
+        grid = np.asarray(png.convert("RGB"))
+    # Each tile's caption says its dataset, and its label in that dataset's classes.
+    classes = ("circle", "cross", "square", "triangle")
+    for (_, strip), label, source in zip(tiles(grid, 6, 3), labels.tolist(), sources, strict=True):
+        text = f"{('big', 'small')[source]}: {label} {classes[label]}"
+        assert np.array_equal(strip, expected_strip(text, 96)), f"caption is not {text!r}"
+    assert len(set(sources)) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error
+        main([*preview, "--dataset", "big=0.5,small=x", *shown])
+    assert refused.value.code == 2
+    assert "the weight must be a number" in capsys.readouterr().err
+
+    bench = ["bench", "--address", server.target, "--pipeline", "val", "--no-progress"]
+    sizes = ["--images", "32", "--batch-size", "16"]
+    assert main([*bench, "--dataset", "big=0.7,mid=0.3", *sizes]) == 0
+    assert "images/s" in capsys.readouterr().out
+    assert main([*bench, "--dataset", "big=0.7,mid=-1", *sizes]) == 2
+    assert "finite numbers >= 0" in capsys.readouterr().err

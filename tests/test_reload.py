@@ -20,7 +20,7 @@ import pytest
 from conftest import TEST_DEVICE, start_server
 from processes import serve_process
 
-from batchwire.client import BatchwireError, RemoteLoader, check_health
+from batchwire.client import BatchwireError, Mixture, RemoteLoader, check_health
 from batchwire.server import BatchwireServer, ServerConfig
 from batchwire.server.data import Manifest, ingest, write_image_folders
 from batchwire.v1 import batchwire_pb2 as pb
@@ -83,7 +83,7 @@ def _expected_labels(manifest: Manifest) -> dict[int, int]:
     return dict(enumerate(labels.tolist()))
 
 
-def _loader(address: str, name: str, **options: object) -> RemoteLoader:
+def _loader(address: str, name: str | Mixture, **options: object) -> RemoteLoader:
     settings: dict[str, object] = {
         "dataset": name,
         "pipeline": "val",
@@ -282,3 +282,59 @@ def _wait_listed(address: str, name: str) -> None:
     while name not in _datasets(address):
         assert time.monotonic() < deadline, f"{name!r} not listed within {DEADLINE:.0f}s"
         time.sleep(0.05)
+
+
+def test_a_mixture_follows_its_sources_versions(
+    served: tuple[BatchwireServer, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """A source of a mixture replaced mid-epoch: the open stream finishes on the old
+    version, a state of it is refused afterwards, and new passes plan on the new one."""
+    server, data = served
+    _ingest(tmp_path / "other", data, "other", OLD, 5)  # 10 samples
+    server.rescan()
+    mixture = Mixture({"old": 0.5, "other": 0.5})  # an epoch of 50: 25 of each
+    loader = _loader(server.target, mixture, batch_size=5)
+    assert loader.source_counts == {"old": 25, "other": 25}
+    iterator = iter(loader)
+    _, labels, ids = next(iterator)
+    state = loader.state_dict()
+    old_version = _datasets(server.target)["other"].version
+    assert state["sources"] == [
+        ["old", 25, _datasets(server.target)["old"].version],
+        ["other", 25, old_version],
+    ]
+
+    _ingest(tmp_path / "new", data, "other", NEW, 8, overwrite=True)  # 24 samples, 3 classes
+    assert [(c.name, c.change) for c in server.rescan()] == [("other", "replaced")]
+    seen, seen_labels = ids.tolist(), labels.tolist()
+    for _, labels, ids in iterator:
+        seen += ids.tolist()
+        seen_labels += labels.tolist()
+    labels_of_other = [label for label, i in zip(seen_labels, seen, strict=True) if i >= 40]
+    assert len(seen) == 50 and sum(i >= 40 for i in seen) == 25  # the old version's plan
+    assert set(labels_of_other) <= {0, 1}  # its 2 classes: none of the new one's triangles
+    loader.close()
+
+    with _loader(server.target, mixture, batch_size=5) as resumed:
+        with pytest.raises(BatchwireError) as refused:
+            resumed.load_state_dict(state)
+        assert "a dataset was replaced" in str(refused.value)
+        # New passes plan on the new version: 40 and 24 samples, an epoch of 64.
+        assert resumed.source_counts == {"old": 32, "other": 32}
+        assert len([i for _, _, ids in resumed for i in ids.tolist()]) == 64
+
+    # A stream that expects the old version of a source is refused, not served the new one.
+    request = pb.StreamBatchesRequest(
+        pipeline="val",
+        batch_size=5,
+        sources=[
+            pb.Source(dataset="old", count=25),
+            pb.Source(dataset="other", count=25, version=old_version),
+        ],
+    )
+    with grpc.insecure_channel(server.target) as channel:
+        call = pb_grpc.BatchwireStub(channel).StreamBatches(request, timeout=30)
+        with pytest.raises(grpc.RpcError) as failed:
+            next(iter(call))
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"version {old_version} of dataset 'other'" in failed.value.details()

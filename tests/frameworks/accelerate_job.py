@@ -25,6 +25,7 @@ import torch.utils.data
 from accelerate import Accelerator
 from recording import Recorder, die_together
 
+from batchwire.cli._datasets import dataset_or_mixture
 from batchwire.client import RemoteLoader
 
 # A rank that raised waits this long for the other rank to raise too, so torchrun (which
@@ -35,6 +36,12 @@ PEER_WAIT = datetime.timedelta(seconds=30)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", required=True, help="the server, host:port")
+    parser.add_argument(
+        "--dataset",
+        type=dataset_or_mixture,
+        default="shapes",
+        help="a dataset, or a mixture NAME=WEIGHT,NAME=WEIGHT (default shapes)",
+    )
     parser.add_argument("--out", required=True, type=pathlib.Path, help="records, state")
     parser.add_argument("--records", default="first", help="names this run's records")
     parser.add_argument("--mode", choices=("recipe", "prepare"), default="recipe")
@@ -66,7 +73,7 @@ class Progress:
 def make_loader(args: argparse.Namespace, accelerator: Accelerator) -> RemoteLoader:
     return RemoteLoader(
         args.target,
-        dataset="shapes",
+        dataset=args.dataset,
         pipeline="train",
         batch_size=args.batch_size,
         seed=args.seed,

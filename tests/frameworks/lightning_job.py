@@ -27,12 +27,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from recording import Recorder, die_together
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from batchwire.cli._datasets import dataset_or_mixture
 from batchwire.client import RemoteLoader
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", required=True, help="the server, host:port")
+    parser.add_argument(
+        "--dataset",
+        type=dataset_or_mixture,
+        default="shapes",
+        help="a dataset, or a mixture NAME=WEIGHT,NAME=WEIGHT (default shapes)",
+    )
     parser.add_argument("--out", required=True, type=pathlib.Path, help="records, checkpoints")
     parser.add_argument("--records", default="first", help="names this run's records")
     parser.add_argument("--wrap", choices=("none", "dataloader", "stateful"), default="none")
@@ -48,12 +55,13 @@ def parse_args() -> argparse.Namespace:
 
 
 class RemoteData(pl.LightningDataModule):
-    """Train (shuffled) and val (in id order) loaders over the test's ``shapes`` dataset."""
+    """Train (shuffled) and val (in id order) loaders over the test's ``shapes`` dataset
+    (or ``--dataset``)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         common: dict[str, Any] = {
-            "dataset": "shapes",
+            "dataset": args.dataset,
             "batch_size": args.batch_size,
             "seed": args.seed,
             "params": {"size": 32},

@@ -23,6 +23,8 @@ LABELS = {
     "remote-nodecode": "no-decode: server -> RemoteLoader",
     "dali-small": "small images: DALI's own in-process",
     "remote-small": "small images: server -> RemoteLoader",
+    "remote-one": "no-decode: one dataset -> RemoteLoader",
+    "remote-mixture": "no-decode: a mixture -> RemoteLoader",
 }
 
 
@@ -59,6 +61,12 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
         "small remote/DALI images/s",
         lambda m: _rate(m, "remote-small") / _rate(m, "dali-small"),
         0.6,
+        True,
+    ),
+    (
+        "mixture/one dataset images/s",
+        lambda m: _rate(m, "remote-mixture") / _rate(m, "remote-one"),
+        0.95,
         True,
     ),
 )

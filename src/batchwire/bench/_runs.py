@@ -35,9 +35,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchwire.bench._probe import CpuClock, RssSampler
+
+if TYPE_CHECKING:
+    from batchwire.client import Mixture
 
 __all__ = [
     "LocalServer",
@@ -67,7 +70,11 @@ def cache_dir() -> pathlib.Path:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every measurement takes: what it runs on (:func:`bench_dataset`), the
     pipeline and batch size, and how many images and repetitions."""
-    parser.add_argument("--dataset", help="dataset name (default: the generated one)")
+    parser.add_argument(
+        "--dataset",
+        help="dataset name (default: the generated one); `batchwire bench --address` also takes "
+        "a mixture of the server's datasets, NAME=WEIGHT,NAME=WEIGHT (e.g. pets=0.7,curated=0.3)",
+    )
     parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
     parser.add_argument(
         "--batch-size", type=int, default=128, metavar="N", help="batch size (default 128)"
@@ -355,7 +362,7 @@ def run_remote(
     name: str,
     addresses: list[str],
     server_pids: list[int],
-    dataset: str,
+    dataset: str | Mixture,
     pipeline: str,
     batch_size: int,
     images: int,

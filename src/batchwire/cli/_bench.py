@@ -16,7 +16,9 @@
   (e) raw        plain gRPC with messages of the same sizes: the ceiling
   and engine (batchwire's engine in this process, no gRPC) and the stand-ins nodecode
   (records cut to one image, no decoding) and small (48-pixel JPEGs), each beside DALI's
-  own pipeline. It prints the ratios against their targets. Without --data-dir it builds
+  own pipeline, and mixture: a mixture of two datasets (the same records under two names)
+  beside one of them, both without decoding, so that what mixing costs shows. It prints
+  the ratios against their targets. Without --data-dir it builds
   generated ImageNet-sized photos once in the cache (~/.cache/batchwire/bench).
 
 More benchmarks (message sizes, scaling, many streams, profiles) run from a checkout of
@@ -37,9 +39,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from batchwire.cli import _credentials as credentials
+from batchwire.cli._datasets import dataset_or_mixture
 
 if TYPE_CHECKING:
     from batchwire.bench import RunResult
+    from batchwire.client import Mixture
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
@@ -123,22 +127,27 @@ def _against(args: argparse.Namespace) -> int:
     from batchwire.client import BatchwireError
 
     if not args.dataset:
-        print("error: --address needs --dataset NAME", file=sys.stderr)
+        print("error: --address needs --dataset NAME (or NAME=WEIGHT,NAME=WEIGHT)", file=sys.stderr)
         return 2
     try:
-        return _measure_against(args)
+        dataset = dataset_or_mixture(args.dataset)
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: --dataset {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _measure_against(args, dataset)
     except BatchwireError as exc:
         print(f"error: {exc.details}", file=sys.stderr)
         return 2
 
 
-def _measure_against(args: argparse.Namespace) -> int:
+def _measure_against(args: argparse.Namespace, dataset: str | Mixture) -> int:
     from batchwire.bench import CpuClock, progress, rss_mib
     from batchwire.client import RemoteLoader
 
     loader = RemoteLoader(
         args.address,
-        dataset=args.dataset,
+        dataset=dataset,
         pipeline=args.pipeline,
         batch_size=args.batch_size,
         normalize=False,
@@ -177,7 +186,9 @@ def _measure_against(args: argparse.Namespace) -> int:
             if batches == 0:  # another epoch would yield none either: stop, and say why
                 samples = loader.num_samples
                 loader.close()
-                print(_no_batch_error(args.dataset, samples, args.batch_size), file=sys.stderr)
+                print(
+                    _no_batch_error(loader.dataset_name, samples, args.batch_size), file=sys.stderr
+                )
                 return 2
     seconds = time.perf_counter() - started
     loader.close()
@@ -205,9 +216,14 @@ def _no_batch_error(dataset: str, samples: int, batch_size: int) -> str:
     )
 
 
-_RUNS = ("dali", "remote", "pil", "transport", "raw", "engine", "nodecode", "small")
-# A stand-in is two measured runs: DALI's own pipeline in-process and the server's.
-_PAIRS = {"nodecode": ("dali-nodecode", "remote-nodecode"), "small": ("dali-small", "remote-small")}
+_RUNS = ("dali", "remote", "pil", "transport", "raw", "engine", "nodecode", "small", "mixture")
+# A stand-in is two measured runs: DALI's own pipeline in-process and the server's; the
+# mixture, one dataset and a mixture through the same server.
+_PAIRS = {
+    "nodecode": ("dali-nodecode", "remote-nodecode"),
+    "small": ("dali-small", "remote-small"),
+    "mixture": ("remote-one", "remote-mixture"),
+}
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -250,11 +266,24 @@ def _compare(args: argparse.Namespace) -> int:
             "": (server.address, server.pid),
             "small": (small_server.address, small_server.pid),
         }
+        if "mixture" in wanted:
+            # The dataset under two names: a mixture's records are then the same bytes as
+            # one dataset's, and only mixing differs.
+            mixed = work / "mixture"
+            mixed.mkdir()
+            for name in _MIXED:
+                (mixed / name).symlink_to((data_dir / dataset).resolve(), target_is_directory=True)
+            mixed_server = stack.enter_context(LocalServer(mixed, work, pipelines=NO_DECODE_TOML))
+            servers["mixture"] = (mixed_server.address, mixed_server.pid)
         runs = _compare_runs(args, data_dir / dataset, small_dir / small, servers, transport, raw)
         chosen = [run for name in _RUNS if name in wanted for run in _PAIRS.get(name, (name,))]
         results = _alternate({run: runs[run] for run in chosen}, args.repeats)
     _report_compare(args, results)
     return 0
+
+
+# The mixture run's two datasets, and how it mixes them.
+_MIXED = ("first", "second")
 
 
 def _per_message(batch_size: int) -> int:
@@ -283,6 +312,7 @@ def _compare_runs(
         run_raw,
         run_remote,
     )
+    from batchwire.client import Mixture
 
     batch, images = args.batch_size, args.images
     standin = args.standin_images or 8 * images
@@ -291,10 +321,11 @@ def _compare_runs(
     small_params = {"size": float(SMALL_SIZE)}
 
     def remote(
-        name: str, at: tuple[str, int], data: str, pipeline: str, count: int, **kw: Any
+        name: str, at: tuple[str, int], data: str | Mixture, pipeline: str, count: int, **kw: Any
     ) -> RunResult:
         return run_remote(name, [at[0]], [at[1]], data, pipeline, batch, count, **kw)
 
+    mixture = Mixture(dict.fromkeys(_MIXED, 0.5))
     return {
         "dali": lambda: run_dali("dali", dataset_dir, "train", batch, images),
         "remote": lambda: remote("remote", servers[""], dataset, "train", images),
@@ -311,6 +342,12 @@ def _compare_runs(
         ),
         "remote-small": lambda: remote(
             "remote-small", servers["small"], small, "train", standin, params=small_params
+        ),
+        "remote-one": lambda: remote(
+            "remote-one", servers["mixture"], _MIXED[0], "nodecode", standin
+        ),
+        "remote-mixture": lambda: remote(
+            "remote-mixture", servers["mixture"], mixture, "nodecode", standin
         ),
     }
 

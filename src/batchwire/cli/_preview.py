@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchwire.cli import _credentials as credentials
+from batchwire.cli._datasets import DATASET_HELP, dataset_or_mixture
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", default="localhost:50051", help="HOST:PORT (default localhost:50051)"
     )
-    parser.add_argument("--dataset", required=True, help="dataset name on the server")
+    parser.add_argument("--dataset", required=True, type=dataset_or_mixture, help=DATASET_HELP)
     parser.add_argument("--pipeline", default="train", help="pipeline name (default train)")
     parser.add_argument(
         "--out", required=True, type=pathlib.Path, metavar="PNG", help="where to write the grid"
@@ -130,10 +131,12 @@ def to_pixels(
     return np.clip(np.rint(restored), 0, 255).astype(np.uint8)
 
 
-def caption(label: int, classes: Sequence[str]) -> str:
-    """A tile's caption: the label, and its class name when the dataset names it differently."""
+def caption(label: int, classes: Sequence[str], source: str = "") -> str:
+    """A tile's caption: the label, and its class name when the dataset names it
+    differently; a mixed sample's starts with its ``source`` dataset's name."""
     name = classes[label] if 0 <= label < len(classes) else ""
-    return f"{label} {name}" if name and name != str(label) else str(label)
+    text = f"{label} {name}" if name and name != str(label) else str(label)
+    return f"{source}: {text}" if source else text
 
 
 def _fit(draw: Any, text: str, width: int, font: Any) -> str:
@@ -201,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             rank=0,
             world_size=1,
             normalize=False,
+            return_ids=True,
             dtype=args.dtype,
             params=params,
             timeout=args.timeout,
@@ -209,17 +213,24 @@ def run(args: argparse.Namespace) -> int:
         )
         with loader:
             loader.set_epoch(args.epoch)
-            classes = loader.classes
+            classes = loader.source_classes
             spec = next(p for p in loader._describe().info.pipelines if p.name == args.pipeline)
-            images, labels = next(iter(loader))
+            images, labels, ids = next(iter(loader))
+            # Each sample's dataset: a mixture's tiles say it, as labels are each one's own.
+            names = list(classes)
+            sources = loader.split_ids(ids)[0].tolist()
     except BatchwireError as exc:
         print(f"error: {exc.details}", file=sys.stderr)
         return 2 if exc.code.name in ("INVALID_ARGUMENT", "NOT_FOUND") else 1
     except StopIteration:
-        print(f"error: dataset {args.dataset!r} gave no decodable image", file=sys.stderr)
+        print(f"error: {loader.dataset_name!r} gave no decodable image", file=sys.stderr)
         return 1
     pixels = to_pixels(np.asarray(images), layout="NCHW", mean=spec.mean, std=spec.std)
-    captions = [caption(int(label), classes) for label in labels.tolist()]
+    mixed = loader.mixture is not None
+    captions = [
+        caption(int(label), classes[names[s]], names[s] if mixed else "")
+        for label, s in zip(labels.tolist(), sources, strict=True)
+    ]
     grid = render_grid(pixels, captions, columns=args.columns)
     try:
         grid.save(args.out, format="PNG")
@@ -228,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     count, height, width = pixels.shape[:3]
     print(
-        f"wrote {args.out}: {count} images of {args.dataset!r} through {args.pipeline!r} "
+        f"wrote {args.out}: {count} images of {loader.dataset_name!r} through {args.pipeline!r} "
         f"({width}x{height} each, {grid.width}x{grid.height} grid)"
     )
     return 0

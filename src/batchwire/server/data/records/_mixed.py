@@ -89,8 +89,10 @@ class MixedDataset:
         position_of_kept: list[np.ndarray] = []
         images: list[np.ndarray] = []
         labels: list[np.ndarray] = []
-        for source in np.unique(sources).tolist():
+        for source in range(len(self.sources)):
             positions = np.flatnonzero(sources == source)
+            if not len(positions):
+                continue
             found_ids, found, found_labels, _ = self.sources[source].read_screened(local[positions])
             position_of_kept.append(positions[_kept_positions(local[positions], found_ids)])
             images += found

@@ -1,0 +1,44 @@
+"""``--dataset`` of the commands that stream (preview, bench): one dataset's name, or a
+mixture of several as ``NAME=WEIGHT,NAME=WEIGHT``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchwire.client import Mixture
+
+__all__ = ["DATASET_HELP", "dataset_or_mixture"]
+
+DATASET_HELP = (
+    "dataset name on the server, or a mixture of several in set proportions: "
+    "NAME=WEIGHT,NAME=WEIGHT (e.g. pets=0.7,curated=0.3; an epoch of their sizes added up)"
+)
+
+
+def dataset_or_mixture(text: str) -> str | Mixture:
+    """``text`` as RemoteLoader's ``dataset``: a name, or a :class:`Mixture` of weights
+    (argparse's ``type``: ``ArgumentTypeError`` says what is wrong)."""
+    if "=" not in text and "," not in text:
+        return text
+    from batchwire.client import InvalidArgumentError, Mixture
+
+    weights: dict[str, float] = {}
+    for part in text.split(","):
+        name, equals, weight = part.strip().partition("=")
+        if not equals or name in weights:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} in {text!r}: a mixture is NAME=WEIGHT,NAME=WEIGHT, each "
+                "dataset once"
+            )
+        try:
+            weights[name] = float(weight)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} in {text!r}: the weight must be a number"
+            ) from None
+    try:
+        return Mixture(weights)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc.details}") from None
