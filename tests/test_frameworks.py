@@ -42,7 +42,7 @@ from processes import Target, in_trainer_process
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.client import RemoteLoader
-from batchwire.common.sampler import Plan
+from batchwire.common.stream import Source, StreamSpec
 from batchwire.server import BatchwireServer
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(600)]
@@ -69,10 +69,13 @@ def plan_batches(
     world: int = WORLD,
     batch: int = BATCH,
     shuffle: bool = True,
+    sources: tuple[Source, ...] = (),
+    sizes: tuple[int, ...] = (NUM_SAMPLES,),
 ) -> Batches:
-    """Rank ``rank``'s share of data epoch ``epoch``, in batches (drop_last)."""
-    share = Plan(
-        num_samples=NUM_SAMPLES,
+    """Rank ``rank``'s share of data epoch ``epoch`` of ``shapes`` (or of the mixture of
+    ``sources`` of ``sizes``), in batches (drop_last)."""
+    spec = StreamSpec(
+        **({"sources": sources} if sources else {"dataset": "shapes"}),
         batch_size=batch,
         seed=SEED,
         epoch=epoch,
@@ -80,8 +83,9 @@ def plan_batches(
         drop_last=True,
         rank=rank,
         world_size=world,
-    ).share()
-    return [share[i : i + batch].tolist() for i in range(0, len(share), batch)]
+    )
+    plan = spec.plan(list(sizes) if sources else sizes[0])
+    return [plan.batch(k).ids.tolist() for k in range(plan.num_batches)]
 
 
 def flat(batches: Iterable[list[int]]) -> list[int]:

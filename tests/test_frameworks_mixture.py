@@ -34,6 +34,7 @@ from test_frameworks import (
     latest_checkpoint,
     one_pass,
     passes,
+    plan_batches,
     records,
     roundtrip,
     torchrun,
@@ -42,7 +43,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.client import Mixture, RemoteLoader
 from batchwire.common.mixture import mixture_counts
-from batchwire.common.stream import Source, StreamSpec
+from batchwire.common.stream import Source
 from batchwire.server import BatchwireServer
 from batchwire.server.data import ingest, write_image_folders
 
@@ -74,17 +75,9 @@ def mixed_batches(
 ) -> Batches:
     """Rank ``rank``'s share of epoch ``epoch`` of the mixture, in batches (drop_last)."""
     sources = tuple(Source(name, count) for name, count in zip(WEIGHTS, COUNTS, strict=True))
-    spec = StreamSpec(
-        sources=sources,
-        batch_size=batch,
-        seed=SEED,
-        epoch=epoch,
-        shuffle=shuffle,
-        rank=rank,
-        world_size=world,
+    return plan_batches(
+        epoch, rank, world=world, batch=batch, shuffle=shuffle, sources=sources, sizes=SIZES
     )
-    plan = spec.plan(list(SIZES))
-    return [plan.batch(k).ids.tolist() for k in range(plan.num_batches)]
 
 
 def check_mixed_validation(checks: Checks, run: str, rank: int, seen: list[Any]) -> None:
