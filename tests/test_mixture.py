@@ -132,3 +132,18 @@ def test_an_empty_source_cannot_be_given_samples() -> None:
     with pytest.raises(ValueError, match="source 1 is empty"):
         mixture_counts((10, 0), counts=(5, 5))
     assert mixture_counts((10, 0), weights=(1, 0)) == (10, 0)
+
+
+def test_an_epoch_is_at_most_a_few_times_the_data() -> None:
+    """Every server computes a mixture's order in memory: a request for an epoch of many
+    times its data (a mistake, or a hostile client) is refused before any is made."""
+    big = (5_000_000, 10)  # 4 times their sum: 20,000,040 samples at most
+    assert sum(mixture_counts(big, counts=(5_000_000, 15_000_040))) == 20_000_040
+    with pytest.raises(ValueError, match="more than 4 times its datasets' 5000010 samples"):
+        mixture_counts(big, counts=(5_000_000, 15_000_041))
+    with pytest.raises(ValueError, match="lower the counts, or the length"):
+        mixture_counts(big, weights=(0.001, 0.999), length="all")  # 5e9 samples
+    # Small datasets may still make an epoch of up to 2**20 samples.
+    assert mixture_counts((10, 10), counts=(1 << 19, 1 << 19)) == (1 << 19, 1 << 19)
+    with pytest.raises(ValueError, match=f"at most {1 << 20}"):
+        mixture_counts((10, 10), counts=(1 << 19, (1 << 19) + 1))

@@ -230,6 +230,10 @@ def test_bad_mixtures_are_refused_before_any_stream(server: BatchwireServer) -> 
         error = refused(pb.Source(dataset="big", count=4, version="abc123"))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "version abc123 of dataset 'big'" in str(error.details())
+        # An epoch of many times the data is refused before its order is made.
+        error = refused(pb.Source(dataset="big", count=1 << 30))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "more than 4 times its datasets' 80 samples" in str(error.details())
         error = refused(pb.Source(dataset="big", count=0))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "1 to" in str(error.details())

@@ -38,6 +38,8 @@ from batchwire.common.sampler import Plan, seeded_permutation
 
 __all__ = [
     "EPOCH_LENGTHS",
+    "MAX_EPOCH_FACTOR",
+    "MIN_EPOCH_BOUND",
     "MixturePlan",
     "check_length",
     "check_weights",
@@ -49,6 +51,11 @@ __all__ = [
 
 # How long a mixture's epoch is, given weights (see mixture_counts).
 EPOCH_LENGTHS = ("sum", "first", "all")
+# A mixture's epoch holds at most this many times its sources' samples added up (or
+# MIN_EPOCH_BOUND): its order is computed in memory, by every server a client asks, and an
+# epoch that repeats the whole data more often than this is a mistake, not a mixture.
+MAX_EPOCH_FACTOR = 4
+MIN_EPOCH_BOUND = 1 << 20
 
 # Tags that keep the mixture's random streams apart from one dataset's ([seed, epoch]).
 _SOURCE_STREAM, _INTERLEAVE_STREAM = 1, 2
@@ -90,6 +97,13 @@ def mixture_counts(
         raise ValueError(f"source {empty[0]} is empty but is given {result[empty[0]]} samples")
     if not sum(result):
         raise ValueError("the mixture's epoch has no samples")
+    bound = max(MAX_EPOCH_FACTOR * sum(sizes), MIN_EPOCH_BOUND)
+    if sum(result) > bound:
+        raise ValueError(
+            f"the mixture's epoch of {sum(result)} samples is more than {MAX_EPOCH_FACTOR} "
+            f"times its datasets' {sum(sizes)} samples added up (at most {bound}): lower the "
+            "counts, or the length"
+        )
     return result
 
 
