@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import pathlib
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,9 +27,10 @@ from test_preview import expected_strip, tiles
 
 from batchwire.cli import main
 from batchwire.client import InvalidArgumentError, Mixture, NotFoundError, RemoteLoader
-from batchwire.common.mixture import mixture_order
+from batchwire.common.mixture import mixture_counts, mixture_order
 from batchwire.common.stream import Source, StreamSpec
-from batchwire.server import BatchwireServer
+from batchwire.server import BatchwireServer, ServerConfig
+from batchwire.server.core import Engine
 from batchwire.server.data import ingest, write_image_folders
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -300,3 +302,54 @@ def test_preview_and_bench_take_a_mixture(
     assert "images/s" in capsys.readouterr().out
     assert main([*bench, "--dataset", "big=0.7,mid=-1", *sizes]) == 2
     assert "finite numbers >= 0" in capsys.readouterr().err
+
+
+def test_jobs_of_different_mixtures_share_a_server_fairly(data_dir: pathlib.Path) -> None:
+    """Two jobs of other mixtures, a job of one of their datasets and a val pass of a
+    mixture share one engine's pipelines: every stream gets a fair part."""
+    engine = Engine(ServerConfig(data_dir=data_dir, device="cpu", num_threads=1))
+    engine.open_datasets()
+    sizes = dict(SIZES)
+
+    def sources(**weights: float) -> tuple[Source, ...]:
+        counts = mixture_counts([sizes[n] for n in weights], weights=list(weights.values()))
+        return tuple(Source(n, c) for n, c in zip(weights, counts, strict=True))
+
+    job = sources(big=0.5, mid=0.3, small=0.2)
+    specs: list[dict[str, Any]] = [
+        *[{"sources": job, "rank": rank, "world_size": 2} for rank in range(2)],
+        {"sources": sources(mid=0.1, small=0.9)},
+        {"dataset": "big"},
+        {"sources": sources(big=0.5, small=0.5), "pipeline": "val"},
+    ]
+    streams = [
+        engine.open_stream(
+            StreamSpec(**spec, batch_size=4, params={"size": 32}, drop_last=False, seed=i)
+        )
+        for i, spec in enumerate(specs)
+    ]
+    counts = [0] * len(streams)
+    enough = threading.Event()
+    lock = threading.Lock()
+
+    def consume(index: int) -> None:
+        for _ in streams[index]:
+            with lock:
+                counts[index] += 1
+                if sum(counts) >= 60:  # the smallest stream's epoch is 17 batches
+                    enough.set()
+            if enough.is_set():
+                return
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+    try:
+        for thread in threads:
+            thread.start()
+        assert enough.wait(300), counts
+    finally:
+        for stream in streams:
+            stream.close()
+        for thread in threads:
+            thread.join(30)
+        engine.close()
+    assert min(counts) * 4 >= max(counts), counts
