@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import pickle
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch.utils.data
 from conftest import start_server
 from PIL import Image
 from processes import serve_process
@@ -353,3 +355,16 @@ def test_jobs_of_different_mixtures_share_a_server_fairly(data_dir: pathlib.Path
             thread.join(30)
         engine.close()
     assert min(counts) * 4 >= max(counts), counts
+
+
+def test_a_mixtures_loader_pickles_for_spawned_workers(server: BatchwireServer) -> None:
+    """A spawned DataLoader worker (and a rank of torch.multiprocessing.spawn) gets a
+    pickled copy of the loader: a mixture's copy streams the mixture's epoch exactly."""
+    loader = make(server, drop_last=False)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy.mixture == loader.mixture == Mixture(WEIGHTS)
+    data = torch.utils.data.DataLoader(
+        copy, batch_size=None, num_workers=1, multiprocessing_context="spawn"
+    )
+    ids = [i for _, _, batch in data for i in batch.tolist()]
+    assert ids == mixture_order(SEED, 0, tuple(SIZES.values()), COUNTS).tolist()

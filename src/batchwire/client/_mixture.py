@@ -46,26 +46,26 @@ class Mixture:
             given = _checked(weights, counts, length)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        self._weights = types.MappingProxyType(
-            {k: float(v) for k, v in given.items()} if weights is not None else {}
+        # Tuples of (name, value): read-only, and a loader holding them pickles (spawned
+        # DataLoader workers, ddp_spawn).
+        self._weights = (
+            tuple((k, float(v)) for k, v in given.items()) if weights is not None else ()
         )
-        self._counts = types.MappingProxyType(
-            {k: int(v) for k, v in given.items()} if counts is not None else {}
-        )
+        self._counts = tuple((k, int(v)) for k, v in given.items()) if counts is not None else ()
         self._length = length
 
     @property
     def names(self) -> tuple[str, ...]:
         """The sources' datasets, in the order given (the order of their mixed ids)."""
-        return tuple(self._weights or self._counts)
+        return tuple(name for name, _ in self._weights or self._counts)
 
     @property
     def weights(self) -> Mapping[str, float] | None:
-        return self._weights or None
+        return types.MappingProxyType(dict(self._weights)) if self._weights else None
 
     @property
     def counts(self) -> Mapping[str, int] | None:
-        return self._counts or None
+        return types.MappingProxyType(dict(self._counts)) if self._counts else None
 
     @property
     def length(self) -> int | str:
@@ -75,8 +75,10 @@ class Mixture:
         """Each source's samples per epoch, its datasets being of ``sizes``
         (``ValueError`` says what cannot be: an empty dataset given samples)."""
         if self._counts:
-            return mixture_counts(sizes, counts=list(self._counts.values()))
-        return mixture_counts(sizes, weights=list(self._weights.values()), length=self._length)
+            return mixture_counts(sizes, counts=[count for _, count in self._counts])
+        return mixture_counts(
+            sizes, weights=[weight for _, weight in self._weights], length=self._length
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mixture) and self._key() == other._key()
@@ -85,7 +87,7 @@ class Mixture:
         return hash(self._key())
 
     def _key(self) -> tuple[Any, ...]:
-        return (tuple(self._weights.items()), tuple(self._counts.items()), self._length)
+        return (self._weights, self._counts, self._length)
 
     def __repr__(self) -> str:
         if self._counts:
