@@ -374,9 +374,11 @@ def _report_compare(args: argparse.Namespace, results: list[RunResult]) -> None:
 
     summary = summarize(results)
     host = machine()
+    standin = args.standin_images or 8 * args.images
     print(
-        f"\nbatchwire bench --compare: {args.images} images per run, batch {args.batch_size}, "
-        f"median of {args.repeats}; {host['cores']} cores ({host['cpu']}), {host['gpus']} GPUs"
+        f"\nbatchwire bench --compare: {args.images} images per run ({standin} for nodecode, "
+        f"small and mixture), batch {args.batch_size}, median of {args.repeats}; "
+        f"{host['cores']} cores ({host['cpu']}), {host['gpus']} GPUs"
     )
     print(table(summary))
     if args.json:
