@@ -17,7 +17,7 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import ServerConfig
-from batchwire.server.core import Engine
+from batchwire.server.core import BatchStream, Engine
 from batchwire.server.runners import Job, RunnerKey
 from batchwire.server.scheduling import Ticket
 from batchwire.server.scheduling._fair import FairQueue
@@ -167,6 +167,35 @@ def engine(data_dir: pathlib.Path) -> Iterator[Engine]:
     engine.close()
 
 
+def batches_taken_together(streams: list[BatchStream], enough: int, *, timeout: float) -> list[int]:
+    """Each stream taken by a thread of its own until they have handed out ``enough``
+    batches in all (within ``timeout`` seconds), then closed: the batches each gave."""
+    counts = [0] * len(streams)
+    reached = threading.Event()
+    lock = threading.Lock()
+
+    def consume(index: int) -> None:
+        for _ in streams[index]:
+            with lock:
+                counts[index] += 1
+                if sum(counts) >= enough:
+                    reached.set()
+            if reached.is_set():
+                return
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
+    try:
+        for thread in threads:
+            thread.start()
+        assert reached.wait(timeout), counts
+    finally:
+        for stream in streams:
+            stream.close()
+        for thread in threads:
+            thread.join(30)
+    return counts
+
+
 def test_several_pipelines_at_once_every_stream_gets_a_fair_part(engine: Engine) -> None:
     """A job's 4 ranks, a val pass, a job at another size and one with other crop
     parameters share the server's 2 pipelines: no stream waits while the others run."""
@@ -182,27 +211,7 @@ def test_several_pipelines_at_once_every_stream_gets_a_fair_part(engine: Engine)
         )
         for i, (name, params) in enumerate(groups)
     ]
-    counts = [0] * len(streams)
-    enough = threading.Event()
-    lock = threading.Lock()
-
-    def consume(index: int) -> None:
-        for _ in streams[index]:
-            with lock:
-                counts[index] += 1
-                if sum(counts) >= 400:  # a stream's epoch is 130 batches
-                    enough.set()
-            if enough.is_set():
-                return
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
-    for thread in threads:
-        thread.start()
-    assert enough.wait(120), counts
-    for stream in streams:
-        stream.close()
-    for thread in threads:
-        thread.join(30)
+    counts = batches_taken_together(streams, 400, timeout=120)  # an epoch: 130 batches
     assert min(counts) * 4 >= max(counts), counts
     sums, waits = engine.scheduler.stats.snapshot()
     assert {p for (field, p) in sums if field == "builds"} == {"train", "val"}

@@ -13,7 +13,6 @@ import collections
 import pathlib
 import pickle
 import signal
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch.utils.data
 from conftest import start_server
 from PIL import Image
 from processes import serve_process
+from test_fairness import batches_taken_together
 from test_metrics import settled, value
 from test_preview import expected_strip, tiles
 
@@ -330,29 +330,9 @@ def test_jobs_of_different_mixtures_share_a_server_fairly(data_dir: pathlib.Path
         )
         for i, spec in enumerate(specs)
     ]
-    counts = [0] * len(streams)
-    enough = threading.Event()
-    lock = threading.Lock()
-
-    def consume(index: int) -> None:
-        for _ in streams[index]:
-            with lock:
-                counts[index] += 1
-                if sum(counts) >= 60:  # the smallest stream's epoch is 17 batches
-                    enough.set()
-            if enough.is_set():
-                return
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(streams))]
     try:
-        for thread in threads:
-            thread.start()
-        assert enough.wait(300), counts
+        counts = batches_taken_together(streams, 60, timeout=300)  # the least: 17 batches
     finally:
-        for stream in streams:
-            stream.close()
-        for thread in threads:
-            thread.join(30)
         engine.close()
     assert min(counts) * 4 >= max(counts), counts
 
