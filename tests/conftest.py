@@ -35,8 +35,37 @@ def server_device_kind() -> str:
     return DevicePlan.resolve(TEST_DEVICE).kind
 
 
+# Plain ``pytest`` (README's test command, and CI's) runs the suite a change is checked with
+# before it lands. The tests marked ``slow`` (the image built and run with Compose, training
+# in the frameworks on 2+ ranks, the docs' site and examples, the longest fault and soak
+# runs) are the rest of the full suite: ``pytest --full`` (or BATCHWIRE_FULL_TESTS=1) runs
+# them too, and ``pytest -m slow --full`` them alone.
+FULL_SUITE_ENV = "BATCHWIRE_FULL_TESTS"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=os.environ.get(FULL_SUITE_ENV, "") not in ("", "0"),
+        help=f"also run the tests marked slow: the full suite ({FULL_SUITE_ENV}=1 does too)",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--full"):
+        return "suite: full (the tests marked slow included)"
+    return "suite: the tests a change lands with; the tests marked slow skip (pytest --full)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip, with the reason, where CUDA sees no GPU."""
+    """Tests marked ``slow`` skip without ``--full``; tests marked ``gpu`` skip where CUDA sees
+    no GPU. Each says why."""
+    if not config.getoption("--full"):
+        slow = pytest.mark.skip(reason="slow: part of the full suite, run with pytest --full")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(slow)
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not marked or visible_gpu_count():
         return

@@ -34,6 +34,7 @@ _RESEARCH = (
 )
 
 
+@pytest.mark.slow
 def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -139,6 +140,7 @@ def test_against_a_dataset_smaller_than_a_batch_stops_and_says_why(
     assert "(8 samples over 1 rank)" in err and "Lower batch_size" in err
 
 
+@pytest.mark.slow
 def test_compare_can_run_a_subset_to_profile_it(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -152,6 +154,7 @@ def test_compare_can_run_a_subset_to_profile_it(
     assert "--runs takes names from" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_stages_times_each_stage_of_dali_and_pil(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -177,6 +180,7 @@ def _small(data_dir: pathlib.Path, result: pathlib.Path, *mode: str) -> list[str
     return [*mode, "--data-dir", str(data_dir), *small, "--json", str(result)]
 
 
+@pytest.mark.slow
 def test_streams_opens_k_concurrent_streams_on_one_server_and_reports_each_k(
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -216,6 +220,7 @@ def test_a_server_that_cannot_start_ends_the_benchmark_with_its_reason(
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated(
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -231,6 +236,7 @@ def test_chaos_stops_servers_under_two_ranks_and_counts_nothing_lost_or_repeated
         assert rank["samples"] == rank["epochs"] * 260  # 520 samples, two ranks
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--fleet pins a server to each of 2 cores")
 def test_fleet_measures_each_server_alone_and_one_loader_over_both(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -246,6 +252,7 @@ def test_fleet_measures_each_server_alone_and_one_loader_over_both(
     assert all(row["images_per_s"] > 0 for row in rows.values()), rows
 
 
+@pytest.mark.slow
 def test_long_run_reports_memory_at_start_and_end(
     data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -255,6 +262,7 @@ def test_long_run_reports_memory_at_start_and_end(
     assert "images in 4s" in out and "server RSS MiB" in out and "client RSS MiB" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="--scaling pins a server to each of 2 cores")
 def test_scaling_measures_one_server_then_two(
     data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
@@ -264,6 +272,7 @@ def test_scaling_measures_one_server_then_two(
     assert "x with 2 servers (ideal 2.00x)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cold_reads_the_dataset_cold_and_warm_and_its_read_stage_alone(
     data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -283,6 +292,7 @@ def test_cold_reads_the_dataset_cold_and_warm_and_its_read_stage_alone(
     assert row["read_ahead_records_per_s"] > 0 and row["one_at_a_time_records_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_profile_says_where_a_servers_time_and_lock_go(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -353,6 +363,7 @@ def test_streams_reads_gpu_memory_from_nvidia_smi_where_there_is_no_nvml(
     assert gpu_memory_mib(42) is None  # no GPU here
 
 
+@pytest.mark.slow
 def test_host_trainers_measures_a_server_and_its_trainer_processes_against_dali(
     data_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -51,7 +51,7 @@ BATCH = 20
 SIZE = 96  # 20 x 3 x 96 x 96 float32: 2.2 MB a batch, so a slow trainer holds the stream
 PARAMS = {"size": SIZE}
 # A cold run builds the base image, the wheelhouse and the image within its first test.
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # Every service on the host's network, nothing published: Compose makes no network.
 HOST_NETWORK = """\

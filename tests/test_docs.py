@@ -237,6 +237,7 @@ def _credentials(workdir: pathlib.Path) -> None:
     (workdir / "tokens").write_text("# one token a line\ns3cret-token-for-docs\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "example",
     [example for _, example in EXAMPLES],
@@ -252,6 +253,7 @@ def test_example(example: Example, pages: Callable[[str], Page]) -> None:
         pytest.skip(f"{_where(example)}: {skipped}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("classes", [3, 7])
 def test_readmes_training_snippet_trains_one_output_per_class(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, classes: int
@@ -298,6 +300,7 @@ def test_setup_commands_match_ci() -> None:
     assert command in readme
 
 
+@pytest.mark.slow
 def test_site_builds(tmp_path: pathlib.Path) -> None:
     """`mkdocs build --strict`: every page in the nav, every link and reference resolves."""
     result = subprocess.run(

@@ -33,7 +33,7 @@ from batchwire.client import RemoteLoader
 from batchwire.common.sampler import epoch_order
 from batchwire.server import BatchwireServer
 
-pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def check_once(checks: Checks, what: str, ids: list[int], expected: list[int]) -> None:

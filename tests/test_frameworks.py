@@ -45,7 +45,7 @@ from batchwire.client import RemoteLoader
 from batchwire.common.stream import Source, StreamSpec
 from batchwire.server import BatchwireServer
 
-pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOBS = pathlib.Path(__file__).parent / "frameworks"
 NUM_SAMPLES = 520  # conftest's "shapes"

@@ -47,7 +47,7 @@ from batchwire.common.stream import Source
 from batchwire.server import BatchwireServer
 from batchwire.server.data import ingest, write_image_folders
 
-pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.timeout(600)]
 
 WEIGHTS = {"shapes": 0.75, "extra": 0.25}
 MIXTURE = ",".join(f"{name}={weight}" for name, weight in WEIGHTS.items())

@@ -79,6 +79,7 @@ tails = mostly(
 
 
 # 500 requests, each a call: seconds on a quiet host, over 5 minutes on a loaded slow one.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @settings(
     max_examples=500,

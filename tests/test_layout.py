@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -330,12 +331,48 @@ def test_mypy_sees_the_real_types_of_the_installed_package() -> None:
     assert status == 0, stdout + stderr
 
 
-@pytest.mark.timeout(900)  # three collections of the suite: minutes each on a slow host
-def test_the_slow_integration_tests_carry_their_markers() -> None:
-    """``-m docker``, ``-m frameworks`` and ``-m docs`` select exactly their modules, and
-    nothing else is marked, so ``-m "not docker and not frameworks and not docs"`` (the
-    development guide's quick run) leaves out just those."""
+_MARKERS_PLUGIN = """
+import json, os
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    report = {}
+    for item in items:
+        names = {mark.name for mark in item.iter_markers()}
+        report[item.nodeid] = sorted(names)
+    with open(os.environ["MARKERS_REPORT"], "w") as out:
+        json.dump(report, out)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a collection of the whole suite: minutes on a slow host
+def test_the_slow_tests_carry_their_markers(tmp_path: pathlib.Path) -> None:
+    """``-m docker``, ``-m frameworks`` and ``-m docs`` select exactly their modules; every
+    docker and frameworks test, and the docs' site and examples, are ``slow``, so plain
+    ``pytest`` (CI's run) skips them and says why, and ``pytest --full`` runs them."""
     tests = pathlib.Path(__file__).parent
+    (tmp_path / "markers_report.py").write_text(_MARKERS_PLUGIN)
+    report_path = tmp_path / "markers.json"
+    env = {
+        **os.environ,
+        "MARKERS_REPORT": str(report_path),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("BATCHWIRE_FULL_TESTS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "markers_report"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=tests.parent,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    markers: dict[str, list[str]] = json.loads(report_path.read_text())
     expected = {
         "docker": {"test_compose_up.py"},
         "frameworks": {
@@ -346,15 +383,18 @@ def test_the_slow_integration_tests_carry_their_markers() -> None:
         "docs": {"test_docs.py"},
     }
     for marker, modules in expected.items():
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker, str(tests)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tests.parent,
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        collected = [line for line in out.stdout.splitlines() if "::" in line]
-        assert collected, f"-m {marker} selected no test:\n{out.stdout[-3000:]}"
-        files = {line.split("::")[0].rsplit("/", 1)[-1] for line in collected}
-        assert files == modules, f"-m {marker} selected tests in {sorted(files)}"
+        marked = [nodeid for nodeid, names in markers.items() if marker in names]
+        assert marked, f"no test is marked {marker}"
+        files = {nodeid.split("::")[0].rsplit("/", 1)[-1] for nodeid in marked}
+        assert files == modules, f"{marker} marks tests in {sorted(files)}"
+    unmarked = [
+        nodeid
+        for nodeid, names in markers.items()
+        if ("docker" in names or "frameworks" in names) and "slow" not in names
+    ]
+    assert not unmarked, f"not marked slow: {unmarked}"
+    slow = [nodeid for nodeid, names in markers.items() if "slow" in names]
+    skipped = [nodeid for nodeid in slow if "skip" in markers[nodeid]]
+    assert slow and skipped == slow, "plain pytest must skip every slow test"
+    docs_slow = {nodeid.split("::")[1].split("[")[0] for nodeid in slow if "test_docs" in nodeid}
+    assert {"test_example", "test_site_builds"} <= docs_slow

@@ -145,6 +145,7 @@ def _hidden(covered: list[str]) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", sorted(WORKERS))
 def test_with_no_room_anywhere_the_ledger_is_this_process_alone_with_one_warning(
     workers: str,

@@ -82,6 +82,7 @@ def ids_of(loader: RemoteLoader, batches: int | None = None) -> list[int]:
     return taken
 
 
+@pytest.mark.slow
 def test_each_epoch_holds_the_weights_share_of_each_source(server: BatchwireServer) -> None:
     loader = make(server, drop_last=False, batch_size=32)
     assert loader.source_counts == dict(zip(SIZES, COUNTS, strict=True))
@@ -177,6 +178,7 @@ def test_ranks_split_the_mixture_and_a_state_resumes_exactly_the_rest(
         assert before + ids_of(resumed) == shares[1]
 
 
+@pytest.mark.slow
 def test_a_mixture_saved_on_two_ranks_resumes_exactly_on_three(server: BatchwireServer) -> None:
     order = mixture_order(SEED, 0, tuple(SIZES.values()), COUNTS).tolist()
     two = [make(server, rank=r, world_size=2, drop_last=False) for r in range(2)]
@@ -264,6 +266,7 @@ def test_a_server_sigkilled_mid_mixture_loses_and_repeats_nothing(
     assert ids == expected  # the same samples, in the same order, as an undisturbed epoch
 
 
+@pytest.mark.slow
 def test_preview_and_bench_take_a_mixture(
     server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -306,6 +309,7 @@ def test_preview_and_bench_take_a_mixture(
     assert "finite numbers >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_jobs_of_different_mixtures_share_a_server_fairly(data_dir: pathlib.Path) -> None:
     """Two jobs of other mixtures, a job of one of their datasets and a val pass of a
     mixture share one engine's pipelines: every stream gets a fair part."""
@@ -337,6 +341,7 @@ def test_jobs_of_different_mixtures_share_a_server_fairly(data_dir: pathlib.Path
     assert min(counts) * 4 >= max(counts), counts
 
 
+@pytest.mark.slow
 def test_a_mixtures_loader_pickles_for_spawned_workers(server: BatchwireServer) -> None:
     """A spawned DataLoader worker (and a rank of torch.multiprocessing.spawn) gets a
     pickled copy of the loader: a mixture's copy streams the mixture's epoch exactly."""

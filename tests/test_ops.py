@@ -318,6 +318,7 @@ def test_json_formatter_keeps_extra_fields_and_tracebacks() -> None:
 # -- the TLS compose variant, with real certificates -----------------------------------
 
 
+@pytest.mark.slow
 def test_the_secure_compose_variant_serves_tls_and_its_healthcheck_passes(
     data_dir: pathlib.Path,
     tmp_path: pathlib.Path,

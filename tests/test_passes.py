@@ -239,6 +239,7 @@ def a_copy_keeps_its_dataloader_workers_to_itself(server: Target) -> None:
     assert loader.state_dict()["epoch"] == 0  # the original's position is its own
 
 
+@pytest.mark.slow
 def test_a_copy_whose_workers_are_spawned_keeps_a_position_of_its_own(
     server: BatchwireServer,
 ) -> None:
@@ -255,6 +256,7 @@ def test_a_copy_whose_workers_are_spawned_keeps_a_position_of_its_own(
     assert ids_of(data) == expected(1)
 
 
+@pytest.mark.slow
 def test_spawned_dataloader_workers_deliver_advancing_epochs(server: BatchwireServer) -> None:
     loader = make(server)
     data = torch.utils.data.DataLoader(
@@ -297,7 +299,15 @@ SCRIPTS = {
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        # One script in plain pytest; the others (each a process importing torch, one with
+        # DataLoader workers of its own) in the full suite.
+        name if name == "iterator left running" else pytest.param(name, marks=pytest.mark.slow)
+        for name in sorted(SCRIPTS)
+    ],
+)
 def test_a_process_exits_cleanly_whatever_it_leaves_running(
     server: BatchwireServer, tmp_path: pathlib.Path, name: str
 ) -> None:
@@ -345,6 +355,7 @@ def _loader_process(target: str) -> tuple[subprocess.Popen[str], str]:
     return process, path
 
 
+@pytest.mark.slow
 def test_a_killed_loaders_file_does_not_outlive_the_next_loader(server: BatchwireServer) -> None:
     """A loader killed with SIGKILL leaves its ledger file behind (no finalizer runs); the
     next process that makes a loader removes it."""

@@ -276,6 +276,7 @@ def hostile_server(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
     server.stop(grace=1.0)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=150,
     deadline=None,

@@ -10,6 +10,8 @@ import sys
 import textwrap
 import urllib.parse
 
+import pytest
+
 from batchwire.server import BatchwireServer
 
 SCRIPT = textwrap.dedent(
@@ -99,6 +101,7 @@ def test_server_commands_without_server_packages_say_what_to_install(
     assert '".[server]"' in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_preview_without_pillow_asks_for_the_preview_extra_alone(tmp_path: pathlib.Path) -> None:
     # Nothing listens on port 1: the missing Pillow is found before any streaming.
     argv = ["preview", "--address", "localhost:1", "--dataset", "shapes", "--out", "grid.png"]
