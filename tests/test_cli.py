@@ -165,6 +165,7 @@ def _demo_stderr(cache: pathlib.Path, *flags: str, terminal: bool) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_bars_only_on_a_terminal_and_never_with_no_progress(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -69,7 +69,7 @@ def test_a_truncated_png_never_reaches_the_decoder() -> None:
     ("formats", "count", "device"),
     [
         ("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "cpu"),
-        ("JPEG2000", 1500, "cpu"),
+        pytest.param("JPEG2000", 1500, "cpu", marks=pytest.mark.slow),  # minutes on the CPU
         pytest.param("JPEG,PNG,BMP,TIFF,WEBP,PPM", 600, "mixed", marks=pytest.mark.gpu),
         pytest.param("JPEG2000", 1500, "mixed", marks=pytest.mark.gpu),
     ],

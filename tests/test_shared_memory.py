@@ -65,7 +65,7 @@ def nothing_held(pid: int | str = "self") -> bool:
     return ring_mappings(pid) == 0 and ring_descriptors(pid) == 0
 
 
-def eventually(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
     waiting = threading.Event()
     for _ in range(int(seconds / 0.05)):
         if condition():
