@@ -42,12 +42,12 @@ def test_health_wait_returns_once_serving_and_says_why_a_server_without_data_nev
     )
     empty.start()
     try:
-        assert main(["health", "--address", empty.target, "--wait", "1"]) == 1
+        assert main(["health", "--address", empty.target, "--wait", "10"]) == 1
     finally:
         empty.stop(grace=1.0)
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1, err
-    assert f"{empty.target}: NOT_SERVING after 1 s: it found no datasets" in err
+    assert f"{empty.target}: NOT_SERVING after 10 s: it found no datasets" in err
     assert "batchwire ingest" in err
 
 
