@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -18,12 +18,15 @@ from batchwire.client._exceptions import (
     InvalidArgumentError,
 )
 from batchwire.client._frameworks import refuse_accelerate_wrappers, worker_id
+from batchwire.client._ledger import Record
 from batchwire.client._mixture import Described, Mixture
 from batchwire.client._pass import StreamPass, close_at_exit
+from batchwire.client._per_source import PerSource
 from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import ServerSet
 from batchwire.client._state import Place, Position, Rank, Sharing
 from batchwire.client._transport import Transport, check_target, describe_dataset, find_workers
+from batchwire.common.mixture import source_seed
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import Source, StreamSpec
 
@@ -127,6 +130,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         elastic_batch_size: bool = False,
     ) -> None:
         super().__init__()
+        given = {k: v for k, v in locals().items() if k not in ("self", "__class__", "lanes")}
         self._addresses = _targets(address)
         try:
             # The stream every pass asks for (rank, world, epoch and cursor filled in
@@ -166,6 +170,18 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._elastic_batch_size = elastic_batch_size
         _warn_if_lanes(lanes)
         self._start_fresh()
+        # Each batch of one source: a loader a source (made now, so that its ledger is
+        # shared with DataLoader workers), with the source's own settings.
+        self._parts = (
+            PerSource(
+                self._mixture,
+                [self._part(s, name, given) for s, name in enumerate(self._mixture.names)],
+                seed=seed,
+                shuffle=shuffle,
+            )
+            if self._mixture is not None and self._mixture.batching == "per_source"
+            else None
+        )
 
     def _start_fresh(self) -> None:
         """What a loader holds besides its settings: nothing streamed, nothing resolved."""
@@ -180,6 +196,32 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
         self._passes_ended = 0  # passes of this loader (in this process) run to their end
+
+    def _part(self, source: int, name: str, given: dict[str, Any]) -> RemoteLoader:
+        """The loader of source ``source`` of a per-source mixture (its count of samples
+        an epoch set once the sources are described: see PerSource)."""
+        assert self._mixture is not None
+        settings = self._mixture.settings_of(name)
+        return RemoteLoader(
+            **{
+                **given,
+                "address": settings.address or given["address"],
+                "dataset": Mixture(counts={name: 1}),
+                "pipeline": settings.pipeline or given["pipeline"],
+                "params": {**(given["params"] or {}), **dict(settings.params or ())},
+                "seed": source_seed(self._spec.seed, source),
+            }
+        )
+
+    def _use_count(self, count: int) -> None:
+        """This loader of a per-source mixture's one source gives ``count`` samples an
+        epoch (see PerSource.describe)."""
+        assert self._mixture is not None
+        name = self._mixture.names[0]
+        if dict(self._mixture.counts or {}) != {name: count}:
+            self._mixture = Mixture(counts={name: count})
+            if self._info is not None:
+                self._info = Described.mixture(self._mixture, [self._info.info])
 
     # -- settings (read-only: a loader's stream is fixed when it is built) ----------------
 
@@ -294,6 +336,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def _describe(self, again: bool = False) -> Described:
         """The dataset, or each of a mixture's, as the first server that answers
         describes it (cached)."""
+        if self._parts is not None:
+            return self._parts.describe(again)
         if self._info is None or again:
             if self._mixture is None:
                 self._info = Described(
@@ -366,6 +410,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (equal on every rank)."""
+        if self._parts is not None:
+            return self._parts.num_batches(self._sharing.resolve())
         return self._plan(self._sharing.resolve(), Place(0))[1].num_batches
 
     # -- position (batchwire.client._state) ----------------------------------------------
@@ -383,18 +429,27 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     @property
     def epoch(self) -> int:
         """The epoch of the pass in progress, or of the next pass if none is."""
+        if self._parts is not None:
+            return self._parts.epoch
         return self._position.place(self._pass).epoch
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass starts ``epoch`` (at the loaded position if a loaded state is
         about to resume ``epoch``, as after ``load_state_dict``)."""
         refuse_accelerate_wrappers()
+        if self._parts is not None:
+            self._parts.set_epoch(epoch)
+            return
         self._position.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: after the last batch handed out (prefetched ones
         don't count), or where the next pass starts. It loads on any rank, also of a job
         of another world size (the client guide: Elastic resume)."""
+        if self._parts is not None:
+            return self._parts.state_dict(
+                self._sharing.resolve(), self._position.identity(batching="per_source")
+            )
         return self._position.state_dict(self._pass, self._sharing.resolve(), self._info)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -403,6 +458,18 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         with ``elastic_batch_size=True``, the batch size) changed. Refuses a state of
         another dataset, seed, shuffle or drop_last, or of another version of the dataset
         than the server serves (which it asks, for a state saved mid-epoch)."""
+        batching = self._mixture.batching if self._mixture is not None else "random"
+        if state.get("batching", "random") != batching:
+            raise InvalidArgumentError(
+                f"state was saved by a loader of batching={state.get('batching', 'random')!r} "
+                f"but this loader has batching={batching!r}; create the loader with the same "
+                "mixture to resume"
+            )
+        if self._parts is not None:
+            self._position.check_identity(state)
+            self._parts.load_state_dict(state)
+            self.skipped_ids = []
+            return
         # The dataset's version as the server serves it now, not as it served it before.
         if self._position.load_state_dict(state, lambda: self._describe(again=True)):
             self.skipped_ids = []
@@ -419,15 +486,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         # the prefetch of a restored iterator before it finds the state was of a finished
         # pass and starts another, and that discarded pass must not count (Position.begin).
         with self._position.ledger.update() as record:
-            place = self._position.next_place(record, share, self.num_samples)
-            spec, plan = self._plan(share, place)  # validates a loaded cursor
-            if plan.num_batches == 0 or 0 < plan.share_size == place.cursor:
-                # The end of an epoch is the start of the next: frameworks that count
-                # batches by len() (Lightning) never ask past the last one, so their
-                # checkpoint at an epoch's end is this, and the next pass is a new epoch.
-                # So is a rest of an epoch that drop_last leaves no batch of.
-                place = Place(place.epoch + 1)
-                spec, plan = self._plan(share, place)
+            place, spec, plan = self._upcoming(record, share)
             ahead = self._take_ahead()
             if ahead is not None and ahead.spec == spec.to_proto():
                 stream_pass = ahead  # started as the last pass ended: its batches are coming
@@ -442,6 +501,20 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self.skipped_ids = []
         self._pass = stream_pass
         return stream_pass
+
+    def _upcoming(self, record: Record, share: Rank) -> tuple[Place, StreamSpec, Plan]:
+        """Where the next pass of ``share`` starts, as the ledger's ``record`` places it,
+        its stream and its plan."""
+        place = self._position.next_place(record, share, self.num_samples)
+        spec, plan = self._plan(share, place)  # validates a loaded cursor
+        if plan.num_batches == 0 or 0 < plan.share_size == place.cursor:
+            # The end of an epoch is the start of the next: frameworks that count
+            # batches by len() (Lightning) never ask past the last one, so their
+            # checkpoint at an epoch's end is this, and the next pass is a new epoch.
+            # So is a rest of an epoch that drop_last leaves no batch of.
+            place = Place(place.epoch + 1)
+            spec, plan = self._plan(share, place)
+        return place, spec, plan
 
     def _window(self) -> int:
         # Twice the servers' credit: with one credit's worth of room, a server at half
@@ -519,6 +592,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         refuse_accelerate_wrappers()
         if worker_id() not in (None, 0):
             return  # worker 0 streams the whole share, in order
+        share = self._sharing.resolve()
+        if self._parts is not None:
+            yield from self._parts.iterate(share, self.skipped_ids)
+            return
+        stream_pass, tensors = self._start(share)
+        yield from self._deliver(stream_pass, share, tensors)
+
+    def _start(self, share: Rank) -> tuple[StreamPass, Tensors]:
+        """Begin the next pass of ``share``: its streams start at once."""
         info = next(p for p in self._describe().info.pipelines if p.name == self.pipeline)
         tensors = Tensors(self._options, info, self.layout, self.transfer)
         # Once a process: a unit's workers in place of the unit, to pull from each.
@@ -528,8 +610,13 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self._spec.datasets[0],
             timeout=min(self.timeout, _FIND_WORKERS_TIMEOUT_S),
         )
-        share = self._sharing.resolve()
-        stream_pass = self._begin(share, tensors)
+        return self._begin(share, tensors), tensors
+
+    def _deliver(
+        self, stream_pass: StreamPass, share: Rank, tensors: Tensors
+    ) -> Generator[tuple[torch.Tensor, ...]]:
+        """The batches of ``stream_pass``, begun by :meth:`_start`; the caller stops the
+        pass if it never advances this."""
         ahead: StreamPass | None = None  # the next pass, if this iterator started it
         last = False  # this pass's last batch was handed out
         try:
@@ -565,6 +652,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def close(self) -> None:
         """Stop the pass in progress (cancel its streams, join its readers) and close
         the channels. The loader can be iterated again afterwards."""
+        if self._parts is not None:
+            self._parts.close()
         current, self._pass = self._pass, None
         if current is not None:
             current.stop()

@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from batchwire.client._exceptions import InvalidArgumentError
-from batchwire.common.mixture import check_length, check_weights, mixture_counts, split_ids
+from batchwire.common.mixture import (
+    BATCHINGS,
+    check_length,
+    check_weights,
+    mixture_counts,
+    split_ids,
+)
 from batchwire.common.stream import Source, check_name
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -32,8 +38,13 @@ class Mixture:
     50_000}``) give each source's samples per epoch instead: more than its size repeats
     its samples (each ``count // size`` or one more times), fewer takes a different subset
     each epoch. Each epoch holds exactly those counts, in an order that depends only on
-    ``(seed, epoch)``, the sources' sizes and the counts, and every batch mixes the
-    sources (they go through the loader's one pipeline)."""
+    ``(seed, epoch)``, the sources' sizes and the counts.
+
+    ``batching`` says how the sources share batches: ``"random"`` (every batch a random
+    mix of them, through the loader's one pipeline) or ``"per_source"`` (every batch of
+    one source, the sources' batches in a seeded order, in proportion to their counts:
+    each may have its own ``pipeline``, ``params`` and ``address``, given in
+    ``per_source``, e.g. ``{"curated": {"params": {"size": 64}}}``)."""
 
     def __init__(
         self,
@@ -41,9 +52,12 @@ class Mixture:
         *,
         counts: Mapping[str, int] | None = None,
         length: int | str = "sum",
+        batching: str = "random",
+        per_source: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         try:
             given = _checked(weights, counts, length)
+            settings = _checked_settings(given, batching, per_source)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         # Tuples of (name, value): read-only, and a loader holding them pickles (spawned
@@ -53,6 +67,8 @@ class Mixture:
         )
         self._counts = tuple((k, int(v)) for k, v in given.items()) if counts is not None else ()
         self._length = length
+        self._batching = batching
+        self._per_source = settings
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -71,6 +87,15 @@ class Mixture:
     def length(self) -> int | str:
         return self._length
 
+    @property
+    def batching(self) -> str:
+        return self._batching
+
+    def settings_of(self, name: str) -> SourceSettings:
+        """What source ``name``'s batches are made with where it differs from the
+        loader's (per-source batching)."""
+        return dict(self._per_source).get(name, SourceSettings())
+
     def counts_for(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """Each source's samples per epoch, its datasets being of ``sizes``
         (``ValueError`` says what cannot be: an empty dataset given samples)."""
@@ -87,12 +112,93 @@ class Mixture:
         return hash(self._key())
 
     def _key(self) -> tuple[Any, ...]:
-        return (self._weights, self._counts, self._length)
+        return (self._weights, self._counts, self._length, self._batching, self._per_source)
 
     def __repr__(self) -> str:
         if self._counts:
-            return f"Mixture(counts={dict(self._counts)!r})"
-        return f"Mixture({dict(self._weights)!r}, length={self._length!r})"
+            text = f"Mixture(counts={dict(self._counts)!r}"
+        else:
+            text = f"Mixture({dict(self._weights)!r}, length={self._length!r}"
+        if self._batching != "random":
+            text += f", batching={self._batching!r}"
+        if self._per_source:
+            text += f", per_source={ {k: v.given() for k, v in self._per_source}!r}"
+        return text + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSettings:
+    """A source's own settings in per-source batching (None: the loader's)."""
+
+    address: tuple[str, ...] | None = None
+    pipeline: str | None = None
+    params: tuple[tuple[str, float], ...] | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The settings given, as a user spells them."""
+        given: dict[str, Any] = {}
+        if self.address is not None:
+            given["address"] = list(self.address)
+        if self.pipeline is not None:
+            given["pipeline"] = self.pipeline
+        if self.params is not None:
+            given["params"] = dict(self.params)
+        return given
+
+
+_SETTINGS = ("address", "pipeline", "params")
+
+
+def _checked_settings(
+    given: Mapping[str, Any], batching: str, per_source: Mapping[str, Mapping[str, Any]] | None
+) -> tuple[tuple[str, SourceSettings], ...]:
+    """Each source's own settings, by name; ValueError says what is wrong."""
+    if batching not in BATCHINGS:
+        raise ValueError(f"batching must be one of {BATCHINGS}, got {batching!r}")
+    if not per_source:
+        return ()
+    if batching != "per_source":
+        raise ValueError(
+            "sources with a pipeline, params or address of their own cannot share a batch: "
+            "pass batching='per_source' (each batch of one source)"
+        )
+    unknown = sorted(set(per_source) - set(given))
+    if unknown:
+        raise ValueError(
+            f"per_source names {unknown[0]!r}, which is not one of the mixture's datasets "
+            f"{sorted(given)}"
+        )
+    settings = []
+    for name, values in per_source.items():
+        if not isinstance(values, Mapping):
+            raise ValueError(f"per_source[{name!r}] must be a mapping of {_SETTINGS}")
+        extra = sorted(set(values) - set(_SETTINGS))
+        if extra:
+            raise ValueError(
+                f"per_source[{name!r}] sets {extra[0]!r}: a source may set only {_SETTINGS}"
+            )
+        address = values.get("address")
+        pipeline = values.get("pipeline")
+        params = values.get("params")
+        if pipeline is not None:
+            check_name("pipeline", pipeline)
+        if params is not None and not isinstance(params, Mapping):
+            raise ValueError(f"per_source[{name!r}]['params'] must be a mapping of numbers")
+        settings.append(
+            (
+                name,
+                SourceSettings(
+                    address=(address,) if isinstance(address, str) else _tuple_or_none(address),
+                    pipeline=pipeline,
+                    params=tuple(params.items()) if params is not None else None,
+                ),
+            )
+        )
+    return tuple(settings)
+
+
+def _tuple_or_none(value: Any) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
 
 
 def _checked(

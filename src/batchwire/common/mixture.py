@@ -22,6 +22,12 @@ counts)``, from NumPy's ``SeedSequence`` and ``PCG64`` bit streams as one datase
   every batch is a random mix of them. Without ``shuffle``, ids come in id order and the
   sources are interleaved evenly (each source's ``k``-th sample at ``(k + 0.5) /
   counts[s]`` of the epoch).
+
+Where the sources cannot share a batch (another pipeline, image size or server), each
+batch comes from one source ("per source" batching): source ``s`` is then streamed as a
+mixture of itself alone, ``counts[s]`` samples of its own order for the seed
+:func:`source_seed` gives it, and :func:`batch_schedule` says which source each global
+step comes from, in proportion to the sources' batches.
 """
 
 from __future__ import annotations
@@ -37,15 +43,18 @@ import numpy as np
 from batchwire.common.sampler import Plan, seeded_permutation
 
 __all__ = [
+    "BATCHINGS",
     "EPOCH_LENGTHS",
     "MAX_EPOCH_FACTOR",
     "MIN_EPOCH_BOUND",
     "MixturePlan",
+    "batch_schedule",
     "check_length",
     "check_weights",
     "mixture_counts",
     "mixture_order",
     "offsets_of",
+    "source_seed",
     "split_ids",
 ]
 
@@ -57,8 +66,12 @@ EPOCH_LENGTHS = ("sum", "first", "all")
 MAX_EPOCH_FACTOR = 4
 MIN_EPOCH_BOUND = 1 << 20
 
+# How a mixture's sources share batches: "random" (each batch a random mix of them, in the
+# epoch's proportions) or "per_source" (each batch of one source).
+BATCHINGS = ("random", "per_source")
+
 # Tags that keep the mixture's random streams apart from one dataset's ([seed, epoch]).
-_SOURCE_STREAM, _INTERLEAVE_STREAM = 1, 2
+_SOURCE_STREAM, _INTERLEAVE_STREAM, _SOURCE_SEED, _SCHEDULE_STREAM = 1, 2, 3, 4
 
 
 def mixture_counts(
@@ -188,6 +201,44 @@ def _source_ids(
     return np.concatenate(taken)[:count] if taken else np.zeros(0, dtype=np.int64)
 
 
+def source_seed(seed: int, source: int) -> int:
+    """The seed source ``source`` of a mixture of seed ``seed`` is streamed with when each
+    batch is of one source: sources of the same size do not share an order."""
+    if seed < 0 or source < 0:
+        raise ValueError("seed and source must be >= 0")
+    state = np.random.SeedSequence([seed, _SOURCE_SEED, source]).generate_state(2, np.uint64)
+    return int(state[0]) >> 1  # in [0, 2**63): any seed a stream takes
+
+
+def batch_schedule(
+    seed: int, epoch: int, batches: Sequence[int], shuffle: bool = True
+) -> np.ndarray:
+    """Which source each of ``sum(batches)`` global steps takes its batch from, source
+    ``s`` ``batches[s]`` times: a seeded permutation, a pure function of ``(seed, epoch,
+    batches)`` (every rank has the same batches of each source, so every rank computes the
+    same schedule and takes each step's batch from the same source). Without ``shuffle``
+    the sources are interleaved evenly, as :func:`mixture_order` interleaves samples."""
+    if seed < 0 or epoch < 0 or any(b < 0 for b in batches):
+        raise ValueError("seed, epoch and batches must be >= 0")
+    return _interleave(seed, epoch, tuple(int(b) for b in batches), shuffle, _SCHEDULE_STREAM)
+
+
+def _interleave(
+    seed: int, epoch: int, counts: tuple[int, ...], shuffle: bool, stream: int
+) -> np.ndarray:
+    """``counts[s]`` copies of each label ``s``, in a seeded order (``stream`` and, for a
+    schedule, the counts keep it apart from others) or evenly spread."""
+    labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    if shuffle:
+        entropy = (seed, epoch, stream) + (counts if stream == _SCHEDULE_STREAM else ())
+        shuffled: np.ndarray = labels[seeded_permutation(entropy, len(labels))]
+        return shuffled
+    # each label's k-th copy at (k + 0.5) / count of the sequence, evenly spread
+    keys = np.concatenate([(np.arange(c) + 0.5) / c for c in counts if c] or [np.zeros(0)])
+    spread: np.ndarray = labels[np.argsort(keys, kind="stable")]
+    return spread
+
+
 def mixture_order(
     seed: int, epoch: int, sizes: Sequence[int], counts: Sequence[int], shuffle: bool = True
 ) -> np.ndarray:
@@ -203,12 +254,7 @@ def mixture_order(
 def _mixture_order(
     seed: int, epoch: int, sizes: tuple[int, ...], counts: tuple[int, ...], shuffle: bool
 ) -> np.ndarray:
-    labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    if shuffle:
-        labels = labels[seeded_permutation((seed, epoch, _INTERLEAVE_STREAM), len(labels))]
-    else:  # each source's k-th sample at (k + 0.5) / count of the epoch, evenly spread
-        keys = np.concatenate([(np.arange(c) + 0.5) / c for c in counts if c] or [np.zeros(0)])
-        labels = labels[np.argsort(keys, kind="stable")]
+    labels = _interleave(seed, epoch, counts, shuffle, _INTERLEAVE_STREAM)
     order = np.empty(len(labels), dtype=np.int64)
     for source, (size, count, offset) in enumerate(
         zip(sizes, counts, offsets_of(sizes), strict=True)

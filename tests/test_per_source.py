@@ -1,0 +1,206 @@
+"""Per-source batching: a mixture whose every batch comes from one source, the sources at
+different image sizes (and on different servers), with a real server (CPU DALI) over
+LMDB datasets built here.
+
+Two datasets, "big" of 48 samples and "small" of 16, mixed 0.75/0.25 over an epoch of
+their sizes added up: 48 and 16 samples, 12 and 4 batches of 4 on one rank. "big" comes
+at 32 px, "small" at 24 px.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import start_server
+from test_metrics import settled, value
+
+from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
+from batchwire.common.mixture import batch_schedule, mixture_order, source_seed
+from batchwire.server import BatchwireServer
+from batchwire.server.data import ingest, write_image_folders
+
+SIZES = {"big": 48, "small": 16}  # 4 classes each
+PX = {"big": 32, "small": 24}
+SEED = 5
+BATCH = 4
+
+MIXTURE = Mixture(
+    {"big": 0.75, "small": 0.25},
+    batching="per_source",
+    per_source={"small": {"params": {"size": PX["small"]}}},
+)
+OPTIONS: dict[str, Any] = {
+    "dataset": MIXTURE,
+    "pipeline": "val",
+    "params": {"size": PX["big"]},
+    "return_ids": True,
+    "seed": SEED,
+    "batch_size": BATCH,
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("per-source")
+    for seed, (name, size) in enumerate(SIZES.items()):
+        write_image_folders(root / name, per_class=size // 4, size=40, seed=seed)
+        ingest(root / name, root / "datasets", name=name, shard_size=16)
+    return root / "datasets"
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
+    server = start_server(data_dir)
+    yield server
+    server.stop(grace=1.0)
+
+
+def make(server: BatchwireServer, **kwargs: Any) -> RemoteLoader:
+    return RemoteLoader(server.target, **{**OPTIONS, **kwargs})
+
+
+def take(
+    loader: RemoteLoader, batches: int | None = None, px: dict[str, int] = PX
+) -> list[tuple[int, list[int]]]:
+    """(source, mixed ids) of the next ``batches`` batches of a pass (all if None), each
+    batch checked to be of one source, at that source's size (``px``)."""
+    taken = []
+    for count, (images, labels, ids) in enumerate(loader, start=1):
+        sources, _ = loader.split_ids(ids)
+        source = int(sources[0])
+        assert (sources == source).all(), "a batch of one source only"
+        side = px[list(SIZES)[source]]
+        assert images.shape == (len(ids), 3, side, side)
+        assert len(labels) == len(ids)
+        taken.append((source, ids.tolist()))
+        if count == batches:
+            break
+    return taken
+
+
+def expected_ids(source: int, epoch: int) -> list[int]:
+    """Source ``source``'s samples of an epoch, in order, as mixed ids: its own order
+    (a mixture of itself alone, seeded for it)."""
+    size = list(SIZES.values())[source]
+    offset = sum(list(SIZES.values())[:source])
+    order = mixture_order(source_seed(SEED, source), epoch, (size,), (size,))
+    return (order + offset).tolist()
+
+
+def test_each_batch_is_of_one_source_at_its_size_in_the_planned_order(
+    server: BatchwireServer,
+) -> None:
+    loader = make(server)
+    assert loader.source_counts == SIZES
+    assert len(loader) == 16 and loader.num_samples == 64
+    for epoch in range(2):
+        taken = take(loader)
+        # Which source each step takes from: the schedule, from (seed, epoch, batches).
+        assert [s for s, _ in taken] == batch_schedule(SEED, epoch, [12, 4]).tolist()
+        for source in range(2):
+            ids = [i for s, batch in taken if s == source for i in batch]
+            assert ids == expected_ids(source, epoch)  # each sample once, in its order
+        assert loader.epoch == epoch + 1
+
+
+def test_ranks_take_disjoint_shares_and_a_state_resumes_exactly_the_rest(
+    server: BatchwireServer,
+) -> None:
+    ranks = [make(server, rank=r, world_size=2) for r in range(2)]
+    shares = [take(loader) for loader in ranks]
+    # Every step is of the same source on every rank (6 + 2 batches a rank).
+    assert [s for s, _ in shares[0]] == [s for s, _ in shares[1]]
+    assert [s for s, _ in shares[0]] == batch_schedule(SEED, 0, [6, 2]).tolist()
+    together = [i for share in shares for _, batch in share for i in batch]
+    assert sorted(together) == sorted(expected_ids(0, 0) + expected_ids(1, 0))
+    for at in (1, 3, 6):
+        loader = make(server, rank=1, world_size=2)
+        before = take(loader, at)
+        state = loader.state_dict()
+        assert state["batching"] == "per_source" and set(state["parts"]) == set(SIZES)
+        resumed = make(server, rank=1, world_size=2)
+        resumed.load_state_dict(state)
+        assert before + take(resumed) == shares[1]
+        assert resumed.epoch == 1
+
+
+def test_a_state_saved_on_two_ranks_resumes_exactly_on_three(server: BatchwireServer) -> None:
+    two = [make(server, rank=r, world_size=2, drop_last=False) for r in range(2)]
+    iterators = [iter(loader) for loader in two]
+    consumed: list[int] = []
+    for _ in range(3):  # three global steps
+        for iterator in iterators:
+            consumed += next(iterator)[2].tolist()
+    state = two[0].state_dict()
+    rest: list[int] = []
+    steps = []
+    for rank in range(3):
+        loader = make(server, rank=rank, world_size=3, drop_last=False)
+        loader.load_state_dict(state)
+        taken = take(loader)
+        steps.append([s for s, _ in taken])
+        rest += [i for _, batch in taken for i in batch]
+    assert steps[0] == steps[1] == steps[2]  # one source a step on every rank
+    # Nothing lost, nothing repeated (ranks of a share that does not divide evenly are
+    # padded from the start of their source's rest, as for one dataset).
+    epoch = collections.Counter(expected_ids(0, 0) + expected_ids(1, 0))
+    assert not epoch - collections.Counter(consumed + rest)
+    assert set(consumed).isdisjoint(rest)
+
+
+def test_sources_on_different_servers_and_pipelines(
+    server: BatchwireServer, data_dir: pathlib.Path
+) -> None:
+    other = start_server(data_dir, metrics_port=0)
+    try:
+        mixture = Mixture(
+            counts={"big": 8, "small": 24},  # small's 16 samples upsampled to 24
+            batching="per_source",
+            per_source={"small": {"address": other.target, "pipeline": "train"}},
+        )
+        loader = make(server, dataset=mixture, params={"size": 24})
+        assert len(loader) == 8
+        taken = take(loader, px={"big": 24, "small": 24})
+        ids = [i for _, batch in taken for i in batch]
+        small = collections.Counter(i - 48 for i in ids if i >= 48)
+        assert sorted(small) == list(range(16)) and set(small.values()) == {1, 2}
+        assert len([i for i in ids if i < 48]) == len(set(i for i in ids if i < 48)) == 8
+        loader.close()
+        # The other server made small's batches, through its own pipeline, and no others.
+        metrics = settled(other)
+        for name, pipeline, samples in (("small", "train", 24), ("big", "val", 0)):
+            labels = {"dataset": name, "pipeline": pipeline}
+            assert value(metrics, "batchwire_mixture_samples_sent_total", **labels) == samples
+    finally:
+        other.stop(grace=1.0)
+
+
+def test_bad_per_source_settings_are_refused(server: BatchwireServer) -> None:
+    weights = {"big": 0.5, "small": 0.5}
+    for kwargs, words in (
+        ({"batching": "stripes"}, "batching must be one of"),
+        ({"per_source": {"small": {"params": {"size": 8}}}}, "batching='per_source'"),
+        ({"batching": "per_source", "per_source": {"gone": {}}}, "not one of the mixture"),
+        ({"batching": "per_source", "per_source": {"small": {"size": 8}}}, "may set only"),
+        ({"batching": "per_source", "per_source": {"small": {"pipeline": "a b"}}}, "valid name"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=words):
+            Mixture(weights, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="params"):
+        make(
+            server,
+            dataset=Mixture(
+                weights,
+                batching="per_source",
+                per_source={"small": {"params": {"size": float("nan")}}},
+            ),
+        )
+    # A state of a mixture batched at random does not load into one batched per source.
+    random = make(server, dataset=Mixture(weights))
+    state = random.state_dict()
+    with pytest.raises(InvalidArgumentError, match="batching"):
+        make(server, dataset=Mixture(weights, batching="per_source")).load_state_dict(state)
