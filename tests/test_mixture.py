@@ -9,7 +9,14 @@ import collections
 import numpy as np
 import pytest
 
-from batchwire.common.mixture import MixturePlan, mixture_counts, mixture_order, split_ids
+from batchwire.common.mixture import (
+    MixturePlan,
+    batch_schedule,
+    mixture_counts,
+    mixture_order,
+    source_seed,
+    split_ids,
+)
 
 SIZES = (300, 200, 50)
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -147,3 +154,23 @@ def test_an_epoch_is_at_most_a_few_times_the_data() -> None:
     assert mixture_counts((10, 10), counts=(1 << 19, 1 << 19)) == (1 << 19, 1 << 19)
     with pytest.raises(ValueError, match=f"at most {1 << 20}"):
         mixture_counts((10, 10), counts=(1 << 19, (1 << 19) + 1))
+
+
+def test_a_batch_schedule_takes_each_sources_batches_in_a_seeded_order() -> None:
+    schedule = batch_schedule(7, 2, [9, 3, 0, 4])
+    assert np.bincount(schedule, minlength=4).tolist() == [9, 3, 0, 4]
+    assert (batch_schedule(7, 2, [9, 3, 0, 4]) == schedule).all()  # a pure function
+    assert not (batch_schedule(7, 3, [9, 3, 0, 4]) == schedule).all()  # another epoch
+    orders = {tuple(batch_schedule(seed, 0, [2, 2]).tolist()) for seed in range(64)}
+    assert len(orders) == 6  # every order of two and two comes up
+    # Without shuffle the sources' batches are spread evenly: 3 of 0 around each of 1.
+    assert batch_schedule(0, 0, [6, 2], shuffle=False).tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
+    with pytest.raises(ValueError, match=">= 0"):
+        batch_schedule(0, 0, [1, -1])
+
+
+def test_each_source_has_a_seed_of_its_own() -> None:
+    seeds = [source_seed(11, source) for source in range(8)]
+    assert len(set(seeds)) == 8 and all(0 <= seed < 1 << 63 for seed in seeds)
+    assert seeds == [source_seed(11, source) for source in range(8)]
+    assert source_seed(12, 0) != seeds[0]

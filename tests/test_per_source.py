@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import signal
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import start_server
+from processes import Target, in_trainer_process, serve_process
+from test_frameworks import one_pass, roundtrip
 from test_metrics import settled, value
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
 from batchwire.common.mixture import batch_schedule, mixture_order, source_seed
@@ -82,12 +86,12 @@ def take(
     return taken
 
 
-def expected_ids(source: int, epoch: int) -> list[int]:
-    """Source ``source``'s samples of an epoch, in order, as mixed ids: its own order
-    (a mixture of itself alone, seeded for it)."""
+def expected_ids(source: int, epoch: int, repeat: int = 1) -> list[int]:
+    """Source ``source``'s samples of an epoch (each ``repeat`` times), in order, as mixed
+    ids: its own order (a mixture of itself alone, seeded for it)."""
     size = list(SIZES.values())[source]
     offset = sum(list(SIZES.values())[:source])
-    order = mixture_order(source_seed(SEED, source), epoch, (size,), (size,))
+    order = mixture_order(source_seed(SEED, source), epoch, (size,), (size * repeat,))
     return (order + offset).tolist()
 
 
@@ -204,3 +208,62 @@ def test_bad_per_source_settings_are_refused(server: BatchwireServer) -> None:
     state = random.state_dict()
     with pytest.raises(InvalidArgumentError, match="batching"):
         make(server, dataset=Mixture(weights, batching="per_source")).load_state_dict(state)
+
+
+def test_a_server_sigkilled_mid_epoch_loses_and_repeats_nothing(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    with (
+        serve_process(data_dir, tmp_path / "a.log") as a,
+        serve_process(data_dir, tmp_path / "b.log") as b,
+    ):
+        # Each sample 3 times: 48 batches, of which a server holds a few at any time.
+        mixture = Mixture(
+            counts={"big": 144, "small": 48},
+            batching="per_source",
+            per_source={"small": {"params": {"size": PX["small"]}}},
+        )
+        loader = RemoteLoader(
+            [a.address, b.address], **{**OPTIONS, "dataset": mixture, "retry_timeout": 30}
+        )
+        taken = []
+        with loader:
+            for n, (_, _, ids) in enumerate(loader):
+                taken.append((int(loader.split_ids(ids)[0][0]), ids.tolist()))
+                if n == 3:
+                    a.process.send_signal(signal.SIGKILL)
+        assert a.process.wait(10) == -signal.SIGKILL
+    # The same batches, in the same order, as an undisturbed epoch.
+    assert [s for s, _ in taken] == batch_schedule(SEED, 0, [36, 12]).tolist()
+    for source in range(2):
+        ids = [i for s, batch in taken if s == source for i in batch]
+        assert ids == expected_ids(source, 0, repeat=3)
+
+
+@pytest.mark.slow
+def test_stateful_dataloader_workers_resume_a_per_source_mixture(
+    server: BatchwireServer,
+) -> None:
+    """StatefulDataLoader with 2 workers (spawned, with a pickled copy of the loader): its
+    state after 5 batches resumes a new one at the rest of the epoch, then the next."""
+    whole = [ids for _, ids in take(make(server))]
+    loader = make(server)
+    loader.set_epoch(1)
+    following = [ids for _, ids in take(loader)]
+    in_trainer_process(stateful_workers_resume, Target(server.target), whole, following)
+
+
+def stateful_workers_resume(server: Target, whole: list[Any], following: list[Any]) -> None:
+    def loader() -> StatefulDataLoader:  # type: ignore[type-arg]
+        remote = RemoteLoader(server.target, **OPTIONS)
+        return StatefulDataLoader(remote, batch_size=None, num_workers=2)
+
+    first = loader()
+    head = one_pass(first, limit=5)
+    state = roundtrip(first.state_dict())
+    del first
+    second = loader()
+    second.load_state_dict(state)
+    assert head == whole[:5]
+    assert one_pass(second) == whole[5:]
+    assert one_pass(second) == following

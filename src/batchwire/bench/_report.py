@@ -25,6 +25,7 @@ LABELS = {
     "remote-small": "small images: server -> RemoteLoader",
     "remote-one": "no-decode: one dataset -> RemoteLoader",
     "remote-mixture": "no-decode: a mixture -> RemoteLoader",
+    "remote-per-source": "no-decode: per-source batches -> RL",
 }
 
 
@@ -66,6 +67,12 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
     (
         "mixture/one dataset images/s",
         lambda m: _rate(m, "remote-mixture") / _rate(m, "remote-one"),
+        0.95,
+        True,
+    ),
+    (
+        "per-source/one dataset images/s",
+        lambda m: _rate(m, "remote-per-source") / _rate(m, "remote-one"),
         0.95,
         True,
     ),

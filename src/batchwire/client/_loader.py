@@ -182,6 +182,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             if self._mixture is not None and self._mixture.batching == "per_source"
             else None
         )
+        for part in self._parts.parts if self._parts is not None else ():
+            part._transport = self._transport  # one channel a server, whichever source
 
     def _start_fresh(self) -> None:
         """What a loader holds besides its settings: nothing streamed, nothing resolved."""
