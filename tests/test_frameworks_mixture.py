@@ -42,8 +42,8 @@ from test_frameworks import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.client import Mixture, RemoteLoader
-from batchwire.common.mixture import mixture_counts
-from batchwire.common.stream import Source
+from batchwire.common.mixture import batch_schedule, mixture_counts, source_seed
+from batchwire.common.stream import Source, StreamSpec
 from batchwire.server import BatchwireServer
 from batchwire.server.data import ingest, write_image_folders
 
@@ -80,8 +80,38 @@ def mixed_batches(
     )
 
 
-def check_mixed_validation(checks: Checks, run: str, rank: int, seen: list[Any]) -> None:
-    val = mixed_batches(0, rank, shuffle=False)  # the same every epoch
+def per_source_batches(
+    epoch: int, rank: int = 0, *, world: int = WORLD, batch: int = BATCH, shuffle: bool = True
+) -> Batches:
+    """The same, batched per source: each source's share as a mixture of itself alone with
+    its own seed, its batches in the order of the batch schedule."""
+    plans = [
+        StreamSpec(
+            sources=(Source(name, count),),
+            batch_size=batch,
+            seed=source_seed(SEED, source),
+            epoch=epoch,
+            shuffle=shuffle,
+            rank=rank,
+            world_size=world,
+        ).plan([size])
+        for source, (name, count, size) in enumerate(zip(WEIGHTS, COUNTS, SIZES, strict=True))
+    ]
+    parts = [
+        iter([(plan.batch(k).ids + sum(SIZES[:s])).tolist() for k in range(plan.num_batches)])
+        for s, plan in enumerate(plans)
+    ]
+    schedule = batch_schedule(SEED, epoch, [plan.num_batches for plan in plans], shuffle)
+    return [next(parts[s]) for s in schedule.tolist()]
+
+
+PLANS = {"random": mixed_batches, "per_source": per_source_batches}
+
+
+def check_mixed_validation(
+    checks: Checks, run: str, rank: int, seen: list[Any], plan: Any = mixed_batches
+) -> None:
+    val = plan(0, rank, shuffle=False)  # the same every epoch
     for p in seen:
         if p.kind == "sanity":
             checks.batches(f"{run} rank {rank} sanity check", p.batches, val[:SANITY_BATCHES])
@@ -89,16 +119,20 @@ def check_mixed_validation(checks: Checks, run: str, rank: int, seen: list[Any])
             checks.batches(f"{run} rank {rank} validation in epoch {p.epoch}", p.batches, val)
 
 
+@pytest.mark.parametrize("batching", list(PLANS))
 def test_lightning_resumes_a_mixture_exactly(
-    mixed_server: BatchwireServer, tmp_path: pathlib.Path
+    mixed_server: BatchwireServer, tmp_path: pathlib.Path, batching: str
 ) -> None:
     """Lightning with StatefulDataLoader workers, killed 3 steps after a checkpoint in epoch
-    1 and fitted again from it: each rank trained its share of epochs 0 and 1, once."""
+    1 and fitted again from it: each rank trained its share of epochs 0 and 1, once, whether
+    batches mix the sources or each is of one."""
     every, kill_at, expected_step, expected_epoch = CUTS["mid-epoch"]
-    assert len(mixed_batches(0)) == 18  # the checkpoint at step 20 lies in epoch 1
+    plan = PLANS[batching]
+    # The checkpoint at step 20 lies in epoch 1: 18 batches an epoch, 13 + 4 per source.
+    assert len(plan(0)) == {"random": 18, "per_source": 17}[batching]
     args = [
         *("--target", mixed_server.target, "--batch-size", str(BATCH), "--seed", str(SEED)),
-        *("--dataset", MIXTURE),
+        *("--dataset", MIXTURE, "--batching", batching),
         *LIGHTNING_VARIANTS["stateful-2"],
     ]
     first = torchrun(
@@ -119,15 +153,15 @@ def test_lightning_resumes_a_mixture_exactly(
     )
     check_finished(checks, tmp_path, "resumed", second)
     for rank in range(WORLD):
-        whole = mixed_batches(0, rank) + mixed_batches(1, rank)
+        whole = plan(0, rank) + plan(1, rank)
         before = records(tmp_path, "first", rank)
         after = records(tmp_path, "resumed", rank)
         head = [r.ids for r in before if r.kind == "train" and r.step < checkpoint_step]
         tail = [r.ids for r in after if r.kind == "train"]
         checks.true(len(head) == checkpoint_step, f"rank {rank} trained {len(head)} before")
         checks.batches(f"rank {rank} trained up to the checkpoint + after", head + tail, whole)
-        check_mixed_validation(checks, "first", rank, passes(before))
-        check_mixed_validation(checks, "resumed", rank, passes(after))
+        check_mixed_validation(checks, "first", rank, passes(before), plan)
+        check_mixed_validation(checks, "resumed", rank, passes(after), plan)
     checks.verify()
 
 

@@ -11,19 +11,25 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import pickle
 import signal
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import start_server
+from PIL import Image
 from processes import Target, in_trainer_process, serve_process
 from test_frameworks import one_pass, roundtrip
 from test_metrics import settled, value
+from test_preview import expected_strip, tiles
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from batchwire.cli import main
+from batchwire.cli._datasets import BATCHINGS as cli_batchings
 from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
-from batchwire.common.mixture import batch_schedule, mixture_order, source_seed
+from batchwire.common.mixture import BATCHINGS, batch_schedule, mixture_order, source_seed
 from batchwire.server import BatchwireServer
 from batchwire.server.data import ingest, write_image_folders
 
@@ -109,6 +115,10 @@ def test_each_batch_is_of_one_source_at_its_size_in_the_planned_order(
             ids = [i for s, batch in taken if s == source for i in batch]
             assert ids == expected_ids(source, epoch)  # each sample once, in its order
         assert loader.epoch == epoch + 1
+    # A pickled copy (a spawned DataLoader worker's, a ddp_spawn rank's) streams the same.
+    copy = pickle.loads(pickle.dumps(loader))
+    copy.set_epoch(1)
+    assert [ids for _, ids in take(copy)] == [ids for _, ids in taken]
 
 
 def test_ranks_take_disjoint_shares_and_a_state_resumes_exactly_the_rest(
@@ -267,3 +277,42 @@ def stateful_workers_resume(server: Target, whole: list[Any], following: list[An
     assert head == whole[:5]
     assert one_pass(second) == whole[5:]
     assert one_pass(second) == following
+
+
+def test_preview_and_bench_take_per_source_batching(
+    server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_batchings == BATCHINGS  # the command line's own copy, without NumPy
+    out = tmp_path / "grid.png"
+    shown = ["--batch-size", "6", "--seed", "3", "--param", "size=48", "--param", "resize=56"]
+    preview = ["preview", "--address", server.target, "--pipeline", "val", "--out", str(out)]
+    mixed = ["--dataset", "big=0.75,small=0.25", "--batching", "per_source"]
+    assert main([*preview, *mixed, *shown]) == 0
+    with RemoteLoader(
+        server.target,
+        dataset=Mixture({"big": 0.75, "small": 0.25}, batching="per_source"),
+        pipeline="val",
+        batch_size=6,
+        seed=3,
+        drop_last=False,
+        params={"size": 48, "resize": 56},
+        return_ids=True,
+    ) as loader:
+        _, labels, ids = next(iter(loader))
+        sources = loader.split_ids(ids)[0].tolist()
+    assert len(set(sources)) == 1
+    with Image.open(out) as png:
+        grid = np.asarray(png.convert("RGB"))
+    # Each tile's caption says its dataset (the batch's one), and its label there.
+    classes = ("circle", "cross", "square", "triangle")
+    for (_, strip), label, source in zip(tiles(grid, 6, 3), labels.tolist(), sources, strict=True):
+        text = f"{list(SIZES)[source]}: {label} {classes[label]}"
+        assert np.array_equal(strip, expected_strip(text, 96)), f"caption is not {text!r}"
+    capsys.readouterr()
+
+    bench = ["bench", "--address", server.target, "--pipeline", "val", "--no-progress"]
+    sizes = ["--images", "32", "--batch-size", "8"]
+    assert main([*bench, *mixed, *sizes]) == 0
+    assert "images/s" in capsys.readouterr().out
+    assert main([*bench, "--dataset", "big", "--batching", "per_source", *sizes]) == 2
+    assert "--batching per_source is for a mixture" in capsys.readouterr().err

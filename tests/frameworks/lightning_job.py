@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from recording import Recorder, die_together
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from batchwire.cli._datasets import dataset_or_mixture
+from batchwire.cli._datasets import BATCHINGS, batched, dataset_or_mixture
 from batchwire.client import RemoteLoader
 
 
@@ -40,6 +40,7 @@ def parse_args() -> argparse.Namespace:
         default="shapes",
         help="a dataset, or a mixture NAME=WEIGHT,NAME=WEIGHT (default shapes)",
     )
+    parser.add_argument("--batching", choices=BATCHINGS, default="random", help="a mixture's")
     parser.add_argument("--out", required=True, type=pathlib.Path, help="records, checkpoints")
     parser.add_argument("--records", default="first", help="names this run's records")
     parser.add_argument("--wrap", choices=("none", "dataloader", "stateful"), default="none")
@@ -61,7 +62,7 @@ class RemoteData(pl.LightningDataModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         common: dict[str, Any] = {
-            "dataset": args.dataset,
+            "dataset": batched(args.dataset, args.batching),
             "batch_size": args.batch_size,
             "seed": args.seed,
             "params": {"size": 32},

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchwire.bench._probe import CpuClock, RssSampler
+from batchwire.cli._datasets import BATCHING_HELP, BATCHINGS
 
 if TYPE_CHECKING:
     from batchwire.client import Mixture
@@ -74,6 +75,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         help="dataset name (default: the generated one); `batchwire bench --address` also takes "
         "a mixture of the server's datasets, NAME=WEIGHT,NAME=WEIGHT (e.g. pets=0.7,curated=0.3)",
+    )
+    parser.add_argument(
+        "--batching",
+        choices=BATCHINGS,
+        default="random",
+        help=f"with --address: {BATCHING_HELP}",
     )
     parser.add_argument("--pipeline", default="train", help="pipeline (default train)")
     parser.add_argument(

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from batchwire.cli import _credentials as credentials
-from batchwire.cli._datasets import dataset_or_mixture
+from batchwire.cli._datasets import batched, dataset_or_mixture
 
 if TYPE_CHECKING:
     from batchwire.bench import RunResult
@@ -133,6 +133,11 @@ def _against(args: argparse.Namespace) -> int:
         dataset = dataset_or_mixture(args.dataset)
     except argparse.ArgumentTypeError as exc:
         print(f"error: --dataset {exc}", file=sys.stderr)
+        return 2
+    try:
+        dataset = batched(dataset, args.batching)
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         return _measure_against(args, dataset)

@@ -9,12 +9,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from batchwire.client import Mixture
 
-__all__ = ["DATASET_HELP", "dataset_or_mixture"]
+__all__ = ["BATCHING_HELP", "DATASET_HELP", "batched", "dataset_or_mixture"]
 
 DATASET_HELP = (
     "dataset name on the server, or a mixture of several in set proportions: "
     "NAME=WEIGHT,NAME=WEIGHT (e.g. pets=0.7,curated=0.3; an epoch of their sizes added up)"
 )
+BATCHING_HELP = (
+    "how a mixture's datasets share batches: random (each batch a random mix, the default) "
+    "or per_source (each batch of one dataset)"
+)
+# batchwire.common.mixture.BATCHINGS, without importing NumPy for the command line.
+BATCHINGS = ("random", "per_source")
 
 
 def dataset_or_mixture(text: str) -> str | Mixture:
@@ -42,3 +48,17 @@ def dataset_or_mixture(text: str) -> str | Mixture:
         return Mixture(weights)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc.details}") from None
+
+
+def batched(dataset: str | Mixture, batching: str) -> str | Mixture:
+    """``dataset`` with a mixture's datasets sharing batches as ``batching`` says
+    (``ArgumentTypeError`` for one dataset batched per source: it has one source)."""
+    if isinstance(dataset, str):
+        if batching != "random":
+            raise argparse.ArgumentTypeError(
+                f"--batching {batching} is for a mixture: give --dataset NAME=WEIGHT,NAME=WEIGHT"
+            )
+        return dataset
+    from batchwire.client import Mixture
+
+    return Mixture(dict(dataset.weights or {}), length=dataset.length, batching=batching)

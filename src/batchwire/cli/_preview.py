@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchwire.cli import _credentials as credentials
-from batchwire.cli._datasets import DATASET_HELP, dataset_or_mixture
+from batchwire.cli._datasets import (
+    BATCHING_HELP,
+    BATCHINGS,
+    DATASET_HELP,
+    batched,
+    dataset_or_mixture,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--address", default="localhost:50051", help="HOST:PORT (default localhost:50051)"
     )
     parser.add_argument("--dataset", required=True, type=dataset_or_mixture, help=DATASET_HELP)
+    parser.add_argument("--batching", choices=BATCHINGS, default="random", help=BATCHING_HELP)
     parser.add_argument("--pipeline", default="train", help="pipeline name (default train)")
     parser.add_argument(
         "--out", required=True, type=pathlib.Path, metavar="PNG", help="where to write the grid"
@@ -193,9 +200,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        dataset = batched(args.dataset, args.batching)
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         loader = RemoteLoader(
             args.address,
-            dataset=args.dataset,
+            dataset=dataset,
             pipeline=args.pipeline,
             batch_size=args.batch_size,
             shuffle=not args.no_shuffle,
