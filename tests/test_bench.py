@@ -73,6 +73,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "small remote/DALI images/s",
         "no-decode: a mixture -> RemoteLoader",
         "mixture/one dataset images/s",
+        "no-decode: stratified batches -> RL",
+        "stratified/one dataset images/s",
         "no-decode: per-source batches -> RL",
         "per-source/one dataset images/s",
     ):
@@ -91,6 +93,7 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "remote-small",
         "remote-one",
         "remote-mixture",
+        "remote-stratified",
         "remote-per-source",
     }
     for name, row in summary.items():

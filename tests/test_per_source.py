@@ -316,3 +316,65 @@ def test_preview_and_bench_take_per_source_batching(
     assert "images/s" in capsys.readouterr().out
     assert main([*bench, "--dataset", "big", "--batching", "per_source", *sizes]) == 2
     assert "--batching per_source is for a mixture" in capsys.readouterr().err
+
+
+STRATIFIED = Mixture({"big": 0.75, "small": 0.25}, batching="stratified")
+
+
+def test_stratified_batches_hold_each_sources_share(server: BatchwireServer) -> None:
+    # Batches of 8: 6 of big and 2 of small, 8 of them an epoch (48 / 6, 16 / 2).
+    loader = make(server, dataset=STRATIFIED, batch_size=8, params={"size": 32})
+    assert len(loader) == 8
+    for epoch in range(2):
+        taken = []
+        for images, labels, ids in loader:
+            assert images.shape == (8, 3, 32, 32) and len(labels) == 8
+            assert loader.split_ids(ids)[0].tolist() == [0] * 6 + [1] * 2
+            taken.append(ids.tolist())
+        assert len(taken) == 8
+        assert [i for batch in taken for i in batch[:6]] == expected_ids(0, epoch)
+        assert [i for batch in taken for i in batch[6:]] == expected_ids(1, epoch)
+    # On 2 ranks, each rank's batches hold the shares too, and a state resumes exactly.
+    shares = []
+    for rank in range(2):
+        whole = make(server, dataset=STRATIFIED, batch_size=8, rank=rank, world_size=2)
+        shares.append([ids.tolist() for _, _, ids in whole])
+        assert len(shares[-1]) == 4
+    together = sorted(i for share in shares for batch in share for i in batch)
+    assert together == sorted(expected_ids(0, 0) + expected_ids(1, 0))
+    for at in (1, 3):
+        loader = make(server, dataset=STRATIFIED, batch_size=8, rank=1, world_size=2)
+        head = []
+        for n, (_, _, ids) in enumerate(loader, start=1):
+            head.append(ids.tolist())
+            if n == at:
+                break
+        resumed = make(server, dataset=STRATIFIED, batch_size=8, rank=1, world_size=2)
+        resumed.load_state_dict(loader.state_dict())
+        assert head + [ids.tolist() for _, _, ids in resumed] == shares[1]
+
+
+def test_a_stratified_epoch_ends_as_its_first_source_runs_out(server: BatchwireServer) -> None:
+    # 0.7/0.3 of an epoch of 64: 45 of big and 19 of small (upsampled); batches of 4 hold
+    # 3 of big and 1 of small (2.8 and 1.2, rounded), so big runs out after 15 batches and
+    # small's last 4 of the epoch are dropped.
+    mixture = Mixture({"big": 0.7, "small": 0.3}, batching="stratified")
+    loader = make(server, dataset=mixture, batch_size=4)
+    assert loader.source_counts == {"big": 45, "small": 19} and len(loader) == 15
+    first = [ids.tolist() for _, _, ids in loader]
+    assert len(first) == 15
+    state = loader.state_dict()
+    assert state["epoch"] == 1  # the end of an epoch is the start of the next
+    resumed = make(server, dataset=mixture, batch_size=4)
+    resumed.load_state_dict(state)
+    second = [ids.tolist() for _, _, ids in resumed]
+    big = mixture_order(source_seed(SEED, 0), 1, (48,), (45,)).tolist()
+    small = (mixture_order(source_seed(SEED, 1), 1, (16,), (19,)) + 48).tolist()
+    assert [i for batch in second for i in batch[:3]] == big
+    assert [batch[3] for batch in second] == small[:15]
+    with pytest.raises(InvalidArgumentError, match="drop_last=True"):
+        make(server, dataset=mixture, drop_last=False)
+    with pytest.raises(InvalidArgumentError, match="at least 10"):
+        make(server, dataset=Mixture({"big": 0.9, "small": 0.1}, batching="stratified"))
+    with pytest.raises(InvalidArgumentError, match="given no samples"):
+        Mixture({"big": 1, "small": 0}, batching="stratified")

@@ -25,6 +25,7 @@ LABELS = {
     "remote-small": "small images: server -> RemoteLoader",
     "remote-one": "no-decode: one dataset -> RemoteLoader",
     "remote-mixture": "no-decode: a mixture -> RemoteLoader",
+    "remote-stratified": "no-decode: stratified batches -> RL",
     "remote-per-source": "no-decode: per-source batches -> RL",
 }
 
@@ -67,6 +68,12 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
     (
         "mixture/one dataset images/s",
         lambda m: _rate(m, "remote-mixture") / _rate(m, "remote-one"),
+        0.95,
+        True,
+    ),
+    (
+        "stratified/one dataset images/s",
+        lambda m: _rate(m, "remote-stratified") / _rate(m, "remote-one"),
         0.95,
         True,
     ),

@@ -223,12 +223,12 @@ def _no_batch_error(dataset: str, samples: int, batch_size: int) -> str:
 
 _RUNS = ("dali", "remote", "pil", "transport", "raw", "engine", "nodecode", "small", "mixture")
 # A stand-in is two measured runs: DALI's own pipeline in-process and the server's; the
-# mixture, one dataset and a mixture (batched at random, and per source) through the same
-# server.
+# mixture, one dataset and a mixture (batched at random, stratified and per source) through
+# the same server.
 _PAIRS = {
     "nodecode": ("dali-nodecode", "remote-nodecode"),
     "small": ("dali-small", "remote-small"),
-    "mixture": ("remote-one", "remote-mixture", "remote-per-source"),
+    "mixture": ("remote-one", "remote-mixture", "remote-stratified", "remote-per-source"),
 }
 
 
@@ -332,6 +332,7 @@ def _compare_runs(
         return run_remote(name, [at[0]], [at[1]], data, pipeline, batch, count, **kw)
 
     mixture = Mixture(dict.fromkeys(_MIXED, 0.5))
+    stratified = Mixture(dict.fromkeys(_MIXED, 0.5), batching="stratified")
     per_source = Mixture(dict.fromkeys(_MIXED, 0.5), batching="per_source")
     return {
         "dali": lambda: run_dali("dali", dataset_dir, "train", batch, images),
@@ -355,6 +356,9 @@ def _compare_runs(
         ),
         "remote-mixture": lambda: remote(
             "remote-mixture", servers["mixture"], mixture, "nodecode", standin
+        ),
+        "remote-stratified": lambda: remote(
+            "remote-stratified", servers["mixture"], stratified, "nodecode", standin
         ),
         "remote-per-source": lambda: remote(
             "remote-per-source", servers["mixture"], per_source, "nodecode", standin

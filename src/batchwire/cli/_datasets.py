@@ -16,11 +16,11 @@ DATASET_HELP = (
     "NAME=WEIGHT,NAME=WEIGHT (e.g. pets=0.7,curated=0.3; an epoch of their sizes added up)"
 )
 BATCHING_HELP = (
-    "how a mixture's datasets share batches: random (each batch a random mix, the default) "
-    "or per_source (each batch of one dataset)"
+    "how a mixture's datasets share batches: random (each batch a random mix, the default), "
+    "stratified (each batch holds each one's share) or per_source (each batch of one dataset)"
 )
 # batchwire.common.mixture.BATCHINGS, without importing NumPy for the command line.
-BATCHINGS = ("random", "per_source")
+BATCHINGS = ("random", "stratified", "per_source")
 
 
 def dataset_or_mixture(text: str) -> str | Mixture:

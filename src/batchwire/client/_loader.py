@@ -26,7 +26,7 @@ from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import ServerSet
 from batchwire.client._state import Place, Position, Rank, Sharing
 from batchwire.client._transport import Transport, check_target, describe_dataset, find_workers
-from batchwire.common.mixture import source_seed
+from batchwire.common.mixture import source_seed, stratum_sizes
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import Source, StreamSpec
 
@@ -170,18 +170,21 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._elastic_batch_size = elastic_batch_size
         _warn_if_lanes(lanes)
         self._start_fresh()
-        # Each batch of one source: a loader a source (made now, so that its ledger is
-        # shared with DataLoader workers), with the source's own settings.
-        self._parts = (
-            PerSource(
+        # Each batch of one source, or of each source's share: a loader a source (made
+        # now, so that its ledger is shared with DataLoader workers), with the source's
+        # own settings and, stratified, its share of the batch.
+        self._parts = None
+        if self._mixture is not None and self._mixture.batching != "random":
+            strata = self._strata()
+            self._parts = PerSource(
                 self._mixture,
-                [self._part(s, name, given) for s, name in enumerate(self._mixture.names)],
+                [
+                    self._part(s, name, {**given, "batch_size": strata[s]})
+                    for s, name in enumerate(self._mixture.names)
+                ],
                 seed=seed,
                 shuffle=shuffle,
             )
-            if self._mixture is not None and self._mixture.batching == "per_source"
-            else None
-        )
         for part in self._parts.parts if self._parts is not None else ():
             part._transport = self._transport  # one channel a server, whichever source
 
@@ -198,6 +201,23 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
         self._passes_ended = 0  # passes of this loader (in this process) run to their end
+
+    def _strata(self) -> tuple[int, ...]:
+        """Each source's samples in a batch: the batch size for each batch of one source,
+        or the source's share of it when stratified."""
+        assert self._mixture is not None
+        names = self._mixture.names
+        if self._mixture.batching != "stratified":
+            return (self.batch_size,) * len(names)
+        if not self.drop_last:
+            raise InvalidArgumentError(
+                "stratified batches are all full, each holding each source's share: pass "
+                "drop_last=True (the default), or batching='random'"
+            )
+        try:
+            return stratum_sizes(self.batch_size, self._mixture.shares)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{self._mixture!r}: {exc}") from None
 
     def _part(self, source: int, name: str, given: dict[str, Any]) -> RemoteLoader:
         """The loader of source ``source`` of a per-source mixture (its count of samples
@@ -450,7 +470,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         of another world size (the client guide: Elastic resume)."""
         if self._parts is not None:
             return self._parts.state_dict(
-                self._sharing.resolve(), self._position.identity(batching="per_source")
+                self._sharing.resolve(),
+                self._position.identity(batching=self._parts.mixture.batching),
             )
         return self._position.state_dict(self._pass, self._sharing.resolve(), self._info)
 

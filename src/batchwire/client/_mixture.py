@@ -41,10 +41,11 @@ class Mixture:
     ``(seed, epoch)``, the sources' sizes and the counts.
 
     ``batching`` says how the sources share batches: ``"random"`` (every batch a random
-    mix of them, through the loader's one pipeline) or ``"per_source"`` (every batch of
-    one source, the sources' batches in a seeded order, in proportion to their counts:
-    each may have its own ``pipeline``, ``params`` and ``address``, given in
-    ``per_source``, e.g. ``{"curated": {"params": {"size": 64}}}``)."""
+    mix of them, through the loader's one pipeline), ``"stratified"`` (every batch holds
+    each source's share of it, rounded: the sources' samples one after the other) or
+    ``"per_source"`` (every batch of one source, the sources' batches in a seeded order,
+    in proportion to their counts: each may have its own ``pipeline``, ``params`` and
+    ``address``, given in ``per_source``, e.g. ``{"curated": {"params": {"size": 64}}}``)."""
 
     def __init__(
         self,
@@ -90,6 +91,12 @@ class Mixture:
     @property
     def batching(self) -> str:
         return self._batching
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """Each source's weight, or count, in the mixture's order: its share of an epoch
+        relative to their sum."""
+        return tuple(float(value) for _, value in self._weights or self._counts)
 
     def settings_of(self, name: str) -> SourceSettings:
         """What source ``name``'s batches are made with where it differs from the
@@ -155,6 +162,12 @@ def _checked_settings(
     """Each source's own settings, by name; ValueError says what is wrong."""
     if batching not in BATCHINGS:
         raise ValueError(f"batching must be one of {BATCHINGS}, got {batching!r}")
+    nothing = sorted(name for name, value in given.items() if not value)
+    if batching != "random" and nothing:
+        raise ValueError(
+            f"dataset {nothing[0]!r} is given no samples: leave it out of a mixture batched "
+            f"{batching!r} (each source is streamed on its own)"
+        )
     if not per_source:
         return ()
     if batching != "per_source":

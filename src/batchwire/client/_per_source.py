@@ -1,18 +1,25 @@
-"""Per-source batching: a mixture whose every batch comes from one source, so that its
-sources may differ in pipeline, image size or server.
+"""Mixtures batched per source or stratified: streamed as one loader a source.
+
+Per source, every batch comes from one source, so that the sources may differ in
+pipeline, image size or server; stratified, every batch holds each source's share of it
+(:func:`~batchwire.common.mixture.stratum_sizes`), the sources' samples one after the
+other.
 
 A loader of such a mixture holds one *part* a source: a loader of that source alone (a
 mixture of one dataset, ``counts[s]`` samples an epoch, seeded with
-:func:`~batchwire.common.mixture.source_seed`), made with the source's own settings.
-Each part keeps the whole contract for its source: its order, each rank's disjoint share,
-ids and cursors, failover, its state and its elastic resume. What this module adds is the
-order of the parts' batches: global step ``k`` of an epoch takes its batch from the source
-that :func:`~batchwire.common.mixture.batch_schedule` names, the same on every rank.
+:func:`~batchwire.common.mixture.source_seed`), made with the source's own settings, in
+batches of the whole batch size (per source) or of its share (stratified). Each part keeps
+the whole contract for its source: its order, each rank's disjoint share, ids and cursors,
+failover, its state and its elastic resume. What this module adds is how the parts'
+batches make the loader's: per source, global step ``k`` of an epoch takes its batch from
+the source that :func:`~batchwire.common.mixture.batch_schedule` names, the same on every
+rank; stratified, it takes one batch of every part, and the epoch ends when a part runs out
+(the others' last batches are dropped, as ``drop_last`` drops an epoch's tail).
 
-A mixture's state is its parts' states. A pass that resumes one continues the schedule
-where the saved pass stood (the batches each part has handed out say where); on another
-world or batch size, whose batches are not those the schedule counted, the rest of the
-epoch gets a schedule of its own, a pure function of the batches each part has left.
+A mixture's state is its parts' states. A pass that resumes one continues where the saved
+pass stood (the batches each part has handed out say where); per source, on another world
+or batch size, whose batches are not those the schedule counted, the rest of the epoch
+gets a schedule of its own, a pure function of the batches each part has left.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class PerSource:
         self, mixture: Mixture, parts: Sequence[RemoteLoader], *, seed: int, shuffle: bool
     ) -> None:
         self.mixture = mixture
+        self.stratified = mixture.batching == "stratified"
         self.names = mixture.names
         self.parts = tuple(parts)
         self.seed, self.shuffle = seed, shuffle
@@ -72,9 +80,11 @@ class PerSource:
         return self._described
 
     def num_batches(self, share: Rank) -> int:
-        """Batches of a whole epoch on each rank: the parts' added up."""
+        """Batches of a whole epoch on each rank: the parts' added up (stratified: the
+        fewest of a part)."""
         self.describe()
-        return sum(part._plan(share, Place(0))[1].num_batches for part in self.parts)
+        batches = [part._plan(share, Place(0))[1].num_batches for part in self.parts]
+        return min(batches) if self.stratified else sum(batches)
 
     # -- where the parts stand -------------------------------------------------------
 
@@ -95,7 +105,6 @@ class PerSource:
         return {
             **identity,
             "epoch": min(state["epoch"] for state in states.values()),
-            "batch_size": self.parts[0].batch_size,
             "world_size": share.world_size,
             "rank": share.rank,
             PARTS: states,
@@ -117,8 +126,10 @@ class PerSource:
 
     # -- a pass --------------------------------------------------------------------------
 
-    def schedule(self, share: Rank) -> np.ndarray:
-        """The parts (by index) the rest of the next pass takes each step's batch from."""
+    def _standing(self, share: Rank) -> tuple[int, list[int], list[int], bool]:
+        """Where the parts stand for the next pass: its epoch, each part's batches of the
+        whole epoch and left of it, and whether a part's rest is split anew (a state of
+        another world or batch size)."""
         self.describe()
         upcoming = [part._upcoming(part._position.ledger.read(), share)[2] for part in self.parts]
         epoch = min(plan.epoch for plan in upcoming)
@@ -137,44 +148,66 @@ class PerSource:
                     "a state of each source's own loader was loaded, not the mixture's. "
                     "Load the mixture's state_dict(), or call set_epoch"
                 )
+        return epoch, whole, left, resplit
+
+    def steps(self, share: Rank) -> tuple[int, list[tuple[int, ...]], list[int]]:
+        """The next pass: its epoch, the parts (by index) each step takes a batch from,
+        and each part's batches left after it (a stratified epoch ends with the part that
+        runs out first: the others' last batches are dropped, as drop_last drops a tail)."""
+        epoch, whole, left, resplit = self._standing(share)
+        if self.stratified:
+            steps = min(left)
+            if not steps:  # the epoch is over: the parts' next passes start the next
+                for part in self.parts:
+                    part._position.set_epoch(epoch + 1)
+                epoch, whole, left, resplit = self._standing(share)
+                steps = min(left)
+            everyone = tuple(range(len(self.parts)))
+            return epoch, [everyone] * steps, [n - steps for n in left]
         if not resplit:
             schedule = batch_schedule(self.seed, epoch, whole, self.shuffle)
             taken = [w - n for w, n in zip(whole, left, strict=True)]
             at = sum(taken)
             if np.bincount(schedule[:at], minlength=len(whole)).tolist() == taken:
-                return schedule[at:]
-        return batch_schedule(self.seed, epoch, left, self.shuffle)
+                return epoch, [(s,) for s in schedule[at:].tolist()], [0] * len(whole)
+        schedule = batch_schedule(self.seed, epoch, left, self.shuffle)
+        return epoch, [(s,) for s in schedule.tolist()], [0] * len(whole)
 
     def iterate(self, share: Rank, skipped: list[int]) -> Iterator[tuple[torch.Tensor, ...]]:
         """The batches of the next pass: every part that has batches left begins its
         pass at once (its streams start, and its ledger says the pass began), and each
-        step takes the next batch of the part the schedule names."""
-        steps = self.schedule(share).tolist()
+        step takes the next batch of each part it names (one, or all when stratified)."""
+        epoch, steps, dropped = self.steps(share)
         offsets = offsets_of(self.describe().sizes).tolist()
         if len(steps) == self.num_batches(share):
             skipped.clear()  # a whole epoch
-        left = collections.Counter(steps)
+        left = collections.Counter(s for step in steps for s in step)
         started: dict[int, tuple[StreamPass, Tensors]] = {}
         delivering: dict[int, Generator[tuple[torch.Tensor, ...]]] = {}
         try:
-            for s in dict.fromkeys(steps):  # the parts of this pass, in their first step's order
+            for s in left:  # the parts of this pass, in their first step's order
                 started[s] = self.parts[s]._start(share)
                 delivering[s] = self.parts[s]._deliver(started[s][0], share, started[s][1])
-            for s in steps:
-                part = self.parts[s]
-                before = len(part.skipped_ids)
-                batch = next(delivering[s], None)
-                if batch is None:
-                    raise BatchwireError(
-                        f"source {self.names[s]!r} ended its pass before the "
-                        "batches planned for it: report this as a bug",
-                        code=grpc.StatusCode.INTERNAL,
-                    )
-                left[s] -= 1
-                if not left[s]:
-                    next(delivering[s], None)  # its pass ends: its next is its next epoch
-                skipped.extend(offsets[s] + i for i in part.skipped_ids[before:])
-                yield _mixed(batch, offsets[s])
+            for step in steps:
+                batches = []
+                for s in step:
+                    part = self.parts[s]
+                    before = len(part.skipped_ids)
+                    batch = next(delivering[s], None)
+                    if batch is None:
+                        raise BatchwireError(
+                            f"source {self.names[s]!r} ended its pass before the "
+                            "batches planned for it: report this as a bug",
+                            code=grpc.StatusCode.INTERNAL,
+                        )
+                    left[s] -= 1
+                    if not left[s] and dropped[s]:
+                        part._position.set_epoch(epoch + 1)  # its tail is dropped
+                    elif not left[s]:
+                        next(delivering[s], None)  # its pass ends: its next is its next epoch
+                    skipped.extend(offsets[s] + i for i in part.skipped_ids[before:])
+                    batches.append(_mixed(batch, offsets[s]))
+                yield batches[0] if len(batches) == 1 else _joined(batches)
         finally:
             for generator in delivering.values():
                 generator.close()
@@ -184,6 +217,22 @@ class PerSource:
     def close(self) -> None:
         for part in self.parts:
             part.close()
+
+
+def _joined(batches: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """One batch of the parts' batches of a step, one after the other: on the CPU into
+    NumPy's memory, as a part's own batch is (``batchwire.client._delivery``), where a
+    fresh tensor of torch's costs page faults worth several times the copy."""
+    joined = []
+    for tensors in zip(*batches, strict=True):
+        first = tensors[0]
+        if first.device.type != "cpu":
+            joined.append(torch.cat(tensors))
+            continue
+        # NumPy's copy: torch's runs on its intra-op threads, whose spinning after each
+        # copy cost more CPU than the copy.
+        joined.append(torch.from_numpy(np.concatenate([t.numpy() for t in tensors])))
+    return tuple(joined)
 
 
 def _mixed(batch: tuple[torch.Tensor, ...], offset: int) -> tuple[torch.Tensor, ...]:

@@ -286,11 +286,16 @@ class Position:
     def identity(self, *, batching: str) -> dict[str, Any]:
         """What a state of a mixture batched ``batching`` holds of its loader's settings
         (the state of one batched per source is its parts' states besides)."""
-        return {"version": _STATE_VERSION, **self._identity(), "batching": batching}
+        return {
+            "version": _STATE_VERSION,
+            **self._identity(),
+            "batching": batching,
+            "batch_size": self._spec.batch_size,
+        }
 
     def check_identity(self, state: Mapping[str, Any]) -> None:
         """Refuse a state of another version of the format, or of a loader of another
-        dataset, seed, shuffle or drop_last."""
+        dataset, seed, shuffle or drop_last, or (unless elastic) batch size."""
         if state.get("version") not in _READABLE_STATES:
             raise InvalidArgumentError(
                 f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
@@ -301,12 +306,6 @@ class Position:
                     f"state was saved with {key}={state.get(key)!r} but this loader has "
                     f"{key}={value!r}; create the loader with the same settings to resume"
                 )
-
-    def load_state_dict(self, state: Mapping[str, Any], describe: Callable[[], Described]) -> bool:
-        """Check ``state`` (see RemoteLoader.load_state_dict) and make it the place the
-        next pass starts at; False in a DataLoader worker that streams nothing.
-        ``describe`` asks a server for the dataset as it is served now."""
-        self.check_identity(state)
         if state.get("batch_size") != self._spec.batch_size and not self._elastic_batch_size:
             raise InvalidArgumentError(
                 f"state was saved with batch_size={state.get('batch_size')!r} but this loader "
@@ -314,6 +313,12 @@ class Position:
                 "batch_size, or pass elastic_batch_size=True to resume at the same global "
                 "position with batches of the new size"
             )
+
+    def load_state_dict(self, state: Mapping[str, Any], describe: Callable[[], Described]) -> bool:
+        """Check ``state`` (see RemoteLoader.load_state_dict) and make it the place the
+        next pass starts at; False in a DataLoader worker that streams nothing.
+        ``describe`` asks a server for the dataset as it is served now."""
+        self.check_identity(state)
         epoch, origin, cursor = (int(state.get(key, 0)) for key in ("epoch", "origin", "cursor"))
         place = Place(epoch, origin, cursor, int(state["world_size"]), int(state["batch_size"]))
         if min(place.epoch, place.origin, place.cursor) < 0 or min(place.world, place.batch) < 1:

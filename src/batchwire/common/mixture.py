@@ -27,7 +27,9 @@ Where the sources cannot share a batch (another pipeline, image size or server),
 batch comes from one source ("per source" batching): source ``s`` is then streamed as a
 mixture of itself alone, ``counts[s]`` samples of its own order for the seed
 :func:`source_seed` gives it, and :func:`batch_schedule` says which source each global
-step comes from, in proportion to the sources' batches.
+step comes from, in proportion to the sources' batches. Where every batch must hold each
+source's share ("stratified" batching), the sources are streamed so too, source ``s`` in
+batches of :func:`stratum_sizes`'s ``[s]`` samples, and each batch is one of each.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "offsets_of",
     "source_seed",
     "split_ids",
+    "stratum_sizes",
 ]
 
 # How long a mixture's epoch is, given weights (see mixture_counts).
@@ -67,8 +70,9 @@ MAX_EPOCH_FACTOR = 4
 MIN_EPOCH_BOUND = 1 << 20
 
 # How a mixture's sources share batches: "random" (each batch a random mix of them, in the
-# epoch's proportions) or "per_source" (each batch of one source).
-BATCHINGS = ("random", "per_source")
+# epoch's proportions), "stratified" (each batch holds each source's share) or
+# "per_source" (each batch of one source).
+BATCHINGS = ("random", "stratified", "per_source")
 
 # Tags that keep the mixture's random streams apart from one dataset's ([seed, epoch]).
 _SOURCE_STREAM, _INTERLEAVE_STREAM, _SOURCE_SEED, _SCHEDULE_STREAM = 1, 2, 3, 4
@@ -208,6 +212,30 @@ def source_seed(seed: int, source: int) -> int:
         raise ValueError("seed and source must be >= 0")
     state = np.random.SeedSequence([seed, _SOURCE_SEED, source]).generate_state(2, np.uint64)
     return int(state[0]) >> 1  # in [0, 2**63): any seed a stream takes
+
+
+def stratum_sizes(batch_size: int, shares: Sequence[float]) -> tuple[int, ...]:
+    """Each source's samples in a stratified batch of ``batch_size``: its share (relative
+    to their sum) of the batch, rounded by largest remainder so that they add up to
+    ``batch_size``. ``ValueError`` if a source with a share would get no sample."""
+    check_weights(shares)
+    total = sum(shares)
+    exact = [batch_size * share / total for share in shares]
+    sizes = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda s: (sizes[s] - exact[s], s))
+    for s in by_remainder[: batch_size - sum(sizes)]:
+        sizes[s] += 1
+    starved = [
+        s for s, (share, size) in enumerate(zip(shares, sizes, strict=True)) if share and not size
+    ]
+    if starved:
+        share = shares[starved[0]] / total
+        raise ValueError(
+            f"a batch of {batch_size} holds {batch_size * share:.2f} samples of source "
+            f"{starved[0]} (its share, {share:.3g}): raise the batch size to at least "
+            f"{math.ceil(1 / share)}, or its weight"
+        )
+    return tuple(sizes)
 
 
 def batch_schedule(
