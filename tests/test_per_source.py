@@ -220,34 +220,39 @@ def test_bad_per_source_settings_are_refused(server: BatchwireServer) -> None:
         make(server, dataset=Mixture(weights, batching="per_source")).load_state_dict(state)
 
 
+@pytest.mark.parametrize("batching", ["per_source", "stratified"])
 def test_a_server_sigkilled_mid_epoch_loses_and_repeats_nothing(
-    data_dir: pathlib.Path, tmp_path: pathlib.Path
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, batching: str
 ) -> None:
+    # Each sample 3 times: 48 batches (stratified: of 3 of big and 1 of small), of which a
+    # server holds a few at any time.
+    per_source = {"small": {"params": {"size": PX["small"]}}} if batching == "per_source" else {}
+    mixture = Mixture(counts={"big": 144, "small": 48}, batching=batching, per_source=per_source)
     with (
         serve_process(data_dir, tmp_path / "a.log") as a,
         serve_process(data_dir, tmp_path / "b.log") as b,
     ):
-        # Each sample 3 times: 48 batches, of which a server holds a few at any time.
-        mixture = Mixture(
-            counts={"big": 144, "small": 48},
-            batching="per_source",
-            per_source={"small": {"params": {"size": PX["small"]}}},
-        )
         loader = RemoteLoader(
             [a.address, b.address], **{**OPTIONS, "dataset": mixture, "retry_timeout": 30}
         )
         taken = []
         with loader:
             for n, (_, _, ids) in enumerate(loader):
-                taken.append((int(loader.split_ids(ids)[0][0]), ids.tolist()))
+                taken.append(ids.tolist())
                 if n == 3:
                     a.process.send_signal(signal.SIGKILL)
         assert a.process.wait(10) == -signal.SIGKILL
     # The same batches, in the same order, as an undisturbed epoch.
-    assert [s for s, _ in taken] == batch_schedule(SEED, 0, [36, 12]).tolist()
+    expected = [expected_ids(source, 0, repeat=3) for source in range(2)]
+    if batching == "stratified":
+        assert [i for batch in taken for i in batch[:3]] == expected[0]
+        assert [batch[3] for batch in taken] == expected[1]
+        return
+    sources = [int(batch[0] >= SIZES["big"]) for batch in taken]
+    assert sources == batch_schedule(SEED, 0, [36, 12]).tolist()
     for source in range(2):
-        ids = [i for s, batch in taken if s == source for i in batch]
-        assert ids == expected_ids(source, 0, repeat=3)
+        ids = [i for s, batch in zip(sources, taken, strict=True) if s == source for i in batch]
+        assert ids == expected[source]
 
 
 @pytest.mark.slow
