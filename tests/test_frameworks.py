@@ -32,7 +32,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -634,6 +634,22 @@ def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     buffer.seek(0)
     loaded: dict[str, Any] = torch.load(buffer)
     return loaded
+
+
+def stateful_resume(
+    make: Callable[[], StatefulDataLoader],
+    cut: int,  # type: ignore[type-arg]
+) -> tuple[Batches, Batches, Batches]:
+    """The first ``cut`` batches of a StatefulDataLoader ``make`` gives, then, in a new one
+    loaded with its state (through a checkpoint), the rest of that pass and the next."""
+    first = make()
+    head = one_pass(first, limit=cut)
+    state = roundtrip(first.state_dict())
+    del first  # its workers end with it
+    second = make()
+    second.load_state_dict(state)
+    rest = one_pass(second)
+    return head, rest, one_pass(second)
 
 
 STATEFUL_CUTS: list[int | str] = [1, 7, 16, "finished"]  # batches of 16, or to StopIteration

@@ -32,11 +32,10 @@ from test_frameworks import (
     check_finished,
     check_killed,
     latest_checkpoint,
-    one_pass,
     passes,
     plan_batches,
     records,
-    roundtrip,
+    stateful_resume,
     torchrun,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -219,15 +218,9 @@ def stateful_workers_resume_a_mixture(server: Target) -> None:
         return StatefulDataLoader(remote, batch_size=None, num_workers=2)
 
     whole = mixed_batches(0, world=1, batch=32)
-    first = loader()
-    head = one_pass(first, limit=7)
-    state = roundtrip(first.state_dict())
-    del first
-    second = loader()
-    second.load_state_dict(state)
+    head, rest, after = stateful_resume(loader, 7)
     checks = Checks(world=1, batch=32)
     checks.batches("the first 7 batches", head, whole[:7])
-    checks.batches("the pass after loading the state", one_pass(second), whole[7:])
-    checks.batches("the pass after that", one_pass(second), mixed_batches(1, world=1, batch=32))
-    del second
+    checks.batches("the pass after loading the state", rest, whole[7:])
+    checks.batches("the pass after that", after, mixed_batches(1, world=1, batch=32))
     checks.verify()

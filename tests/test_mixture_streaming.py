@@ -52,13 +52,20 @@ OPTIONS: dict[str, Any] = {
 }
 
 
+def datasets_of(
+    sizes: dict[str, int], root: pathlib.Path, *, image: int = 48, shard: int = 32
+) -> pathlib.Path:
+    """A data directory under ``root`` of a dataset of each of ``sizes`` (4 classes each,
+    images of ``image`` pixels, each dataset's own): its path."""
+    for seed, (name, size) in enumerate(sizes.items()):
+        write_image_folders(root / name, per_class=size // 4, size=image, seed=seed)
+        ingest(root / name, root / "datasets", name=name, shard_size=shard)
+    return root / "datasets"
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    root = tmp_path_factory.mktemp("mixture")
-    for seed, (name, size) in enumerate(SIZES.items()):
-        write_image_folders(root / name, per_class=size // 4, size=48, seed=seed)
-        ingest(root / name, root / "datasets", name=name, shard_size=32)
-    return root / "datasets"
+    return datasets_of(SIZES, tmp_path_factory.mktemp("mixture"))
 
 
 @pytest.fixture(scope="module")
@@ -178,15 +185,19 @@ def test_ranks_split_the_mixture_and_a_state_resumes_exactly_the_rest(
         assert before + ids_of(resumed) == shares[1]
 
 
+def global_steps(loaders: list[RemoteLoader], steps: int) -> tuple[list[int], list[Any]]:
+    """The ids of the first ``steps`` global steps of ``loaders`` (one a rank, a batch each
+    a step), and their passes, left running."""
+    passes = [iter(loader) for loader in loaders]
+    ids = [i for _ in range(steps) for p in passes for i in next(p)[2].tolist()]
+    return ids, passes
+
+
 @pytest.mark.slow
 def test_a_mixture_saved_on_two_ranks_resumes_exactly_on_three(server: BatchwireServer) -> None:
     order = mixture_order(SEED, 0, tuple(SIZES.values()), COUNTS).tolist()
     two = [make(server, rank=r, world_size=2, drop_last=False) for r in range(2)]
-    iterators = [iter(loader) for loader in two]
-    consumed: list[int] = []
-    for _ in range(3):  # three global steps
-        for iterator in iterators:
-            consumed += next(iterator)[2].tolist()
+    consumed, _passes = global_steps(two, 3)
     state = two[0].state_dict()
     assert state["position"] == 48
     rest: list[int] = []
@@ -266,18 +277,13 @@ def test_a_server_sigkilled_mid_mixture_loses_and_repeats_nothing(
     assert ids == expected  # the same samples, in the same order, as an undisturbed epoch
 
 
-@pytest.mark.slow
-def test_preview_and_bench_take_a_mixture(
-    server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = tmp_path / "grid.png"
-    preview = ["preview", "--address", server.target, "--pipeline", "val", "--out", str(out)]
-    shown = ["--batch-size", "6", "--seed", "3", "--param", "size=48", "--param", "resize=56"]
-    assert main([*preview, "--dataset", "big=0.5,small=0.5", *shown]) == 0
-    assert "6 images of 'big+small'" in capsys.readouterr().out
+def check_grid(out: pathlib.Path, server: BatchwireServer, mixture: Mixture) -> list[int]:
+    """Check the grid ``preview`` drew at ``out`` of the first batch of 6 of ``mixture``
+    (seed 3, 48 pixels): each tile's caption says its dataset, and its label in that
+    dataset's classes. The batch's sources."""
     with RemoteLoader(
         server.target,
-        dataset=Mixture({"big": 0.5, "small": 0.5}),
+        dataset=mixture,
         pipeline="val",
         batch_size=6,
         seed=3,
@@ -287,14 +293,26 @@ def test_preview_and_bench_take_a_mixture(
         return_ids=True,
     ) as loader:
         _, labels, ids = next(iter(loader))
-        sources = loader.split_ids(ids)[0].tolist()
+        sources: list[int] = loader.split_ids(ids)[0].tolist()
     with Image.open(out) as png:
         grid = np.asarray(png.convert("RGB"))
-    # Each tile's caption says its dataset, and its label in that dataset's classes.
     classes = ("circle", "cross", "square", "triangle")
     for (_, strip), label, source in zip(tiles(grid, 6, 3), labels.tolist(), sources, strict=True):
-        text = f"{('big', 'small')[source]}: {label} {classes[label]}"
+        text = f"{mixture.names[source]}: {label} {classes[label]}"
         assert np.array_equal(strip, expected_strip(text, 96)), f"caption is not {text!r}"
+    return sources
+
+
+@pytest.mark.slow
+def test_preview_and_bench_take_a_mixture(
+    server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "grid.png"
+    preview = ["preview", "--address", server.target, "--pipeline", "val", "--out", str(out)]
+    shown = ["--batch-size", "6", "--seed", "3", "--param", "size=48", "--param", "resize=56"]
+    assert main([*preview, "--dataset", "big=0.5,small=0.5", *shown]) == 0
+    assert "6 images of 'big+small'" in capsys.readouterr().out
+    sources = check_grid(out, server, Mixture({"big": 0.5, "small": 0.5}))
     assert len(set(sources)) == 2
     with pytest.raises(SystemExit) as refused:  # argparse's usage error
         main([*preview, "--dataset", "big=0.5,small=x", *shown])

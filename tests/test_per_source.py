@@ -16,14 +16,12 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 from conftest import start_server
-from PIL import Image
 from processes import Target, in_trainer_process, serve_process
-from test_frameworks import one_pass, roundtrip
+from test_frameworks import stateful_resume
 from test_metrics import settled, value
-from test_preview import expected_strip, tiles
+from test_mixture_streaming import check_grid, datasets_of, global_steps
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.cli import main
@@ -31,7 +29,6 @@ from batchwire.cli._datasets import BATCHINGS as cli_batchings
 from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
 from batchwire.common.mixture import BATCHINGS, batch_schedule, mixture_order, source_seed
 from batchwire.server import BatchwireServer
-from batchwire.server.data import ingest, write_image_folders
 
 SIZES = {"big": 48, "small": 16}  # 4 classes each
 PX = {"big": 32, "small": 24}
@@ -55,11 +52,7 @@ OPTIONS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    root = tmp_path_factory.mktemp("per-source")
-    for seed, (name, size) in enumerate(SIZES.items()):
-        write_image_folders(root / name, per_class=size // 4, size=40, seed=seed)
-        ingest(root / name, root / "datasets", name=name, shard_size=16)
-    return root / "datasets"
+    return datasets_of(SIZES, tmp_path_factory.mktemp("per-source"), image=40, shard=16)
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +137,7 @@ def test_ranks_take_disjoint_shares_and_a_state_resumes_exactly_the_rest(
 
 def test_a_state_saved_on_two_ranks_resumes_exactly_on_three(server: BatchwireServer) -> None:
     two = [make(server, rank=r, world_size=2, drop_last=False) for r in range(2)]
-    iterators = [iter(loader) for loader in two]
-    consumed: list[int] = []
-    for _ in range(3):  # three global steps
-        for iterator in iterators:
-            consumed += next(iterator)[2].tolist()
+    consumed, _passes = global_steps(two, 3)
     state = two[0].state_dict()
     rest: list[int] = []
     steps = []
@@ -273,15 +262,8 @@ def stateful_workers_resume(server: Target, whole: list[Any], following: list[An
         remote = RemoteLoader(server.target, **OPTIONS)
         return StatefulDataLoader(remote, batch_size=None, num_workers=2)
 
-    first = loader()
-    head = one_pass(first, limit=5)
-    state = roundtrip(first.state_dict())
-    del first
-    second = loader()
-    second.load_state_dict(state)
-    assert head == whole[:5]
-    assert one_pass(second) == whole[5:]
-    assert one_pass(second) == following
+    head, rest, after = stateful_resume(loader, 5)
+    assert (head, rest, after) == (whole[:5], whole[5:], following)
 
 
 def test_preview_and_bench_take_per_source_batching(
@@ -293,26 +275,9 @@ def test_preview_and_bench_take_per_source_batching(
     preview = ["preview", "--address", server.target, "--pipeline", "val", "--out", str(out)]
     mixed = ["--dataset", "big=0.75,small=0.25", "--batching", "per_source"]
     assert main([*preview, *mixed, *shown]) == 0
-    with RemoteLoader(
-        server.target,
-        dataset=Mixture({"big": 0.75, "small": 0.25}, batching="per_source"),
-        pipeline="val",
-        batch_size=6,
-        seed=3,
-        drop_last=False,
-        params={"size": 48, "resize": 56},
-        return_ids=True,
-    ) as loader:
-        _, labels, ids = next(iter(loader))
-        sources = loader.split_ids(ids)[0].tolist()
+    # Every tile of one dataset, each caption saying it, and its label there.
+    sources = check_grid(out, server, Mixture({"big": 0.75, "small": 0.25}, batching="per_source"))
     assert len(set(sources)) == 1
-    with Image.open(out) as png:
-        grid = np.asarray(png.convert("RGB"))
-    # Each tile's caption says its dataset (the batch's one), and its label there.
-    classes = ("circle", "cross", "square", "triangle")
-    for (_, strip), label, source in zip(tiles(grid, 6, 3), labels.tolist(), sources, strict=True):
-        text = f"{list(SIZES)[source]}: {label} {classes[label]}"
-        assert np.array_equal(strip, expected_strip(text, 96)), f"caption is not {text!r}"
     capsys.readouterr()
 
     bench = ["bench", "--address", server.target, "--pipeline", "val", "--no-progress"]

@@ -65,23 +65,18 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
         0.6,
         True,
     ),
-    (
-        "mixture/one dataset images/s",
-        lambda m: _rate(m, "remote-mixture") / _rate(m, "remote-one"),
-        0.95,
-        True,
-    ),
-    (
-        "stratified/one dataset images/s",
-        lambda m: _rate(m, "remote-stratified") / _rate(m, "remote-one"),
-        0.95,
-        True,
-    ),
-    (
-        "per-source/one dataset images/s",
-        lambda m: _rate(m, "remote-per-source") / _rate(m, "remote-one"),
-        0.95,
-        True,
+    *(
+        (
+            f"{kind}/one dataset images/s",
+            lambda m, run=run: _rate(m, run) / _rate(m, "remote-one"),
+            0.95,
+            True,
+        )
+        for kind, run in (
+            ("mixture", "remote-mixture"),
+            ("stratified", "remote-stratified"),
+            ("per-source", "remote-per-source"),
+        )
     ),
 )
 
