@@ -145,6 +145,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="with --cold: stream counts (default 1,4,16)",
     )
     parser.add_argument(
+        "--cold-mixture",
+        action="store_true",
+        help="with --cold: a mixture of the dataset and a copy of it, half of each, beside the "
+        "dataset alone, cold and warm",
+    )
+    parser.add_argument(
         "--host-servers",
         default=",".join(host_trainers.SERVERS),
         help="with --host-trainers: which server settings, in order (default "

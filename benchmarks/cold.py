@@ -16,6 +16,11 @@ interleaved, medians of ``--repeats``:
 Streams are those of ``--streams`` (raw PullBatches calls, each on an epoch of its own,
 ``--duration`` seconds, the second half counted). Keep what a run reads (images/s times
 ``--duration``) well under the dataset's size, or a cold run warms itself as it goes.
+
+With ``--cold-mixture``, a mixture's read path instead, cold and warm, beside one
+dataset's: the dataset (``first``) and a copy of it on the same disk (``second``: files of
+their own, so pages of their own) mixed half and half, each epoch a random half of each, so
+that an epoch reads as many records as one of the dataset; and the dataset alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import threading
@@ -33,7 +39,15 @@ from typing import Any
 from benchmarks._server_probe import ServerProbe
 from benchmarks.streams import StreamsResult, measure_streams
 
-__all__ = ["STREAMS", "disk_of", "evict", "measure_read_stage", "prewarm", "run_cold"]
+__all__ = [
+    "STREAMS",
+    "disk_of",
+    "evict",
+    "measure_read_stage",
+    "prewarm",
+    "run_cold",
+    "run_cold_mixture",
+]
 
 STREAMS = (1, 4, 16)
 _CHUNK = 8 << 20
@@ -226,6 +240,8 @@ def run_cold(args: argparse.Namespace) -> int:
     stage alone, cold, with and without read-ahead."""
     from batchwire.bench import bench_dataset, machine, write_json
 
+    if args.cold_mixture:
+        return run_cold_mixture(args)
     counts = [int(k) for k in args.cold_streams.split(",")]
     data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
     directory = data_dir / dataset
@@ -266,4 +282,97 @@ def run_cold(args: argparse.Namespace) -> int:
         run = {"dataset": dataset, "bytes": size, "disk": disk_of(directory)}
         run |= {"pipeline": args.pipeline, "batch_size": args.batch_size}
         write_json(args.json, {"machine": host, "run": run, "cold": rows})
+    return 0
+
+
+_MIXED = ("first", "second")
+
+
+def _mixture_dir(data_dir: pathlib.Path, dataset: str) -> pathlib.Path:
+    """A data directory of ``first`` (``dataset``, linked) and ``second`` (a copy of its
+    files, made once), beside ``data_dir``."""
+    root = data_dir.parent / f"{data_dir.name}-cold-mixture" / dataset
+    first, second = root / _MIXED[0], root / _MIXED[1]
+    if not first.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        first.symlink_to((data_dir / dataset).resolve(), target_is_directory=True)
+    if not second.exists():
+        shutil.copytree(data_dir / dataset, root / ".copying", dirs_exist_ok=True)
+        (root / ".copying").rename(second)
+    return root
+
+
+def _serve_mixture(
+    args: argparse.Namespace, root: pathlib.Path, size: int, streams: int, state: str, kind: str
+) -> StreamsResult:
+    from batchwire.bench import LocalServer
+    from batchwire.v1 import batchwire_pb2
+
+    for name in _MIXED:
+        (prewarm if state == "warm" else evict)(root / name)
+    sources = [batchwire_pb2.Source(dataset=name, count=size // 2) for name in _MIXED]
+    with LocalServer(
+        root, max_streams=max(64, streams + 8), device=args.device, metrics=True
+    ) as server:
+        assert server.metrics_port is not None  # metrics=True
+        return measure_streams(
+            server.address,
+            ServerProbe(server.pid, server.metrics_port),
+            _MIXED[0],
+            args.pipeline,
+            args.batch_size,
+            streams,
+            args.duration or 20.0,
+            {"size": float(args.size)} if args.size else None,
+            sources=sources if kind == "mixture" else (),
+        )
+
+
+def run_cold_mixture(args: argparse.Namespace) -> int:
+    """Each stream count, cold and warm, one dataset and a mixture, interleaved, a new
+    server each (see the module)."""
+    from batchwire.bench import bench_dataset, machine, write_json
+    from batchwire.server.data import Dataset
+
+    counts = [int(k) for k in args.cold_streams.split(",")]
+    data_dir, dataset = bench_dataset(args.data_dir, args.dataset, args.photos)
+    root = _mixture_dir(data_dir, dataset)
+    with Dataset(root / _MIXED[0]) as opened:
+        size = opened.num_samples
+    host = machine()
+    print(
+        f"python -m benchmarks --cold --cold-mixture: {dataset} ({size} samples) alone and "
+        f"mixed half and half with a copy of it, on {disk_of(root / _MIXED[1])}, pipeline "
+        f"{args.pipeline}, batch {args.batch_size}, {args.duration or 20.0:.0f} s a run, "
+        f"median of {args.repeats}; {host['cores']} cores ({host['cpu']})",
+        flush=True,
+    )
+    results: dict[tuple[int, str, str], list[float]] = {}
+    kinds = ("one", "mixture")
+    for repeat in range(args.repeats):
+        for k in counts:
+            for state in ("cold", "warm") if repeat % 2 == 0 else ("warm", "cold"):
+                for kind in kinds if repeat % 2 == 0 else kinds[::-1]:
+                    result = _serve_mixture(args, root, size, k, state, kind)
+                    results.setdefault((k, state, kind), []).append(result.images_per_s)
+                    print(
+                        f"  [{repeat + 1}] {k} streams, {state}, {kind}: "
+                        f"{result.images_per_s:.0f} images/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    lines = [
+        f"{'streams':>7} {'state':>5} {'one img/s':>10} {'mixture img/s':>14} {'mixture/one':>12}"
+    ]
+    rows = []
+    for k in counts:
+        for state in ("cold", "warm"):
+            one, mixed = (statistics.median(results[k, state, kind]) for kind in kinds)
+            rows.append({"streams": k, "state": state, "one": one, "mixture": mixed})
+            lines.append(f"{k:>7} {state:>5} {one:>10.0f} {mixed:>14.0f} {mixed / one:>12.2f}")
+    print("\n".join(lines))
+    if args.json:
+        run = {"dataset": dataset, "samples": size, "disk": disk_of(root / _MIXED[1])}
+        run |= {"pipeline": args.pipeline, "batch_size": args.batch_size}
+        write_json(args.json, {"machine": host, "run": run, "cold_mixture": rows})
     return 0

@@ -239,10 +239,14 @@ async def run_streams_async(
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = batchwire_pb2_grpc.BatchwireStub(channel)
         run = StreamsRun(stub, requests, started, seconds)
-        info = await stub.DescribeDataset(
-            batchwire_pb2.DescribeDatasetRequest(dataset=requests[0]["dataset"]), timeout=60
-        )
-        run.num_samples = info.num_samples
+        sources = requests[0].get("sources")
+        if sources:  # a mixture's epoch: its sources' counts
+            run.num_samples = sum(source.count for source in sources)
+        else:
+            info = await stub.DescribeDataset(
+                batchwire_pb2.DescribeDatasetRequest(dataset=requests[0]["dataset"]), timeout=60
+            )
+            run.num_samples = info.num_samples
         watch = asyncio.create_task(run.watch(probe))
         tasks = [asyncio.create_task(run.stream(i)) for i in range(len(requests))]
         # A stream still waiting for a batch at the end is cancelled then, not waited for.
@@ -263,11 +267,13 @@ def measure_streams(
     streams: int,
     seconds: float,
     params: dict[str, float] | None = None,
+    sources: Sequence[Any] = (),
 ) -> StreamsResult:
     """``streams`` concurrent streams for ``seconds`` against the server at ``address``,
-    whose process and ``/metrics`` ``probe`` reads."""
+    whose process and ``/metrics`` ``probe`` reads: of ``dataset``, or of a mixture of
+    ``sources`` (``batchwire_pb2.Source`` each; ``dataset`` then "")."""
     request: dict[str, Any] = {
-        "dataset": dataset,
+        **({"sources": list(sources)} if sources else {"dataset": dataset}),
         "pipeline": pipeline,
         "batch_size": batch_size,
         "params": params or {},

@@ -299,6 +299,21 @@ def test_cold_reads_the_dataset_cold_and_warm_and_its_read_stage_alone(
 
 
 @pytest.mark.slow
+def test_cold_mixture_reads_a_mixture_and_one_dataset_cold_and_warm(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = tmp_path / "cold-mixture.json"
+    mode = ["--cold", "--cold-mixture", "--cold-streams", "2", "--duration", "4"]
+    mode += ["--pipeline", "val", "--device", "cpu", "--repeats", "1", "--images", "64"]
+    assert benchmarks.main(_small(data_dir, result, *mode)) == 0
+    assert "mixture/one" in capsys.readouterr().out
+    rows = json.loads(result.read_text())["cold_mixture"]
+    assert [(row["streams"], row["state"]) for row in rows] == [(2, "cold"), (2, "warm")]
+    for row in rows:
+        assert row["one"] > 0 and row["mixture"] > 0, row
+
+
+@pytest.mark.slow
 def test_profile_says_where_a_servers_time_and_lock_go(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
