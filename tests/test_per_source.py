@@ -26,7 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from batchwire.cli import main
 from batchwire.cli._datasets import BATCHINGS as cli_batchings
-from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
+from batchwire.client import InvalidArgumentError, Mixture, NotFoundError, RemoteLoader
 from batchwire.common.mixture import BATCHINGS, batch_schedule, mixture_order, source_seed
 from batchwire.server import BatchwireServer
 
@@ -202,6 +202,10 @@ def test_bad_per_source_settings_are_refused(server: BatchwireServer) -> None:
                 per_source={"small": {"params": {"size": float("nan")}}},
             ),
         )
+    # A dataset no server has: said before any stream, as for any mixture.
+    for batching in ("per_source", "stratified"):
+        with pytest.raises(NotFoundError, match="missing"):
+            len(make(server, dataset=Mixture({"big": 1, "missing": 1}, batching=batching)))
     # A state of a mixture batched at random does not load into one batched per source.
     random = make(server, dataset=Mixture(weights))
     state = random.state_dict()
