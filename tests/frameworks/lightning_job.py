@@ -27,8 +27,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from recording import Recorder, die_together
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from batchwire.cli._datasets import BATCHINGS, batched, dataset_or_mixture
+from batchwire.cli._datasets import batched, dataset_or_mixture
 from batchwire.client import RemoteLoader
+from batchwire.common.batchings import BATCHINGS
 
 
 def parse_args() -> argparse.Namespace:

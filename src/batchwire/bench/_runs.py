@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchwire.bench._probe import CpuClock, RssSampler
-from batchwire.cli._datasets import BATCHING_HELP, BATCHINGS
+from batchwire.common.batchings import BATCHING_HELP, BATCHINGS
 
 if TYPE_CHECKING:
     from batchwire.client import Mixture

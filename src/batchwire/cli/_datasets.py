@@ -9,18 +9,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from batchwire.client import Mixture
 
-__all__ = ["BATCHING_HELP", "DATASET_HELP", "batched", "dataset_or_mixture"]
+__all__ = ["DATASET_HELP", "batched", "dataset_or_mixture"]
 
 DATASET_HELP = (
     "dataset name on the server, or a mixture of several in set proportions: "
     "NAME=WEIGHT,NAME=WEIGHT (e.g. pets=0.7,curated=0.3; an epoch of their sizes added up)"
 )
-BATCHING_HELP = (
-    "how a mixture's datasets share batches: random (each batch a random mix, the default), "
-    "stratified (each batch holds each one's share) or per_source (each batch of one dataset)"
-)
-# batchwire.common.mixture.BATCHINGS, without importing NumPy for the command line.
-BATCHINGS = ("random", "stratified", "per_source")
 
 
 def dataset_or_mixture(text: str) -> str | Mixture:

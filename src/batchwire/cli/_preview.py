@@ -24,13 +24,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchwire.cli import _credentials as credentials
-from batchwire.cli._datasets import (
-    BATCHING_HELP,
-    BATCHINGS,
-    DATASET_HELP,
-    batched,
-    dataset_or_mixture,
-)
+from batchwire.cli._datasets import DATASET_HELP, batched, dataset_or_mixture
+from batchwire.common.batchings import BATCHING_HELP, BATCHINGS
 
 if TYPE_CHECKING:
     import numpy as np

@@ -185,8 +185,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 seed=seed,
                 shuffle=shuffle,
             )
-        for part in self._parts.parts if self._parts is not None else ():
-            part._transport = self._transport  # one channel a server, whichever source
 
     def _start_fresh(self) -> None:
         """What a loader holds besides its settings: nothing streamed, nothing resolved."""
@@ -224,7 +222,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         an epoch set once the sources are described: see PerSource)."""
         assert self._mixture is not None
         settings = self._mixture.settings_of(name)
-        return RemoteLoader(
+        part = RemoteLoader(
             **{
                 **given,
                 "address": settings.address or given["address"],
@@ -234,6 +232,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 "seed": source_seed(self._spec.seed, source),
             }
         )
+        part._transport = self._transport  # one channel a server, whichever source
+        return part
 
     def _use_count(self, count: int) -> None:
         """This loader of a per-source mixture's one source gives ``count`` samples an
@@ -538,6 +538,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             place = Place(place.epoch + 1)
             spec, plan = self._plan(share, place)
         return place, spec, plan
+
+    def _next_plan(self, share: Rank) -> Plan:
+        """The plan of the next pass of ``share``, as the ledger places it now."""
+        return self._upcoming(self._position.ledger.read(), share)[2]
+
+    def _skip_to(self, epoch: int) -> None:
+        """The next pass starts ``epoch``: what is left of this one is dropped (a part of a
+        stratified mixture whose epoch ended with another part's)."""
+        self._position.set_epoch(epoch)
 
     def _window(self) -> int:
         # Twice the servers' credit: with one credit's worth of room, a server at half

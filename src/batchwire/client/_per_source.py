@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import numpy as np
@@ -39,13 +39,47 @@ from batchwire.common.mixture import batch_schedule, offsets_of
 
 if TYPE_CHECKING:
     from batchwire.client._delivery import Tensors
-    from batchwire.client._loader import RemoteLoader
     from batchwire.client._pass import StreamPass
+    from batchwire.common.sampler import Plan
+    from batchwire.common.stream import StreamSpec
 
-__all__ = ["PerSource"]
+__all__ = ["Part", "PerSource"]
 
 # What a mixture's state holds of its parts, by source name.
 PARTS = "parts"
+
+
+class Part(Protocol):
+    """What a part is asked: a :class:`~batchwire.client.RemoteLoader` of one source."""
+
+    skipped_ids: list[int]
+
+    @property
+    def epoch(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+    def _describe(self, again: bool = False) -> Described: ...
+
+    def _use_count(self, count: int) -> None: ...
+
+    def _plan(self, share: Rank, place: Place) -> tuple[StreamSpec, Plan]: ...
+
+    def _next_plan(self, share: Rank) -> Plan: ...
+
+    def _skip_to(self, epoch: int) -> None: ...
+
+    def _start(self, share: Rank) -> tuple[StreamPass, Tensors]: ...
+
+    def _deliver(
+        self, stream_pass: StreamPass, share: Rank, tensors: Tensors
+    ) -> Generator[tuple[torch.Tensor, ...]]: ...
 
 
 class PerSource:
@@ -53,7 +87,7 @@ class PerSource:
     mixture's order."""
 
     def __init__(
-        self, mixture: Mixture, parts: Sequence[RemoteLoader], *, seed: int, shuffle: bool
+        self, mixture: Mixture, parts: Sequence[Part], *, seed: int, shuffle: bool
     ) -> None:
         self.mixture = mixture
         self.stratified = mixture.batching == "stratified"
@@ -131,7 +165,7 @@ class PerSource:
         whole epoch and left of it, and whether a part's rest is split anew (a state of
         another world or batch size)."""
         self.describe()
-        upcoming = [part._upcoming(part._position.ledger.read(), share)[2] for part in self.parts]
+        upcoming = [part._next_plan(share) for part in self.parts]
         epoch = min(plan.epoch for plan in upcoming)
         whole, left = [], []
         resplit = False
@@ -159,7 +193,7 @@ class PerSource:
             steps = min(left)
             if not steps:  # the epoch is over: the parts' next passes start the next
                 for part in self.parts:
-                    part._position.set_epoch(epoch + 1)
+                    part._skip_to(epoch + 1)
                 epoch, whole, left, resplit = self._standing(share)
                 steps = min(left)
             everyone = tuple(range(len(self.parts)))
@@ -202,7 +236,7 @@ class PerSource:
                         )
                     left[s] -= 1
                     if not left[s] and dropped[s]:
-                        part._position.set_epoch(epoch + 1)  # its tail is dropped
+                        part._skip_to(epoch + 1)  # its tail is dropped
                     elif not left[s]:
                         next(delivering[s], None)  # its pass ends: its next is its next epoch
                     skipped.extend(offsets[s] + i for i in part.skipped_ids[before:])

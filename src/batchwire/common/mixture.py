@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from batchwire.common.batchings import BATCHINGS
 from batchwire.common.sampler import Plan, seeded_permutation
 
 __all__ = [
@@ -68,11 +69,6 @@ EPOCH_LENGTHS = ("sum", "first", "all")
 # epoch that repeats the whole data more often than this is a mistake, not a mixture.
 MAX_EPOCH_FACTOR = 4
 MIN_EPOCH_BOUND = 1 << 20
-
-# How a mixture's sources share batches: "random" (each batch a random mix of them, in the
-# epoch's proportions), "stratified" (each batch holds each source's share) or
-# "per_source" (each batch of one source).
-BATCHINGS = ("random", "stratified", "per_source")
 
 # Tags that keep the mixture's random streams apart from one dataset's ([seed, epoch]).
 _SOURCE_STREAM, _INTERLEAVE_STREAM, _SOURCE_SEED, _SCHEDULE_STREAM = 1, 2, 3, 4
