@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.common.batchings import BATCHINGS
 from batchwire.common.mixture import (
-    BATCHINGS,
     check_length,
     check_weights,
     mixture_counts,

@@ -42,11 +42,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchwire.common.batchings import BATCHINGS
 from batchwire.common.sampler import Plan, seeded_permutation
 
 __all__ = [
-    "BATCHINGS",
     "EPOCH_LENGTHS",
     "MAX_EPOCH_FACTOR",
     "MIN_EPOCH_BOUND",
