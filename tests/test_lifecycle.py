@@ -4,6 +4,7 @@ health before the server is ready."""
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 import grpc
@@ -41,7 +42,11 @@ def test_ranks_come_from_torch_distributed_when_a_pass_starts(
     assert results[0]["solo"] == Plan(num_samples=520, batch_size=20, seed=11).share().tolist()
 
 
-def test_a_server_that_goes_away_mid_epoch_raises_in_the_loop(data_dir: pathlib.Path) -> None:
+def test_a_server_that_goes_away_mid_epoch_raises_in_the_loop(
+    data_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loader's only server stops: the log says it is retried and for how long, and the
+    error after retry_timeout names the setting with its value."""
     server = start_server(data_dir)
     loader = RemoteLoader(
         server.target,
@@ -56,10 +61,18 @@ def test_a_server_that_goes_away_mid_epoch_raises_in_the_loop(data_dir: pathlib.
     iterator = iter(loader)
     next(iterator)
     server.stop(grace=0)
-    with pytest.raises(UnavailableError, match="retry_timeout") as caught:
+    with (
+        caplog.at_level(logging.WARNING, logger="batchwire.client"),
+        pytest.raises(UnavailableError, match=r"retry_timeout=2\)") as caught,
+    ):
         for _ in iterator:
             pass
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no server delivered a batch for 2s while they were retried" in str(caught.value)
+    said = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert said, caplog.text
+    assert all("other servers" not in line for line in said), said
+    assert any("only server" in line and "retry_timeout=2s" in line for line in said), said
     loader.close()
 
 

@@ -202,14 +202,16 @@ class Book:
                     if now - self._progress_at > retry_timeout:
                         raise error_for(
                             failure[1],
-                            f"no server delivered a batch within {retry_timeout:.0f}s "
-                            f"(retry_timeout=); last error: {failure[2]}",
+                            f"no server delivered a batch for {retry_timeout:g}s while they "
+                            f"were retried (RemoteLoader retry_timeout={retry_timeout:g}); "
+                            f"last error: {failure[2]}. Check that the servers run and are "
+                            "reachable, or raise retry_timeout to wait out longer outages",
                         )
                     wake_at.append(self._progress_at + retry_timeout)
                 if now >= deadline:
                     raise UnavailableError(
-                        f"no batch arrived within {timeout:.0f}s (timeout=); the server "
-                        "may be overloaded or stuck",
+                        f"no batch arrived within {timeout:g}s (RemoteLoader "
+                        f"timeout={timeout:g}); the server may be overloaded or stuck",
                         code=grpc.StatusCode.DEADLINE_EXCEEDED,
                     )
                 # Until a change (an arrival, a failure, room, wake) or the next deadline.

@@ -253,6 +253,19 @@ class ServerPuller(threading.Thread):
         # Off for this pass once the server's shared memory could not be read.
         self._shared_memory = tensors.options.shared_memory
 
+    def _what_now(self, returned: int) -> str:
+        """What the loader does about this server's failure, for its log line."""
+        retry = f"retry_timeout={self._tensors.options.retry_timeout:g}s"
+        if len(self._servers.servers()) == 1:
+            held = f"the {returned} batches it held" if returned else "the batches left"
+            return (
+                f"it is the loader's only server: retrying it for {held}, until a batch "
+                f"arrives or {retry} passes without one"
+            )
+        if returned:
+            return f"{returned} batches it held go to the other servers"
+        return f"retrying it, and any other server, for the batches left (for up to {retry})"
+
     def run(self) -> None:
         try:
             self._pull()
@@ -335,9 +348,7 @@ class ServerPuller(threading.Thread):
                 "%s failed (%s); %s",
                 self.server.address,
                 failure[1],
-                f"{len(returned)} batches it held go to other servers"
-                if returned
-                else "retrying it, and any other server, for the batches left",
+                self._what_now(len(returned)),
             )
             if self._pass_stop.wait(backoff(attempt)):
                 return
