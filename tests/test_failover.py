@@ -59,7 +59,7 @@ def stream_with_failure(
 
 def resumed(caplog: pytest.LogCaptureFixture) -> bool:
     """A failed server held batches, and they were asked of the other server."""
-    held = re.compile(r"[1-9][0-9]* batches it held go to the other servers")
+    held = re.compile(r"[1-9][0-9]* batch(es)? it held go to the other servers")
     return any(held.search(r.getMessage()) for r in caplog.records)
 
 

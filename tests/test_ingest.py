@@ -257,7 +257,8 @@ def test_a_file_the_decoder_rejects_is_decoded_once_and_named_in_the_summary(
     argv = ["ingest", str(src), str(tmp_path / "out"), "--name", "one", "--no-progress"]
     assert main(argv) == 0
     out, err = capfd.readouterr()
-    assert "ingested 2 images" in out
+    assert "ingested 2 images in 1 class into" in out
+    assert "(1 shard, " in out  # counts in words: "1 shard", not "1 shards"
     assert "cat/truncated.jpg: cannot be decoded: its JPEG is truncated" in out  # screened
     assert "cat/huffman.jpg: corrupt or truncated image data" in out  # failed in DALI
     # DALI's decoder prints its own [ERROR] line (to fd 2, from C++) each time it fails

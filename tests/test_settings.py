@@ -159,3 +159,14 @@ def test_read_workers_is_ignored_with_a_warning() -> None:
     server = pathlib.Path(__file__).parents[1] / "src" / "batchwire" / "server"
     readers = [p for p in server.rglob("*.py") if "read_workers" in p.read_text()]
     assert readers == [server / "config" / "_settings.py"], "only its declaration names it"
+    # Taken on the command line still, but not offered in serve --help.
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--data-dir", "/data", "--read-workers", "2"])
+    assert args.read_workers == 2
+    serve = next(
+        action.choices["serve"]
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    assert "--read-workers" not in serve.format_help()
+    assert "--read-ahead-reads" in serve.format_help()

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from batchwire.common.words import counted
+
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 DATASET = "shapes"
@@ -110,7 +112,10 @@ def _ensure_dataset(
         ) as bar:
             write_image_folders(source, per_class=per_class, on_image=lambda: bar.update())
         report = ingest(source, data_dir, name=DATASET, overwrite=True, progress=progress)
-    print(f"ingested {report.num_samples} images in {len(report.classes)} classes into {target}")
+    print(
+        f"ingested {counted(report.num_samples, 'image')} in "
+        f"{counted(len(report.classes), 'class', 'classes')} into {target}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

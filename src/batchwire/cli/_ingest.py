@@ -8,6 +8,8 @@ import argparse
 import pathlib
 import sys
 
+from batchwire.common.words import counted
+
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 
@@ -70,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(
-        f"ingested {report.num_samples} images in {len(report.classes)} classes into "
-        f"{report.path} ({report.num_shards} shards, {human_size(report.bytes)}) "
+        f"ingested {counted(report.num_samples, 'image')} in "
+        f"{counted(len(report.classes), 'class', 'classes')} into "
+        f"{report.path} ({counted(report.num_shards, 'shard')}, {human_size(report.bytes)}) "
         f"in {report.seconds:.1f} s"
     )
     if report.rejected:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from batchwire.cli import _logs
+from batchwire.common.words import counted
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", type=pathlib.Path, help="TOML or YAML config file [BATCHWIRE_CONFIG]"
     )
     for setting in settings():
-        help = f"{setting.help} [{setting.variable}]"
+        # A deprecated setting is still taken (and warned about), not offered.
+        help = argparse.SUPPRESS if setting.deprecated else f"{setting.help} [{setting.variable}]"
         if setting.parse is boolean:
             # A setting that is on by default is turned off with --no-NAME.
             on = getattr(ServerConfig, setting.name) is True
@@ -97,7 +99,7 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
 
 
 def _workers_text(count: int) -> str:
-    return f"{count} worker" if count == 1 else f"{count} workers"
+    return counted(count, "worker")
 
 
 def _start_line(config: Any, workers: int, port: int, metrics_port: int | None) -> str:

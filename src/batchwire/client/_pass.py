@@ -38,6 +38,7 @@ from batchwire.client._exceptions import BatchwireError
 from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
 from batchwire.client._shared_memory import SharedMemory, SharedMemoryFailed
 from batchwire.client._transport import Transport, map_rpc_errors, rpc_details
+from batchwire.common.words import counted
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["ServerPuller", "StreamPass", "close_at_exit"]
@@ -257,13 +258,17 @@ class ServerPuller(threading.Thread):
         """What the loader does about this server's failure, for its log line."""
         retry = f"retry_timeout={self._tensors.options.retry_timeout:g}s"
         if len(self._servers.servers()) == 1:
-            held = f"the {returned} batches it held" if returned else "the batches left"
+            held = (
+                f"the {counted(returned, 'batch', 'batches')} it held"
+                if returned
+                else "the batches left"
+            )
             return (
                 f"it is the loader's only server: retrying it for {held}, until a batch "
                 f"arrives or {retry} passes without one"
             )
         if returned:
-            return f"{returned} batches it held go to the other servers"
+            return f"{counted(returned, 'batch', 'batches')} it held go to the other servers"
         return f"retrying it, and any other server, for the batches left (for up to {retry})"
 
     def run(self) -> None:

@@ -64,16 +64,19 @@ def _setting(
     metavar: str | None = None,
     choices: tuple[str, ...] | None = None,
     bounds: tuple[float, float] | None = None,
+    deprecated: bool = False,
 ) -> Any:
     """A ServerConfig field that is a setting: a flag ``--name``, a variable
     ``BATCHWIRE_NAME`` and a file key ``name`` (see :func:`settings`), with the values
-    it takes (``choices``, or ``bounds`` inclusive)."""
+    it takes (``choices``, or ``bounds`` inclusive). A ``deprecated`` one is still taken
+    but left out of ``batchwire serve --help``."""
     metadata = {
         "help": help,
         "parse": parse,
         "metavar": metavar,
         "choices": choices,
         "bounds": bounds,
+        "deprecated": deprecated,
     }
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata)
@@ -160,6 +163,7 @@ class ServerConfig:
         "deprecated and ignored (removed in the next release): every stream reads its "
         "records through the one record path, which reads a batch ahead of the pipelines",
         bounds=(0, 64),
+        deprecated=True,
     )
     read_ahead_reads: int = _setting(
         4,
@@ -346,6 +350,7 @@ class Setting:
     metavar: str | None
     choices: tuple[str, ...] | None
     bounds: tuple[float, float] | None
+    deprecated: bool = False
 
     def check(self, value: Any) -> None:
         """ConfigError unless ``value`` is one this setting takes (None: unset, where the
@@ -373,7 +378,7 @@ class Setting:
         return "BATCHWIRE_" + self.name.upper()
 
 
-_METADATA = ("help", "parse", "metavar", "choices", "bounds")
+_METADATA = ("help", "parse", "metavar", "choices", "bounds", "deprecated")
 
 
 def settings() -> list[Setting]:
