@@ -100,8 +100,9 @@ def test_client_raises_its_own_errors_with_codes(server: BatchwireServer) -> Non
     with pytest.raises(NotFoundError) as caught:
         list(RemoteLoader(server.target, dataset="imagenet", batch_size=4))
     assert caught.value.code == grpc.StatusCode.NOT_FOUND
-    assert "imagenet" in str(caught.value)
-    with pytest.raises(NotFoundError, match="no pipeline 'resnet'"):
+    # Which server has no such dataset, as for a pipeline.
+    assert f"server {server.target}: " in str(caught.value) and "imagenet" in str(caught.value)
+    with pytest.raises(NotFoundError, match=f"server {server.target} has no pipeline 'resnet'"):
         len(RemoteLoader(server.target, dataset="shapes", pipeline="resnet", batch_size=4))
     with pytest.raises(InvalidArgumentError, match="'size' must be in") as bad:
         list(RemoteLoader(server.target, dataset="shapes", batch_size=4, params={"size": 0}))

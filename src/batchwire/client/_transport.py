@@ -97,6 +97,8 @@ def _advice(code: grpc.StatusCode, details: str, address: str) -> str:
                 "that signed the server's certificate, and does the address match a name in it?"
             )
         return f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
+    if code == grpc.StatusCode.NOT_FOUND and address:
+        return f"server {address}: {details}"  # which server lacks it, as for a pipeline
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
         return (
             f"{details}: the request is larger than the server accepts (its "
