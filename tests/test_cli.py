@@ -125,6 +125,8 @@ def test_demo_builds_serves_and_prints_a_rate(
     out = capsys.readouterr().out
     assert re.search(r"streamed 96 images .* \d+ images/s", out), out
     assert "circle 24, cross 24, square 24, triangle 24" in out
+    assert "the rate includes building its DALI pipelines and warming up" in out
+    assert "ingested 96 images in 4 classes" in out
     assert main(args) == 0  # the second run reuses the cached dataset
     assert "using the sample dataset" in capsys.readouterr().out
     # Without --images, whatever is cached; with another number, a dataset of that size.

@@ -171,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
             f"streamed {images} images of {shape} in {seconds:.2f}s: {images / seconds:.0f} images/s, {nbytes / seconds / 1e6:.0f} MB/s"
         )
         print(f"labels per class: {per_class}")
+        print(
+            "(one epoch from a server just started: the rate includes building its DALI "
+            "pipelines and warming up, and the first run on a machine also loads DALI from "
+            "disk; `batchwire bench --address HOST:PORT --dataset NAME` measures a running "
+            "server)"
+        )
     finally:
         server.stop(grace=1.0)
     return 0
