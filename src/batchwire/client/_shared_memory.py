@@ -43,6 +43,7 @@ from batchwire.common.shared_memory import (
     GRANT_METADATA,
     MEMFD_NAME,
     SEALS,
+    log_once,
     namespace,
     socket_address,
     warn_once,
@@ -115,6 +116,14 @@ class SharedMemory:
             if key == GRANT_METADATA and isinstance(value, bytes):
                 grant = pb.SharedMemoryGrant.FromString(value)
         if grant is None or not grant.socket or not grant.key:
+            log_once(
+                log,
+                logging.INFO,
+                f"no grant from {server}",
+                "%s offers no shared memory (off there, or this process is another user's "
+                "than it serves shared memory to): its batches come in their messages",
+                server,
+            )
             return
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
@@ -131,7 +140,16 @@ class SharedMemory:
         except OSError as exc:
             self._drop_descriptor()
             if exc.errno in _ELSEWHERE:
-                log.debug("%s is on another host: batches come in their messages", server)
+                log_once(
+                    log,
+                    logging.INFO,
+                    f"elsewhere {server}",
+                    "%s's shared memory cannot be reached from this process, so its batches "
+                    "come in their messages: the server is on another host, or in another "
+                    "network namespace or container (where it is on this host, its "
+                    "--shared-memory-socket-dir, mounted here too, lets this process reach it)",
+                    server,
+                )
                 return
             warn_once(
                 log,

@@ -30,6 +30,7 @@ __all__ = [
     "KEY_BYTES",
     "MEMFD_NAME",
     "SEALS",
+    "log_once",
     "namespace",
     "socket_address",
     "warn_once",
@@ -69,8 +70,14 @@ def warn_once(log: logging.Logger, kind: str, message: str, *args: object) -> No
     """Log ``message`` as a warning, the first time this process meets ``kind`` of
     failure on ``log``'s side only: a transport that falls back says why once, not once
     a stream."""
+    log_once(log, logging.WARNING, kind, message, *args)
+
+
+def log_once(log: logging.Logger, level: int, kind: str, message: str, *args: object) -> None:
+    """Log ``message`` at ``level``, the first time this process meets ``kind`` on
+    ``log``'s side only (see :func:`warn_once`)."""
     with _warned_lock:
         if (log.name, kind) in _warned:
             return
         _warned.add((log.name, kind))
-    log.warning(message, *args)
+    log.log(level, message, *args)
