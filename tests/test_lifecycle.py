@@ -90,3 +90,20 @@ def test_health_stays_not_serving_without_datasets(tmp_path: pathlib.Path) -> No
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         server.stop(grace=0)
+
+
+def test_a_server_open_to_every_interface_in_plaintext_says_so(
+    data_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The quick start's server, on every interface with no TLS and no token, warns and
+    names --host; one on localhost does not."""
+    said = {}
+    for host in ("[::]", "localhost"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="batchwire.server"):
+            server = start_server(data_dir, host=host)
+            server.stop(grace=0)
+        said[host] = [r.getMessage() for r in caplog.records if "every interface" in r.getMessage()]
+    (warning,) = said["[::]"]
+    assert "--host localhost" in warning and "--token-file" in warning
+    assert said["localhost"] == []

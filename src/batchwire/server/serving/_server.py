@@ -47,6 +47,8 @@ from batchwire.v1 import batchwire_pb2
 __all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
 
 log = logging.getLogger(__name__)
+# Hosts that listen on every interface of the machine.
+_EVERY_INTERFACE = frozenset({"", "[::]", "::", "0.0.0.0", "*"})
 
 SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
 _START_TIMEOUT = 30.0
@@ -323,6 +325,15 @@ class BatchwireServer(Listening):
             log.info("pipelines on GPUs %s; new streams spread over them", list(devices.device_ids))
         if self.security.tokens and not self.security.tls:
             log.warning("bearer tokens without TLS: anyone on the network path can read them")
+        if self.config.host in _EVERY_INTERFACE and not (self.security.tls or self.security.tokens):
+            log.warning(
+                "listening on every interface (%s) in plaintext with no token: anyone who can "
+                "reach this host on port %d can read the datasets. Pass --host localhost to "
+                "serve this machine only, or --tls-cert/--tls-key and --token-file "
+                "(docs/security.md)",
+                self.config.host,
+                self._port,
+            )
 
     async def _warm_up(self) -> None:
         """Run the engine's warm-up unless warm already: SERVING once it passes with
