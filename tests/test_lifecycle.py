@@ -107,3 +107,28 @@ def test_a_server_open_to_every_interface_in_plaintext_says_so(
     (warning,) = said["[::]"]
     assert "--host localhost" in warning and "--token-file" in warning
     assert said["localhost"] == []
+
+
+def test_a_loop_that_drop_last_leaves_samples_out_of_is_told_once(
+    server: BatchwireServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluation pass (no shuffle) over 520 samples in batches of 24: drop_last leaves 16
+    out of every epoch, and the loader warns once, naming drop_last=False; with it, every
+    sample comes, the last batch short."""
+    options = {"dataset": "shapes", "pipeline": "val", "params": {"size": 32}, "shuffle": False}
+    with caplog.at_level(logging.INFO, logger="batchwire.client"):
+        loader = RemoteLoader(server.target, batch_size=24, **options)  # type: ignore[arg-type]
+        assert sum(len(labels) for _, labels in loader) == 504
+        assert sum(len(labels) for _, labels in loader) == 504
+        loader.close()
+    said = [r for r in caplog.records if "leaves out" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+    assert "leaves out 16 samples of the 520 samples" in said[0].getMessage()
+    assert "drop_last=False" in said[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="batchwire.client"):
+        whole = RemoteLoader(server.target, batch_size=24, drop_last=False, **options)  # type: ignore[arg-type]
+        sizes = [len(labels) for _, labels in whole]
+        whole.close()
+    assert sum(sizes) == 520 and sizes[-1] == 16
+    assert not [r for r in caplog.records if "leaves out" in r.getMessage()]

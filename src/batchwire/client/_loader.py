@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -29,8 +30,11 @@ from batchwire.client._transport import Transport, check_target, describe_datase
 from batchwire.common.mixture import source_seed, stratum_sizes
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import Source, StreamSpec
+from batchwire.common.words import counted
 
 __all__ = ["LoaderOptions", "RemoteLoader"]
+
+log = logging.getLogger(__name__)
 
 # Seconds a unit and its workers get to say who they are, once a process: a worker's port
 # that a firewall drops must not hold a pass for the loader's whole timeout.
@@ -199,6 +203,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
         self._passes_ended = 0  # passes of this loader (in this process) run to their end
+        self._said_left_out = False  # what drop_last leaves out of an epoch was logged
 
     def _strata(self) -> tuple[int, ...]:
         """Each source's samples in a batch: the batch size for each batch of one source,
@@ -520,6 +525,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 stream_pass = self._new_pass(spec, plan, tensors, self._window())
                 stream_pass.start_readers()
             self._position.begin(record, stream_pass.id, plan)
+        self._say_what_is_left_out(plan)
         if place.cursor == 0:
             self.skipped_ids = []
         self._pass = stream_pass
@@ -547,6 +553,29 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """The next pass starts ``epoch``: what is left of this one is dropped (a part of a
         stratified mixture whose epoch ended with another part's)."""
         self._position.set_epoch(epoch)
+
+    def _say_what_is_left_out(self, plan: Plan) -> None:
+        """Once a loader: how many samples of an epoch drop_last leaves out, if any. A
+        warning without shuffle (an evaluation, which would never see them and report the
+        wrong accuracy); with it, others each epoch, as training usually does: INFO."""
+        if self._said_left_out or not plan.drop_last or plan.origin:
+            return
+        left_out = plan.num_samples - plan.num_batches * plan.batch_size * plan.world_size
+        if left_out <= 0:
+            return
+        self._said_left_out = True
+        ranks = counted(plan.world_size, "rank")
+        log.log(
+            logging.INFO if plan.shuffle else logging.WARNING,
+            "%s: drop_last=True leaves out %s of the %s of each epoch (batches of %d over %s); "
+            "pass drop_last=False to keep them (a short last batch, ranks padded to the same "
+            "number of steps)",
+            self.dataset_name,
+            counted(left_out, "sample"),
+            counted(plan.num_samples, "sample"),
+            plan.batch_size,
+            ranks,
+        )
 
     def _window(self) -> int:
         # Twice the servers' credit: with one credit's worth of room, a server at half
