@@ -14,12 +14,7 @@ import numpy as np
 
 from batchwire.client._exceptions import InvalidArgumentError
 from batchwire.common.batchings import BATCHINGS
-from batchwire.common.mixture import (
-    check_length,
-    check_weights,
-    mixture_counts,
-    split_ids,
-)
+from batchwire.common.mixture import check_length, check_weights, mixture_counts, split_ids
 from batchwire.common.stream import Source, check_name
 from batchwire.v1 import batchwire_pb2 as pb
 

@@ -114,10 +114,13 @@ class PerSource:
         return self._described
 
     def num_batches(self, share: Rank) -> int:
-        """Batches of a whole epoch on each rank: the parts' added up (stratified: the
-        fewest of a part)."""
+        """Batches of a whole epoch on each rank."""
         self.describe()
-        batches = [part._plan(share, Place(0))[1].num_batches for part in self.parts]
+        return self._of_epoch([part._plan(share, Place(0))[1].num_batches for part in self.parts])
+
+    def _of_epoch(self, batches: Sequence[int]) -> int:
+        """Batches of a whole epoch whose parts have ``batches`` each: added up
+        (stratified: the fewest of a part)."""
         return min(batches) if self.stratified else sum(batches)
 
     # -- where the parts stand -------------------------------------------------------
@@ -184,37 +187,40 @@ class PerSource:
                 )
         return epoch, whole, left, resplit
 
-    def steps(self, share: Rank) -> tuple[int, list[tuple[int, ...]], list[int]]:
+    def steps(self, share: Rank) -> tuple[int, list[tuple[int, ...]], list[int], bool]:
         """The next pass: its epoch, the parts (by index) each step takes a batch from,
-        and each part's batches left after it (a stratified epoch ends with the part that
-        runs out first: the others' last batches are dropped, as drop_last drops a tail)."""
+        each part's batches left after it (a stratified epoch ends with the part that runs
+        out first: the others' last batches are dropped, as drop_last drops a tail), and
+        whether it is a whole epoch."""
         epoch, whole, left, resplit = self._standing(share)
+        complete = self._of_epoch(left) == self._of_epoch(whole)
         if self.stratified:
             steps = min(left)
             if not steps:  # the epoch is over: the parts' next passes start the next
                 for part in self.parts:
                     part._skip_to(epoch + 1)
                 epoch, whole, left, resplit = self._standing(share)
-                steps = min(left)
+                steps, complete = min(left), True
             everyone = tuple(range(len(self.parts)))
-            return epoch, [everyone] * steps, [n - steps for n in left]
+            return epoch, [everyone] * steps, [n - steps for n in left], complete
+        none_dropped = [0] * len(whole)
         if not resplit:
             schedule = batch_schedule(self.seed, epoch, whole, self.shuffle)
             taken = [w - n for w, n in zip(whole, left, strict=True)]
             at = sum(taken)
             if np.bincount(schedule[:at], minlength=len(whole)).tolist() == taken:
-                return epoch, [(s,) for s in schedule[at:].tolist()], [0] * len(whole)
+                return epoch, [(s,) for s in schedule[at:].tolist()], none_dropped, complete
         schedule = batch_schedule(self.seed, epoch, left, self.shuffle)
-        return epoch, [(s,) for s in schedule.tolist()], [0] * len(whole)
+        return epoch, [(s,) for s in schedule.tolist()], none_dropped, complete
 
     def iterate(self, share: Rank, skipped: list[int]) -> Iterator[tuple[torch.Tensor, ...]]:
         """The batches of the next pass: every part that has batches left begins its
         pass at once (its streams start, and its ledger says the pass began), and each
         step takes the next batch of each part it names (one, or all when stratified)."""
-        epoch, steps, dropped = self.steps(share)
+        epoch, steps, dropped, complete = self.steps(share)
         offsets = offsets_of(self.describe().sizes).tolist()
-        if len(steps) == self.num_batches(share):
-            skipped.clear()  # a whole epoch
+        if complete:
+            skipped.clear()
         left = collections.Counter(s for step in steps for s in step)
         started: dict[int, tuple[StreamPass, Tensors]] = {}
         delivering: dict[int, Generator[tuple[torch.Tensor, ...]]] = {}

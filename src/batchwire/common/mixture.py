@@ -137,9 +137,15 @@ def _counts_of_weights(
             total = max(math.ceil(size / share) for size, share in used)
     else:
         total = int(length)
+    return _largest_remainder(shares, total)
+
+
+def _largest_remainder(shares: Sequence[float], total: int) -> tuple[int, ...]:
+    """``total`` split in proportion to ``shares`` (which add up to 1) in whole numbers:
+    each share's part rounded down, the rest one each to the largest remainders, ties to
+    the earlier share. They add up to ``total``."""
     exact = [share * total for share in shares]
     result = [math.floor(x) for x in exact]
-    # Largest remainder, ties to the earlier source: the counts add up to ``total``.
     by_remainder = sorted(range(len(exact)), key=lambda s: (result[s] - exact[s], s))
     for s in by_remainder[: total - sum(result)]:
         result[s] += 1
@@ -214,11 +220,7 @@ def stratum_sizes(batch_size: int, shares: Sequence[float]) -> tuple[int, ...]:
     ``batch_size``. ``ValueError`` if a source with a share would get no sample."""
     check_weights(shares)
     total = sum(shares)
-    exact = [batch_size * share / total for share in shares]
-    sizes = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(exact)), key=lambda s: (sizes[s] - exact[s], s))
-    for s in by_remainder[: batch_size - sum(sizes)]:
-        sizes[s] += 1
+    sizes = _largest_remainder([share / total for share in shares], batch_size)
     starved = [
         s for s, (share, size) in enumerate(zip(shares, sizes, strict=True)) if share and not size
     ]
@@ -229,7 +231,7 @@ def stratum_sizes(batch_size: int, shares: Sequence[float]) -> tuple[int, ...]:
             f"{starved[0]} (its share, {share:.3g}): raise the batch size to at least "
             f"{math.ceil(1 / share)}, or its weight"
         )
-    return tuple(sizes)
+    return sizes
 
 
 def batch_schedule(
@@ -242,17 +244,16 @@ def batch_schedule(
     the sources are interleaved evenly, as :func:`mixture_order` interleaves samples."""
     if seed < 0 or epoch < 0 or any(b < 0 for b in batches):
         raise ValueError("seed, epoch and batches must be >= 0")
-    return _interleave(seed, epoch, tuple(int(b) for b in batches), shuffle, _SCHEDULE_STREAM)
+    counts = tuple(int(b) for b in batches)
+    # The batches are in the entropy: a resumed rest is scheduled apart from a whole epoch.
+    return _interleave((seed, epoch, _SCHEDULE_STREAM, *counts), counts, shuffle)
 
 
-def _interleave(
-    seed: int, epoch: int, counts: tuple[int, ...], shuffle: bool, stream: int
-) -> np.ndarray:
-    """``counts[s]`` copies of each label ``s``, in a seeded order (``stream`` and, for a
-    schedule, the counts keep it apart from others) or evenly spread."""
+def _interleave(entropy: Sequence[int], counts: Sequence[int], shuffle: bool) -> np.ndarray:
+    """``counts[s]`` copies of each label ``s``, in the seeded order of ``entropy`` or
+    evenly spread."""
     labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     if shuffle:
-        entropy = (seed, epoch, stream) + (counts if stream == _SCHEDULE_STREAM else ())
         shuffled: np.ndarray = labels[seeded_permutation(entropy, len(labels))]
         return shuffled
     # each label's k-th copy at (k + 0.5) / count of the sequence, evenly spread
@@ -276,7 +277,7 @@ def mixture_order(
 def _mixture_order(
     seed: int, epoch: int, sizes: tuple[int, ...], counts: tuple[int, ...], shuffle: bool
 ) -> np.ndarray:
-    labels = _interleave(seed, epoch, counts, shuffle, _INTERLEAVE_STREAM)
+    labels = _interleave((seed, epoch, _INTERLEAVE_STREAM), counts, shuffle)
     order = np.empty(len(labels), dtype=np.int64)
     for source, (size, count, offset) in enumerate(
         zip(sizes, counts, offsets_of(sizes), strict=True)
