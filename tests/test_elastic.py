@@ -30,6 +30,9 @@ OPTIONS: dict[str, object] = {
     "return_ids": True,
     "params": {"size": 32},
     "seed": SEED,
+    # Full global steps, whose resume on another world the rest of the file checks; the
+    # tests of drop_last=False say so.
+    "drop_last": True,
 }
 
 

@@ -209,7 +209,9 @@ def test_a_batch_larger_than_the_share_with_drop_last_is_an_error_not_an_empty_e
     server: BatchwireServer,
 ) -> None:
     # shapes has 520 samples: 260 a rank over 2 ranks, so no batch of 300 with drop_last.
-    remote = RemoteLoader(server.target, dataset="shapes", batch_size=300, rank=0, world_size=2)
+    remote = RemoteLoader(
+        server.target, dataset="shapes", batch_size=300, drop_last=True, rank=0, world_size=2
+    )
     with pytest.raises(InvalidArgumentError, match="drop_last=False"):
         list(remote)
     with pytest.raises(InvalidArgumentError, match="Lower batch_size"):

@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.timeout(600)
 JOBS = pathlib.Path(__file__).parent / "frameworks"
 NUM_SAMPLES = 520  # conftest's "shapes"
 WORLD = 2
-BATCH = 16  # a rank's share of an epoch: 260 ids, 16 batches of 16 (drop_last)
+BATCH = 16  # a rank's share of an epoch: 260 ids, 16 batches of 16 (drop_last, as trained)
 SEED = 7
 SMALL = {"size": 32}
 SANITY_BATCHES = 2  # Lightning's num_sanity_val_steps default
@@ -71,16 +71,18 @@ def plan_batches(
     shuffle: bool = True,
     sources: tuple[Source, ...] = (),
     sizes: tuple[int, ...] = (NUM_SAMPLES,),
+    drop_last: bool = True,
 ) -> Batches:
     """Rank ``rank``'s share of data epoch ``epoch`` of ``shapes`` (or of the mixture of
-    ``sources`` of ``sizes``), in batches (drop_last)."""
+    ``sources`` of ``sizes``), in batches (full ones, as the jobs train, unless
+    ``drop_last=False``, as they validate)."""
     spec = StreamSpec(
         **({"sources": sources} if sources else {"dataset": "shapes"}),
         batch_size=batch,
         seed=SEED,
         epoch=epoch,
         shuffle=shuffle,
-        drop_last=True,
+        drop_last=drop_last,
         rank=rank,
         world_size=world,
     )
@@ -347,7 +349,8 @@ LIGHTNING_VARIANTS = {
     "stateful-0": ["--wrap", "stateful", "--workers", "0"],
     "stateful-2": ["--wrap", "stateful", "--workers", "2"],
 }
-VAL = [plan_batches(0, rank, shuffle=False) for rank in range(WORLD)]  # the same every epoch
+# The same every epoch; every sample, the last batch short (the loader's default).
+VAL = [plan_batches(0, rank, shuffle=False, drop_last=False) for rank in range(WORLD)]
 
 
 def check_validation(checks: Checks, run: str, rank: int, seen: list[Pass]) -> None:
@@ -582,6 +585,7 @@ def local_loader(server: BatchwireServer | Target, **kwargs: Any) -> RemoteLoade
         "seed": SEED,
         "params": SMALL,
         "return_ids": True,
+        "drop_last": True,  # full batches, as training in workers takes them
     }
     options.update(kwargs)
     return RemoteLoader(server.target, **options)

@@ -70,17 +70,36 @@ def mixed_server(
 
 
 def mixed_batches(
-    epoch: int, rank: int = 0, *, world: int = WORLD, batch: int = BATCH, shuffle: bool = True
+    epoch: int,
+    rank: int = 0,
+    *,
+    world: int = WORLD,
+    batch: int = BATCH,
+    shuffle: bool = True,
+    drop_last: bool = True,
 ) -> Batches:
-    """Rank ``rank``'s share of epoch ``epoch`` of the mixture, in batches (drop_last)."""
+    """Rank ``rank``'s share of epoch ``epoch`` of the mixture, in batches."""
     sources = tuple(Source(name, count) for name, count in zip(WEIGHTS, COUNTS, strict=True))
     return plan_batches(
-        epoch, rank, world=world, batch=batch, shuffle=shuffle, sources=sources, sizes=SIZES
+        epoch,
+        rank,
+        world=world,
+        batch=batch,
+        shuffle=shuffle,
+        sources=sources,
+        sizes=SIZES,
+        drop_last=drop_last,
     )
 
 
 def per_source_batches(
-    epoch: int, rank: int = 0, *, world: int = WORLD, batch: int = BATCH, shuffle: bool = True
+    epoch: int,
+    rank: int = 0,
+    *,
+    world: int = WORLD,
+    batch: int = BATCH,
+    shuffle: bool = True,
+    drop_last: bool = True,
 ) -> Batches:
     """The same, batched per source: each source's share as a mixture of itself alone with
     its own seed, its batches in the order of the batch schedule."""
@@ -91,6 +110,7 @@ def per_source_batches(
             seed=source_seed(SEED, source),
             epoch=epoch,
             shuffle=shuffle,
+            drop_last=drop_last,
             rank=rank,
             world_size=world,
         ).plan([size])
@@ -110,7 +130,7 @@ PLANS = {"random": mixed_batches, "per_source": per_source_batches}
 def check_mixed_validation(
     checks: Checks, run: str, rank: int, seen: list[Any], plan: Any = mixed_batches
 ) -> None:
-    val = plan(0, rank, shuffle=False)  # the same every epoch
+    val = plan(0, rank, shuffle=False, drop_last=False)  # the same every epoch
     for p in seen:
         if p.kind == "sanity":
             checks.batches(f"{run} rank {rank} sanity check", p.batches, val[:SANITY_BATCHES])
@@ -214,6 +234,7 @@ def stateful_workers_resume_a_mixture(server: Target) -> None:
             seed=SEED,
             params=SMALL,
             return_ids=True,
+            drop_last=True,
         )
         return StatefulDataLoader(remote, batch_size=None, num_workers=2)
 

@@ -3,6 +3,7 @@ health before the server is ready."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import pathlib
@@ -109,15 +110,51 @@ def test_a_server_open_to_every_interface_in_plaintext_says_so(
     assert said["localhost"] == []
 
 
+def test_a_validation_loop_sees_every_sample_as_torchs_would(
+    server: BatchwireServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluation pass over 520 samples in batches of 24, with the loader's defaults:
+    every sample once, the last batch short (torch's DataLoader keeps it too), and nothing
+    said. On 3 ranks each takes 174 samples (the last 2 padded from the epoch's start, as
+    DistributedSampler pads) in as many steps, and each loader says so once."""
+    options = {"dataset": "shapes", "pipeline": "val", "params": {"size": 32}, "shuffle": False}
+    with caplog.at_level(logging.INFO, logger="batchwire.client"):
+        loader = RemoteLoader(server.target, batch_size=24, return_ids=True, **options)  # type: ignore[arg-type]
+        batches = [ids.tolist() for _, _, ids in loader]
+        assert len(loader) == len(batches) == 22
+        loader.close()
+    assert [len(ids) for ids in batches][-2:] == [24, 16]
+    assert sorted(i for ids in batches for i in ids) == list(range(520))
+    assert not [r for r in caplog.records if "drop_last" in r.getMessage()], caplog.text
+
+    caplog.clear()
+    ranks = [
+        RemoteLoader(server.target, batch_size=24, return_ids=True, rank=r, world_size=3, **options)  # type: ignore[arg-type]
+        for r in range(3)
+    ]
+    with caplog.at_level(logging.INFO, logger="batchwire.client"):
+        shares = [[i for _, _, ids in rank for i in ids.tolist()] for rank in ranks]
+        steps = {len(rank) for rank in ranks}
+        for rank in ranks:
+            rank.close()
+    assert steps == {8} and [len(share) for share in shares] == [174] * 3
+    counts = collections.Counter(i for share in shares for i in share)
+    assert set(counts) == set(range(520)) and sorted(counts.values())[-2:] == [2, 2]
+    said = [r for r in caplog.records if "repeats" in r.getMessage()]
+    assert len(said) == 3 and {r.levelno for r in said} == {logging.WARNING}, caplog.text
+    assert "repeats 2 samples of the 520 samples" in said[0].getMessage()
+    assert "padding 3 ranks to the same number of steps" in said[0].getMessage()
+
+
 def test_a_loop_that_drop_last_leaves_samples_out_of_is_told_once(
     server: BatchwireServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An evaluation pass (no shuffle) over 520 samples in batches of 24: drop_last leaves 16
-    out of every epoch, and the loader warns once, naming drop_last=False; with it, every
-    sample comes, the last batch short."""
-    options = {"dataset": "shapes", "pipeline": "val", "params": {"size": 32}, "shuffle": False}
+    """An evaluation pass (no shuffle) over 520 samples in batches of 24 with
+    drop_last=True: 16 are left out of every epoch, and the loader warns once, naming
+    drop_last=False; with shuffle (training), the same line at INFO."""
+    options = {"dataset": "shapes", "pipeline": "val", "params": {"size": 32}, "drop_last": True}
     with caplog.at_level(logging.INFO, logger="batchwire.client"):
-        loader = RemoteLoader(server.target, batch_size=24, **options)  # type: ignore[arg-type]
+        loader = RemoteLoader(server.target, batch_size=24, shuffle=False, **options)  # type: ignore[arg-type]
         assert sum(len(labels) for _, labels in loader) == 504
         assert sum(len(labels) for _, labels in loader) == 504
         loader.close()
@@ -127,8 +164,8 @@ def test_a_loop_that_drop_last_leaves_samples_out_of_is_told_once(
     assert "drop_last=False" in said[0].getMessage()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="batchwire.client"):
-        whole = RemoteLoader(server.target, batch_size=24, drop_last=False, **options)  # type: ignore[arg-type]
-        sizes = [len(labels) for _, labels in whole]
-        whole.close()
-    assert sum(sizes) == 520 and sizes[-1] == 16
-    assert not [r for r in caplog.records if "leaves out" in r.getMessage()]
+        training = RemoteLoader(server.target, batch_size=24, **options)  # type: ignore[arg-type]
+        assert sum(len(labels) for _, labels in training) == 504
+        training.close()
+    said = [r for r in caplog.records if "leaves out" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, caplog.text

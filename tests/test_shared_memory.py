@@ -129,7 +129,7 @@ def two_epochs_in_messages(
         with caplog.at_level(logging.INFO, logger="batchwire.client"):
             batches = epoch(server.target)
             assert len(epoch(server.target)) == len(batches)
-        assert sum(len(ids) for _, _, ids in batches) == 512
+        assert sum(len(ids) for _, _, ids in batches) == 520
         assert shared_bytes(server, "val") == 0
     finally:
         server.stop(grace=1.0)

@@ -65,7 +65,7 @@ def test_order_depends_only_on_seed_and_epoch(server: BatchwireServer) -> None:
     first = epoch_ids(loader(server, seed=5, pipeline="val"))
     again = epoch_ids(loader(server, seed=5, pipeline="val", prefetch=1))
     assert first == again
-    expected = Plan(num_samples=520, batch_size=32, seed=5).share().tolist()
+    expected = Plan(num_samples=520, batch_size=32, seed=5, drop_last=False).share().tolist()
     assert first == expected
     other = loader(server, seed=5, pipeline="val")
     other.set_epoch(1)
@@ -78,7 +78,9 @@ def test_loader_moves_to_the_next_epoch_after_a_full_one(server: BatchwireServer
     epoch0 = epoch_ids(remote)
     assert remote.epoch == 1
     epoch1 = epoch_ids(remote)
-    assert epoch1 == Plan(num_samples=520, batch_size=128, epoch=1).share().tolist()
+    assert (
+        epoch1 == Plan(num_samples=520, batch_size=128, epoch=1, drop_last=False).share().tolist()
+    )
     assert epoch0 != epoch1
 
 
@@ -115,7 +117,10 @@ def test_set_epoch_after_load_state_dict_keeps_the_loaded_position(
     resumed.load_state_dict(state)
     resumed.set_epoch(3)  # the usual `for epoch ...: loader.set_epoch(epoch)` after a resume
     rest = epoch_ids(resumed)
-    assert head + rest == Plan(num_samples=520, batch_size=32, seed=2, epoch=3).share().tolist()
+    assert (
+        head + rest
+        == Plan(num_samples=520, batch_size=32, seed=2, epoch=3, drop_last=False).share().tolist()
+    )
     remote.set_epoch(3)  # no loaded state: the epoch starts again
     assert epoch_ids(remote)[:32] == head
 
@@ -153,7 +158,7 @@ def test_dataloader_workers_keep_the_order(server: BatchwireServer) -> None:
 
 def dataloader_workers_keep_the_order(server: Target) -> None:
     remote = loader(server, pipeline="val", seed=4)
-    expected = Plan(num_samples=520, batch_size=32, seed=4).share().tolist()
+    expected = Plan(num_samples=520, batch_size=32, seed=4, drop_last=False).share().tolist()
     data = torch.utils.data.DataLoader(remote, batch_size=None, num_workers=2)
     got = [int(i) for _, _, ids in data for i in ids]
     assert got == expected

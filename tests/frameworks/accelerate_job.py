@@ -76,6 +76,7 @@ def make_loader(args: argparse.Namespace, accelerator: Accelerator) -> RemoteLoa
         dataset=args.dataset,
         pipeline="train",
         batch_size=args.batch_size,
+        drop_last=True,  # full batches to train on
         seed=args.seed,
         params={"size": 32},
         return_ids=True,

@@ -75,6 +75,7 @@ class RemoteData(pl.LightningDataModule):
             args.target,
             pipeline="train",
             shuffle=True,
+            drop_last=True,  # full batches to train on; validation sees every sample
             elastic_batch_size=args.elastic_batch_size,
             **common,
         )

@@ -384,6 +384,7 @@ def run_remote(
         dataset=dataset,
         pipeline=pipeline,
         batch_size=batch_size,
+        drop_last=True,  # as the anchor's iterator, LastBatchPolicy.DROP
         normalize=False,
         prefetch=2,
         params=params,

@@ -155,6 +155,7 @@ def _measure_against(args: argparse.Namespace, dataset: str | Mixture) -> int:
         dataset=dataset,
         pipeline=args.pipeline,
         batch_size=args.batch_size,
+        drop_last=True,  # full batches, as training measures them and `bench` runs its anchor
         normalize=False,
         **credentials.loader_options(args),
     )

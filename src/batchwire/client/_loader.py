@@ -77,8 +77,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     (``images, labels, ids`` with ``return_ids=True``): images as float32 normalized
     with the pipeline's mean/std (``normalize=True``) or as served (uint8 NCHW for the
     presets), labels and ids as int64. Each rank gets a disjoint share of every epoch,
-    and every rank the same number of batches; an epoch's order depends only on
-    ``(seed, epoch)``. ``rank``/``world_size`` default to ``torch.distributed``'s (or
+    and every rank the same number of batches: as in torch, an epoch's last batch may be
+    short and ranks are padded to as many samples (``DistributedSampler``'s wrap-around),
+    unless ``drop_last=True`` leaves the tail out (the default of a stratified mixture,
+    whose batches are all full). An epoch's order depends only on ``(seed, epoch)``. ``rank``/``world_size`` default to ``torch.distributed``'s (or
     ``process_group``'s) when a pass starts.
 
     Each ``iter()`` is a pass: it resumes a loaded state, or starts the epoch given to
@@ -110,7 +112,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         pipeline: str = "train",
         batch_size: int = 256,
         shuffle: bool = True,
-        drop_last: bool = True,
+        drop_last: bool | None = None,
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
@@ -134,6 +136,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         elastic_batch_size: bool = False,
     ) -> None:
         super().__init__()
+        if drop_last is None:
+            # torch's default: every sample of an epoch, the last batch short; but the
+            # batches of a stratified mixture are all full, each holding every share.
+            drop_last = isinstance(dataset, Mixture) and dataset.batching == "stratified"
         given = {k: v for k, v in locals().items() if k not in ("self", "__class__", "lanes")}
         self._addresses = _targets(address)
         try:
@@ -203,7 +209,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
         self._passes_ended = 0  # passes of this loader (in this process) run to their end
-        self._said_left_out = False  # what drop_last leaves out of an epoch was logged
+        self._said_left_out = False  # what drop_last leaves out or padding repeats was logged
 
     def _strata(self) -> tuple[int, ...]:
         """Each source's samples in a batch: the batch size for each batch of one source,
@@ -215,7 +221,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         if not self.drop_last:
             raise InvalidArgumentError(
                 "stratified batches are all full, each holding each source's share: pass "
-                "drop_last=True (the default), or batching='random'"
+                "drop_last=True (the default for stratified batching), or batching='random'"
             )
         try:
             return stratum_sizes(self.batch_size, self._mixture.shares)
@@ -555,27 +561,41 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._position.set_epoch(epoch)
 
     def _say_what_is_left_out(self, plan: Plan) -> None:
-        """Once a loader: how many samples of an epoch drop_last leaves out, if any. A
-        warning without shuffle (an evaluation, which would never see them and report the
-        wrong accuracy); with it, others each epoch, as training usually does: INFO."""
-        if self._said_left_out or not plan.drop_last or plan.origin:
+        """Once a loader: the samples of an epoch that drop_last leaves out, or that
+        padding repeats so that every rank takes as many steps (as torch's
+        ``DistributedSampler`` pads), if any. A warning without shuffle (an evaluation,
+        whose accuracy would be off by them); with it, as training usually runs: INFO."""
+        if self._said_left_out or plan.origin:
             return
-        left_out = plan.num_samples - plan.num_batches * plan.batch_size * plan.world_size
-        if left_out <= 0:
+        delivered = plan.share_size * plan.world_size
+        if delivered == plan.num_samples:
             return
         self._said_left_out = True
+        level = logging.INFO if plan.shuffle else logging.WARNING
         ranks = counted(plan.world_size, "rank")
-        log.log(
-            logging.INFO if plan.shuffle else logging.WARNING,
-            "%s: drop_last=True leaves out %s of the %s of each epoch (batches of %d over %s); "
-            "pass drop_last=False to keep them (a short last batch, ranks padded to the same "
-            "number of steps)",
-            self.dataset_name,
-            counted(left_out, "sample"),
-            counted(plan.num_samples, "sample"),
-            plan.batch_size,
-            ranks,
-        )
+        if plan.drop_last:
+            log.log(
+                level,
+                "%s: drop_last=True leaves out %s of the %s of each epoch (batches of %d "
+                "over %s); pass drop_last=False to keep them (a short last batch, ranks "
+                "padded to the same number of steps)",
+                self.dataset_name,
+                counted(plan.num_samples - delivered, "sample"),
+                counted(plan.num_samples, "sample"),
+                plan.batch_size,
+                ranks,
+            )
+        else:
+            log.log(
+                level,
+                "%s: padding %s to the same number of steps (as DistributedSampler pads) "
+                "repeats %s of the %s of each epoch; return_ids=True tells them apart, and "
+                "drop_last=True leaves out the epoch's rest instead",
+                self.dataset_name,
+                ranks,
+                counted(delivered - plan.num_samples, "sample"),
+                counted(plan.num_samples, "sample"),
+            )
 
     def _window(self) -> int:
         # Twice the servers' credit: with one credit's worth of room, a server at half
