@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import mypy.api
 import pytest
@@ -78,22 +79,27 @@ def test_benchmarks_use_only_public_apis() -> None:
     assert not found, "benchmarks/ imports private modules:\n" + "\n".join(found)
 
 
+def _imports(source: str, name: str) -> Iterator[tuple[ast.stmt, list[str]]]:
+    """Each absolute import in ``source``, anywhere in it, with what it imports: the
+    module, and for ``from module import name`` each ``module.name`` too."""
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node, [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            yield node, [alias.name for alias in node.names]
+
+
 def _foreign_private_imports(source: str, module: str, package: str) -> list[str]:
     """Imports in ``source`` (module ``module`` of package ``package``) of a private module
-    of batchwire, or of a private name of a module, that belongs to another package."""
+    of batchwire, or of a private name of a module, that belongs to another package. A
+    private package's modules import one another (``package`` is theirs)."""
     found = []
-    for node in ast.walk(ast.parse(source, module)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-        elif isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        else:
-            continue
+    for node, targets in _imports(source, module):
         for target in targets:
             parts = target.split(".")
             private = next((i for i, p in enumerate(parts) if p[:1] == "_" != p[1:2]), None)
             if parts[0] == "batchwire" and private is not None:
-                if ".".join(parts[:private]) != package:
+                if ".".join(parts[:private]) != package and not target.startswith(f"{package}."):
                     found.append(f"{module}:{node.lineno} {target}")
                 break
     return found
@@ -119,6 +125,60 @@ def test_no_module_imports_another_packages_private_module() -> None:
     assert _foreign_private_imports(sample, f"{serving}._x", serving) == [
         f"{serving}._x:1 batchwire.server.core._engine",
         f"{serving}._x:2 batchwire.server.core._errors",
+    ]
+    transport = "batchwire.client._transport"
+    sample = (
+        "from batchwire.client._transport._base import Server\n"
+        "from batchwire.client._pass import StreamPass\n"
+        "from batchwire.server.serving._streaming import write\n"
+    )
+    assert _foreign_private_imports(sample, f"{transport}._grpc", transport) == [
+        f"{transport}._grpc:2 batchwire.client._pass",
+        f"{transport}._grpc:3 batchwire.server.serving._streaming",
+    ]
+
+
+def _grpc_imports(source: str, name: str) -> list[str]:
+    """Imports of grpc (``grpc``, ``grpc_health``, ... and protoc's ``*_pb2_grpc``) in
+    ``source``, wherever they are: under ``TYPE_CHECKING`` and inside functions too."""
+    found = []
+    for node, targets in _imports(source, name):
+        hits = [t for t in targets if re.match(r"grpc(_\w+)?(\.|$)|.*_pb2_grpc(\.|$)", t)]
+        found += [f"{name}:{node.lineno} {hits[0]}"] if hits else []
+    return found
+
+
+def test_only_the_clients_transport_imports_grpc() -> None:
+    """The client talks to servers through its transport (``client/_transport/``): its
+    other modules send and receive ``batchwire.v1`` messages and catch the client's own
+    exceptions, and import no grpc, not even for a type."""
+    client = PACKAGE / "client"
+    transport = client / "_transport"
+    found, seen = [], []
+    for path in sorted(client.rglob("*.py")):
+        hits = _grpc_imports(path.read_text(), str(path.relative_to(client)))
+        if transport in path.parents:
+            seen += hits
+        else:
+            found += hits
+    assert not found, "client modules outside the transport import grpc:\n" + "\n".join(found)
+    assert seen, "the transport imports no grpc: the walk misreads modules"
+    sample = (
+        "import grpc\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from grpc import Call\n"
+        "def f():\n"
+        "    from grpc_health.v1 import health_pb2\n"
+        "    from batchwire.v1 import batchwire_pb2_grpc\n"
+        "    from batchwire.v1 import batchwire_pb2\n"
+        "    import grpcio_tools_like\n"
+    )
+    assert _grpc_imports(sample, "x") == [
+        "x:1 grpc",
+        "x:4 grpc",
+        "x:6 grpc_health.v1",
+        "x:7 batchwire.v1.batchwire_pb2_grpc",
     ]
 
 

@@ -23,6 +23,7 @@ from processes import serve_process
 
 from batchwire.client import RemoteLoader
 from batchwire.client._shared_memory import SharedMemory
+from batchwire.client._transport import read_grant
 from batchwire.common import shared_memory as common_shared_memory
 from batchwire.common.batch_codec import decode_batch
 from batchwire.common.sampler import Plan
@@ -196,7 +197,7 @@ def test_a_grant_claimed_by_another_process_than_the_offers_is_refused(
         metadata = call.initial_metadata()
         assert any(key == GRANT_METADATA for key, _ in metadata)
         with caplog.at_level(logging.WARNING):
-            shared.claim(metadata, server.target)
+            shared.claim(read_grant(metadata), server.target)
         assert not shared.claimed
         batches = list(call)
     assert f"pid {os.getpid()} claimed the shared memory offered to pid 1" in caplog.text

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from batchwire.client._exceptions import (
+from batchwire.client._mixture import Mixture
+from batchwire.client._transport import (
     AuthenticationError,
     BadImagesError,
     BatchwireError,
+    ChannelSecurity,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
+    check_health,
+    list_datasets,
 )
-from batchwire.client._mixture import Mixture
-from batchwire.client._security import ChannelSecurity
-from batchwire.client._transport import check_health, list_datasets
 from batchwire.common import __version__
 
 if TYPE_CHECKING:

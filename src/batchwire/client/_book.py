@@ -30,10 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 
-import grpc
-
 from batchwire.client._delivery import Delivery
-from batchwire.client._exceptions import BatchwireError, UnavailableError, error_for
+from batchwire.client._transport import BatchwireError, StatusCode, UnavailableError, error_for
 
 __all__ = ["HEDGE_FACTOR", "HEDGE_MIN_S", "Book", "Held"]
 
@@ -61,7 +59,7 @@ class Book:
         self._error: BatchwireError | None = None
         self._progress_at = time.monotonic()
         # The latest failure: (when, status code, message), for retry_timeout.
-        self._failure: tuple[float, grpc.StatusCode, str] | None = None
+        self._failure: tuple[float, StatusCode, str] | None = None
         # The calls open now (they claimed, and have not given back), with their credit.
         self._calls: dict[Held, int] = {}
         self._hedged: set[int] = set()  # batches offered to a second server
@@ -130,7 +128,7 @@ class Book:
             if delivery.index != expected:
                 raise BatchwireError(
                     f"the server sent batch {delivery.index} where batch {expected} was asked for",
-                    code=grpc.StatusCode.INTERNAL,
+                    code=StatusCode.INTERNAL,
                 )
             held.popleft()  # the call has room for another batch either way
             self._cond.notify_all()
@@ -142,9 +140,7 @@ class Book:
             self._gaps.append(now - self._progress_at)
             self._progress_at = now
 
-    def give_back(
-        self, held: Held, failure: tuple[grpc.StatusCode, str] | None = None
-    ) -> list[int]:
+    def give_back(self, held: Held, failure: tuple[StatusCode, str] | None = None) -> list[int]:
         """A call ended holding ``held``: those batches go to other servers (the call
         must be over first, see ``claim``). ``failure`` is why, if it failed."""
         with self._cond:
@@ -212,7 +208,7 @@ class Book:
                     raise UnavailableError(
                         f"no batch arrived within {timeout:g}s (RemoteLoader "
                         f"timeout={timeout:g}); the server may be overloaded or stuck",
-                        code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                        code=StatusCode.DEADLINE_EXCEEDED,
                     )
                 # Until a change (an arrival, a failure, room, wake) or the next deadline.
                 self._cond.wait(max(0.0, min(wake_at) - now) + 0.001)

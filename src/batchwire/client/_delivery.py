@@ -18,12 +18,11 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import grpc
 import numpy as np
 import torch
 
-from batchwire.client._exceptions import BatchwireError
 from batchwire.client._shared_memory import SharedMemory
+from batchwire.client._transport import BatchwireError, StatusCode
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
@@ -204,7 +203,7 @@ class Tensors:
                 raise BatchwireError(
                     f"batch {part.header.index}: part {part.header.part} arrived "
                     f"after {len(parts)} parts",
-                    code=grpc.StatusCode.INTERNAL,
+                    code=StatusCode.INTERNAL,
                 )
             parts.append(part)
             if len(parts) == (part.header.parts or 1):

@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed
 import torch.utils.data
 
-from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.client._transport import InvalidArgumentError
 
 __all__ = ["distributed_rank_world", "refuse_accelerate_wrappers", "worker_id"]
 

@@ -8,25 +8,29 @@ import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 import torch.utils.data
 
 from batchwire.client._delivery import LoaderOptions, Tensors, TransferStats
-from batchwire.client._exceptions import (
-    BatchwireError,
-    InvalidArgumentError,
-)
+from batchwire.client._descriptions import describe_dataset, find_workers
 from batchwire.client._frameworks import refuse_accelerate_wrappers, worker_id
 from batchwire.client._ledger import Record
 from batchwire.client._mixture import Described, Mixture
 from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._per_source import PerSource
-from batchwire.client._security import ChannelSecurity, PemSource
 from batchwire.client._servers import ServerSet
 from batchwire.client._state import Place, Position, Rank, Sharing
-from batchwire.client._transport import Transport, check_target, describe_dataset, find_workers
+from batchwire.client._transport import (
+    BatchwireError,
+    ChannelSecurity,
+    GrpcTransport,
+    InvalidArgumentError,
+    PemSource,
+    StatusCode,
+    Transport,
+    check_target,
+)
 from batchwire.common.mixture import source_seed, stratum_sizes
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import Source, StreamSpec
@@ -203,7 +207,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self.transfer = TransferStats()
         self._info: Described | None = None
         self._servers = ServerSet(self._addresses)
-        self._transport = Transport(self._security, on_open=close_at_exit)
+        self._transport: Transport = GrpcTransport(self._security, on_open=close_at_exit)
         self._position = Position(self._spec, elastic_batch_size=self._elastic_batch_size)
         self._pass: StreamPass | None = None
         self._ahead: StreamPass | None = None  # the pass after this one, started early
@@ -708,7 +712,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 try:
                     delivery = stream_pass.take(index)
                 except BatchwireError as exc:
-                    if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    if exc.code == StatusCode.FAILED_PRECONDITION:
                         # The dataset was replaced: the next pass describes it again.
                         self._info = None
                     raise

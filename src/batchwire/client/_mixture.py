@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.client._transport import InvalidArgumentError
 from batchwire.common.batchings import BATCHINGS
 from batchwire.common.mixture import check_length, check_weights, mixture_counts, split_ids
 from batchwire.common.stream import Source, check_name

@@ -29,15 +29,20 @@ import secrets
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-
-import grpc
+from typing import Protocol
 
 from batchwire.client._book import Book, Held
 from batchwire.client._delivery import Delivery, Tensors
-from batchwire.client._exceptions import BatchwireError
-from batchwire.client._servers import RETRIABLE, Server, ServerSet, backoff
+from batchwire.client._servers import RETRIABLE, ServerSet, backoff
 from batchwire.client._shared_memory import SharedMemory, SharedMemoryFailed
-from batchwire.client._transport import Transport, map_rpc_errors, rpc_details
+from batchwire.client._transport import (
+    BatchwireError,
+    PullCall,
+    Server,
+    StatusCode,
+    Transport,
+    rpc_details,
+)
 from batchwire.common.words import counted
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -51,11 +56,17 @@ _JOIN_TIMEOUT = 5.0  # seconds per puller; a cancelled RPC ends its puller far s
 _CLOSE_TIMEOUT = 1.0
 
 _live_passes: weakref.WeakSet[StreamPass] = weakref.WeakSet()
-_live_channels: weakref.WeakSet[grpc.Channel] = weakref.WeakSet()
+_live_channels: weakref.WeakSet[Closable] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
-def close_at_exit(channel: grpc.Channel) -> None:
+class Closable(Protocol):
+    """What a transport opens to reach a server (a gRPC channel)."""
+
+    def close(self) -> None: ...
+
+
+def close_at_exit(channel: Closable) -> None:
     """Close ``channel`` at interpreter exit if it is still open then."""
     with _live_lock:
         _live_channels.add(channel)
@@ -181,13 +192,13 @@ class StreamPass:
             raise BatchwireError(
                 "this iterator was replaced: a newer iter() of the same RemoteLoader started a "
                 "new pass, which stopped this one (each iter() is a pass; use one at a time)",
-                code=grpc.StatusCode.FAILED_PRECONDITION,
+                code=StatusCode.FAILED_PRECONDITION,
             )
         if self._stop.is_set():
             raise BatchwireError(
                 "this iterator's pass was stopped by RemoteLoader.close(); iterate the loader "
                 "again to start a new pass",
-                code=grpc.StatusCode.CANCELLED,
+                code=StatusCode.CANCELLED,
             )
 
     def supersede(self) -> None:
@@ -248,7 +259,7 @@ class ServerPuller(threading.Thread):
         self._servers = servers
         self._pass_stop = stop  # the pass's (not _stop: Thread has one)
         self._cancelled = threading.Event()  # this puller's: set before the pass's stop
-        self._call: grpc.Call | None = None
+        self._call: PullCall | None = None
         self._lock = threading.Lock()
         self.delivered = 0  # batches this server delivered in this pass
         # Off for this pass once the server's shared memory could not be read.
@@ -278,7 +289,7 @@ class ServerPuller(threading.Thread):
             self._book.fail(exc)
         except Exception as exc:  # a bug or a malformed message: surface it, never hang
             log.exception("puller of %s failed", self.server.address)
-            error = BatchwireError(f"client reader failed: {exc!r}", code=grpc.StatusCode.INTERNAL)
+            error = BatchwireError(f"client reader failed: {exc!r}", code=StatusCode.INTERNAL)
             error.__cause__ = exc
             self._book.fail(error)
 
@@ -287,7 +298,7 @@ class ServerPuller(threading.Thread):
         while not self._halted() and not self._book.finished:
             held = Held()
             over = threading.Event()  # the call is over: its request stream asks for nothing
-            failure: tuple[grpc.StatusCode, str] | None = None
+            failure: tuple[StatusCode, str] | None = None
             before = self.delivered
             # Each call offers shared memory anew: a server on this host grants it.
             shared = SharedMemory.offer(self._credit + 1) if self._shared_memory else None
@@ -299,18 +310,18 @@ class ServerPuller(threading.Thread):
             if shared is None or not self._transport.shares_memory.get(self.server, True):
                 accepted.set()
             try:
-                with map_rpc_errors(self.server.address):
-                    with self._lock:
-                        if self._halted():
-                            return
-                        call = self._call = self._transport.open_pull(
-                            self.server, self._requests(held, over, accepted, shared)
-                        )
-                    metadata = call.initial_metadata()  # sent once it opened
+                with self._lock:
+                    if self._halted():
+                        return
+                    call = self._call = self._transport.open_pull(
+                        self.server, self._requests(held, over, accepted, shared)
+                    )
+                with call:  # what the call raises comes out of it as a BatchwireError
+                    grant = call.grant()  # sent once it opened
                     if shared is not None:
                         # Batches the server finishes before the claim is done come in
                         # their messages.
-                        shared.claim(metadata, self.server.address)
+                        shared.claim(grant, self.server.address)
                         self._transport.shares_memory[self.server] = shared.claimed
                     accepted.set()
                     self._receive(call, held, shared, recovering=attempt > 0)

@@ -28,13 +28,12 @@ import collections
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import grpc
 import numpy as np
 import torch
 
-from batchwire.client._exceptions import BatchwireError, InvalidArgumentError
 from batchwire.client._mixture import Described, Mixture
 from batchwire.client._state import Place, Rank
+from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
 from batchwire.common.mixture import batch_schedule, offsets_of
 
 if TYPE_CHECKING:
@@ -238,7 +237,7 @@ class PerSource:
                         raise BatchwireError(
                             f"source {self.names[s]!r} ended its pass before the "
                             "batches planned for it: report this as a bug",
-                            code=grpc.StatusCode.INTERNAL,
+                            code=StatusCode.INTERNAL,
                         )
                     left[s] -= 1
                     if not left[s] and dropped[s]:

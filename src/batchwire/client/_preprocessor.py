@@ -14,15 +14,21 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
-import grpc
 import numpy as np
 import torch
 
 from batchwire.client._delivery import channel_stats, normalize
-from batchwire.client._exceptions import BadImagesError, InvalidArgumentError
-from batchwire.client._security import ChannelSecurity, PemSource
-from batchwire.client._servers import Server
-from batchwire.client._transport import Transport, check_target, map_rpc_errors
+from batchwire.client._transport import (
+    BadImagesError,
+    ChannelSecurity,
+    GrpcTransport,
+    InvalidArgumentError,
+    PemSource,
+    Pending,
+    Server,
+    Transport,
+    check_target,
+)
 from batchwire.common.stream import LAYOUTS, OUTPUT_DTYPES, check_name
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
@@ -150,7 +156,7 @@ class Preprocessor:
         self.params = dict(params or {})
         self.timeout = timeout
         self.max_in_flight = max_in_flight
-        self._transport = Transport(self._security)
+        self._transport: Transport = GrpcTransport(self._security)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -182,7 +188,7 @@ class Preprocessor:
     def _responses(self, encoded: list[bytes]) -> Iterator[tuple[int, pb.PreprocessResponse]]:
         """(offset, response) per request, in order; at most max_in_flight outstanding."""
         server = Server(self.address)
-        waiting: collections.deque[tuple[int, grpc.Future]] = collections.deque()
+        waiting: collections.deque[tuple[int, Pending[pb.PreprocessResponse]]] = collections.deque()
         try:
             for offset, chunk in _chunks(encoded):
                 request = pb.PreprocessRequest(
@@ -192,19 +198,17 @@ class Preprocessor:
                     layout=LAYOUTS[self.layout],
                     params=self.params,
                 )
-                future = self._transport.preprocess(server, request, timeout=self.timeout)
-                waiting.append((offset, future))
+                call = self._transport.preprocess(server, request, timeout=self.timeout)
+                waiting.append((offset, call))
                 if len(waiting) >= self.max_in_flight:
-                    yield self._result(*waiting.popleft())
+                    start, reply = waiting.popleft()
+                    yield start, reply.result()
             while waiting:
-                yield self._result(*waiting.popleft())
+                start, reply = waiting.popleft()
+                yield start, reply.result()
         finally:
-            for _, future in waiting:
-                future.cancel()
-
-    def _result(self, offset: int, future: grpc.Future) -> tuple[int, pb.PreprocessResponse]:
-        with map_rpc_errors(self.address):
-            return offset, future.result()
+            for _, call in waiting:
+                call.cancel()
 
     def _to_device(
         self,

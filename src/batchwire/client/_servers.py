@@ -7,42 +7,31 @@ again during a pass (``refresh``) so that servers that join are used. A server
 that is a unit of workers (``batchwire serve --workers N``) is replaced by its workers'
 own addresses once they are known (``expand``), so that a pass pulls from each. A server
 that fails is avoided for ``cooldown`` seconds by the calls that pick one
-(``pick``: dataset descriptions). This module makes no calls: ``_transport`` does.
+(``pick``: dataset descriptions). This module makes no calls: a transport does.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import socket
 import threading
 import time
 from collections.abc import Sequence
 
-import grpc
+from batchwire.client._transport import InvalidArgumentError, Server, StatusCode, UnavailableError
 
-from batchwire.client._exceptions import InvalidArgumentError, UnavailableError
-
-__all__ = ["RETRIABLE", "Server", "ServerSet", "backoff", "resolve"]
+__all__ = ["RETRIABLE", "ServerSet", "backoff", "resolve"]
 
 # Codes after which the same stream may continue elsewhere from its cursor.
 RETRIABLE = frozenset(
     {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        StatusCode.UNAVAILABLE,
+        StatusCode.DEADLINE_EXCEEDED,
+        StatusCode.CANCELLED,
+        StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 _DNS = "dns:///"
-
-
-@dataclasses.dataclass(frozen=True)
-class Server:
-    """One server: the address to dial and, for resolved names, the TLS host name."""
-
-    address: str
-    tls_name: str | None = None
 
 
 def resolve(targets: Sequence[str]) -> list[Server]:

@@ -31,16 +31,13 @@ import socket
 import struct
 import threading
 import weakref
-from collections.abc import Iterable
 
-import grpc
 import numpy as np
 
-from batchwire.client._exceptions import BatchwireError
+from batchwire.client._transport import BatchwireError, StatusCode
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
-    GRANT_METADATA,
     MEMFD_NAME,
     SEALS,
     log_once,
@@ -69,7 +66,7 @@ class SharedMemoryFailed(BatchwireError):
     the server said): the call is made again with every batch in its messages."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, code=grpc.StatusCode.UNAVAILABLE)
+        super().__init__(message, code=StatusCode.UNAVAILABLE)
 
 
 class SharedMemory:
@@ -106,15 +103,11 @@ class SharedMemory:
         """Whether this call holds the server's ring (its batches may come there)."""
         return self._fd >= 0 or self._ring is not None
 
-    def claim(self, metadata: Iterable[tuple[str, str | bytes]] | None, server: str) -> None:
-        """Claim the ring the server granted in the call's initial ``metadata``, if it
-        granted one and this process can reach it; otherwise the call goes on with its
-        batches in their messages (said once a process where that is not the usual
+    def claim(self, grant: pb.SharedMemoryGrant | None, server: str) -> None:
+        """Claim the ring of the server's ``grant`` (from the call's initial metadata),
+        if it granted one and this process can reach it; otherwise the call goes on with
+        its batches in their messages (said once a process where that is not the usual
         case of a server on another host). Waits at most CLAIM_TIMEOUT_S a step."""
-        grant = None
-        for key, value in metadata or ():
-            if key == GRANT_METADATA and isinstance(value, bytes):
-                grant = pb.SharedMemoryGrant.FromString(value)
         if grant is None or not grant.socket or not grant.key:
             log_once(
                 log,

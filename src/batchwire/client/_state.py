@@ -20,11 +20,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from batchwire.client._exceptions import BatchwireError, InvalidArgumentError
 from batchwire.client._frameworks import distributed_rank_world, worker_id
 from batchwire.client._ledger import Ledger, Record
+from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
 from batchwire.common.sampler import Plan
 
 if TYPE_CHECKING:
@@ -193,7 +191,7 @@ class Position:
                 "rest of the epoch that this resumed job splits: it is of a release before "
                 "elastic resume (StreamBatchesRequest.origin). Upgrade the servers, or resume "
                 "on the world size and batch size the state was saved with",
-                code=grpc.StatusCode.FAILED_PRECONDITION,
+                code=StatusCode.FAILED_PRECONDITION,
             )
 
     def end(self, record: Record, stream_pass: StreamPass) -> None:

@@ -1,48 +1,44 @@
-"""The client's one seam to the servers: channels, calls, and the errors they raise.
+"""The client's transport over gRPC: channels, calls, and the errors they raise.
 
-Every RPC the client makes goes through this module: the health check and the dataset
-listing (``check_health``, ``list_datasets``), dataset descriptions
-(``describe_dataset``), the workers of a unit (``find_workers``), and, through a
-:class:`Transport`, the ``PullBatches`` calls of a loader's passes and a
-``Preprocessor``'s calls. ``map_rpc_errors`` is the one place
-where a ``grpc.RpcError`` becomes the client's own exception (see ``_exceptions``).
+``GrpcTransport`` makes the calls of a loader's passes (``PullBatches``) and its dataset
+descriptions, and a ``Preprocessor``'s; ``check_health`` and ``list_datasets`` are calls
+of their own, on a channel opened for them. ``map_rpc_errors`` is the one place where a
+``grpc.RpcError`` becomes the client's own exception (see ``_exceptions``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchwire.client._exceptions import (
+from batchwire.client._transport._base import Server
+from batchwire.client._transport._exceptions import (
     BatchwireError,
     InvalidArgumentError,
-    NotFoundError,
     error_for,
 )
-from batchwire.client._security import ChannelSecurity
-from batchwire.client._servers import RETRIABLE, Server, ServerSet
-from batchwire.common.params import ParamRange, check_batch_size, check_params
-from batchwire.common.stream import StreamSpec
+from batchwire.client._transport._security import ChannelSecurity
+from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc
 
 __all__ = [
     "CHANNEL_OPTIONS",
-    "Transport",
+    "GrpcTransport",
     "check_health",
     "check_target",
-    "describe_dataset",
-    "find_workers",
+    "host_of",
     "list_datasets",
     "map_rpc_errors",
     "open_channel",
+    "read_grant",
     "rpc_details",
 ]
 
@@ -56,8 +52,6 @@ CHANNEL_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 _PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
-
-log = logging.getLogger(__name__)
 
 # host:port or [v6]:port; anything with a scheme (dns:///, unix:, ipv4:) is gRPC's to parse.
 _HOST_PORT = re.compile(r"(\[[^\]]+\]|[^:\[\]/]+):\d{1,5}")
@@ -75,11 +69,15 @@ def map_rpc_errors(address: str = "") -> Iterator[None]:
     try:
         yield
     except grpc.RpcError as exc:
-        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-        details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-        error = error_for(code, _advice(code, details, address))
-        error.rpc_error = exc
-        raise error from None
+        raise _error_from(exc, address) from None
+
+
+def _error_from(exc: grpc.RpcError, address: str) -> BatchwireError:
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+    error = error_for(code, _advice(code, details, address))
+    error.rpc_error = exc
+    return error
 
 
 def rpc_details(error: BatchwireError) -> str:
@@ -128,6 +126,21 @@ def check_target(target: str) -> str:
     return target
 
 
+def host_of(address: str) -> str | None:
+    """The host of a ``host:port`` (or ``[v6]:port``) address; None for another gRPC
+    target (``unix:``, ``ipv4:``, ``dns:///``), which names no one host."""
+    return address.rpartition(":")[0] if _HOST_PORT.fullmatch(address) else None
+
+
+def read_grant(metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.SharedMemoryGrant | None:
+    """The grant of shared memory in a call's initial ``metadata``, if there is one."""
+    grant = None
+    for key, value in metadata or ():
+        if key == GRANT_METADATA and isinstance(value, bytes):
+            grant = pb.SharedMemoryGrant.FromString(value)
+    return grant
+
+
 def open_channel(
     address: str, security: ChannelSecurity | None = None, *, tls_name: str | None = None
 ) -> grpc.Channel:
@@ -151,10 +164,62 @@ def _stub(channel: grpc.Channel) -> batchwire_pb2_grpc.BatchwireStub:
     return batchwire_pb2_grpc.BatchwireStub(channel)  # type: ignore[no-untyped-call]
 
 
-class Transport:
-    """Calls to servers with one set of credentials (thread-safe). A channel per server
-    opens on first use, and again after a fork: a forked process (a DataLoader worker)
-    never uses its parent's channels. ``on_open`` sees each channel opened."""
+_T = TypeVar("_T")
+
+
+class _Pending(Generic[_T]):
+    """A unary call under way (``Pending``): its error, read, is the client's."""
+
+    def __init__(self, future: grpc.Future, address: str) -> None:
+        self._future = future
+        self._address = address
+
+    def result(self) -> _T:
+        with map_rpc_errors(self._address):
+            result: _T = self._future.result()
+        return result
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+
+class _PullCall:
+    """A ``PullBatches`` call (``PullCall``). Its errors are mapped when they leave the
+    ``with`` block, not message by message: iterating it is iterating gRPC's call, with
+    no frame of the transport's for each batch."""
+
+    def __init__(self, call: grpc.Call, address: str) -> None:
+        self._call = call
+        self._address = address
+
+    def __enter__(self) -> _PullCall:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if isinstance(error, grpc.RpcError):
+            raise _error_from(error, self._address) from None
+
+    def __iter__(self) -> Iterator[bytes]:
+        messages: Iterator[bytes] = iter(self._call)
+        return messages
+
+    def grant(self) -> pb.SharedMemoryGrant | None:
+        return read_grant(self._call.initial_metadata())
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcTransport:
+    """Calls to servers over gRPC with one set of credentials (a ``Transport``;
+    thread-safe). A channel per server opens on first use, and again after a fork: a
+    forked process (a DataLoader worker) never uses its parent's channels. ``on_open``
+    sees each channel opened."""
 
     def __init__(
         self,
@@ -165,8 +230,6 @@ class Transport:
         self._on_open = on_open
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = os.getpid()
-        # Whether a server's last call gave this process its shared memory (it is on this
-        # host): a call to one that did not asks for batches without waiting for a ring.
         self.shares_memory: dict[Server, bool] = {}
 
     @property
@@ -184,38 +247,32 @@ class Transport:
             self._channels[server] = channel
         return channel
 
-    def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> grpc.Call:
+    def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> _PullCall:
         """A ``PullBatches`` call on ``server`` sending ``requests``. It yields each batch
         message as the bytes received (no deserializer): the client parses them without
-        copying the image payload (``batchwire.common.batch_codec``). The caller maps
-        its errors (``map_rpc_errors``): whether one is retried is the caller's to say."""
-        pull = self.channel(server).stream_stream(
-            _PULL_METHOD,
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=None,
-        )
-        return pull(requests, metadata=self.metadata)
-
-    def describe(self, server: Server, dataset: str, *, timeout: float) -> pb.DatasetInfo:
-        """``dataset`` as ``server`` describes it."""
+        copying the image payload (``batchwire.common.batch_codec``)."""
         with map_rpc_errors(server.address):
-            info: pb.DatasetInfo = self.describe_future(server, dataset, timeout=timeout).result()
-        return info
+            pull = self.channel(server).stream_stream(
+                _PULL_METHOD,
+                request_serializer=pb.PullRequest.SerializeToString,
+                response_deserializer=None,
+            )
+            return _PullCall(pull(requests, metadata=self.metadata), server.address)
 
-    def describe_future(self, server: Server, dataset: str, *, timeout: float) -> grpc.Future:
-        """A ``DescribeDataset`` call under way; read its result under ``map_rpc_errors``."""
-        future: grpc.Future = _stub(self.channel(server)).DescribeDataset.future(
+    def describe(self, server: Server, dataset: str, *, timeout: float) -> _Pending[pb.DatasetInfo]:
+        """A ``DescribeDataset`` call for ``dataset`` on ``server``."""
+        future = _stub(self.channel(server)).DescribeDataset.future(
             pb.DescribeDatasetRequest(dataset=dataset), timeout=timeout, metadata=self.metadata
         )
-        return future
+        return _Pending(future, server.address)
 
     def preprocess(
         self, server: Server, request: pb.PreprocessRequest, *, timeout: float
-    ) -> grpc.Future:
-        """A ``Preprocess`` call under way; read its result under ``map_rpc_errors``."""
+    ) -> _Pending[pb.PreprocessResponse]:
+        """A ``Preprocess`` call on ``server``."""
         call = _stub(self.channel(server)).Preprocess
-        future: grpc.Future = call.future(request, timeout=timeout, metadata=self.metadata)
-        return future
+        future = call.future(request, timeout=timeout, metadata=self.metadata)
+        return _Pending(future, server.address)
 
     def __getstate__(self) -> dict[str, object]:
         # A copy (a spawned worker) opens channels of its own.
@@ -231,96 +288,6 @@ class Transport:
             for channel in self._channels.values():
                 channel.close()
         self._channels = {}
-
-
-def describe_dataset(
-    transport: Transport, servers: ServerSet, spec: StreamSpec, *, timeout: float
-) -> pb.DatasetInfo:
-    """``spec``'s dataset as the first server that answers describes it, with ``spec``
-    checked against what that server announces: NOT_FOUND if it has no such dataset or
-    no such pipeline, INVALID_ARGUMENT (in the server's words) for a parameter the
-    pipeline lacks or out of its range, or a batch over the server's limit."""
-    error: BatchwireError | None = None
-    for start in range(len(servers.servers())):
-        server = servers.pick(start)
-        try:
-            info = transport.describe(server, spec.dataset, timeout=timeout)
-        except BatchwireError as exc:
-            if exc.code not in RETRIABLE:
-                raise
-            error = exc
-            servers.mark_failed(server)
-            continue
-        pipeline = next((p for p in info.pipelines if p.name == spec.pipeline), None)
-        if pipeline is None:
-            known = ", ".join(p.name for p in info.pipelines)
-            raise NotFoundError(
-                f"server {server.address} has no pipeline {spec.pipeline!r} (it has: {known})"
-            )
-        try:
-            check_params(spec.pipeline, spec.params, announced_ranges(pipeline))
-            check_batch_size(spec.batch_size, info.max_batch_size)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"{server.address}: {exc}") from None
-        return info
-    assert error is not None
-    raise error
-
-
-def find_workers(transport: Transport, servers: ServerSet, dataset: str, *, timeout: float) -> None:
-    """Ask each server not yet asked whether it is a unit of workers (``batchwire serve
-    --workers N``): one that announces its workers' own ports is replaced in ``servers``
-    by those of them that answer from here, so that a pass pulls from every worker rather
-    than from the one the unit's port hands this process's connection to. Where none
-    answers (a firewall, a container that publishes the unit's port alone), the unit's
-    own address is kept, with a warning once. A server that does not answer now is
-    taken as it is."""
-    for server in servers.unexplored():
-        host = server.address.rpartition(":")[0]
-        if not _HOST_PORT.fullmatch(server.address):
-            servers.expand(server, ())  # a gRPC target (unix:, ipv4:) names no host to reuse
-            continue
-        try:
-            info = transport.describe(server, dataset, timeout=timeout)
-        except BatchwireError:
-            servers.expand(server, ())
-            continue
-        workers = [Server(f"{host}:{port}", server.tls_name) for port in info.worker_ports]
-        futures = [transport.describe_future(w, dataset, timeout=timeout) for w in workers]
-        reached, missed = [], []
-        for worker, future in zip(workers, futures, strict=True):
-            try:
-                with map_rpc_errors(worker.address):
-                    future.result()
-                reached.append(worker)
-            except BatchwireError as exc:
-                missed.append(f"{worker.address} ({rpc_details(exc)})")
-        servers.expand(server, reached)
-        if missed:
-            log.warning(
-                "%s is a unit of %d workers, and %s did not answer from here: %s; open "
-                "the workers' own ports (batchwire serve --worker-port) to this host to pull "
-                "from every worker",
-                server.address,
-                len(workers),
-                ", ".join(missed),
-                "this process pulls from the others"
-                if reached
-                else "this process pulls through the unit's port, from the worker it hands "
-                "this connection to",
-            )
-
-
-def announced_ranges(pipeline: pb.PipelineInfo) -> dict[str, ParamRange]:
-    """The ranges of ``pipeline``'s parameters as its server announces them; a server that
-    names a parameter without its range (an older one) leaves only finite values checked."""
-    unknown = ParamRange(low=-math.inf, high=math.inf)
-    return {
-        name: ParamRange.from_proto(pipeline.param_ranges[name])
-        if name in pipeline.param_ranges
-        else unknown
-        for name in pipeline.params
-    }
 
 
 def check_health(

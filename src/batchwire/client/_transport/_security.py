@@ -13,7 +13,7 @@ import pathlib
 
 import grpc
 
-from batchwire.client._exceptions import InvalidArgumentError
+from batchwire.client._transport._exceptions import InvalidArgumentError
 from batchwire.common.tokens import parse_tokens, valid_token
 
 __all__ = ["ChannelSecurity", "PemSource"]

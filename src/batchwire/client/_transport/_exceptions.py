@@ -10,9 +10,10 @@
 
 Each class carries its ``default_code``: ``NotFoundError("no dataset 'x'")`` has
 ``code == grpc.StatusCode.NOT_FOUND``. ``error_for`` picks the class for a status code;
-``batchwire.client._transport.map_rpc_errors`` is the one place where a
-``grpc.RpcError`` becomes one of these (kept as its ``rpc_error``). The classes say
-``batchwire.client`` is their module, where users import them from.
+``map_rpc_errors`` (``_grpc``) is the one place where a ``grpc.RpcError`` becomes one of
+these (kept as its ``rpc_error``). They are the transport's because their codes are
+gRPC's: the rest of the client takes them, and ``StatusCode``, from the transport. The
+classes say ``batchwire.client`` is their module, where users import them from.
 """
 
 from __future__ import annotations

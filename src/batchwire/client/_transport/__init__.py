@@ -1,0 +1,68 @@
+"""The client's one seam to the servers, and the only part of the client that imports grpc
+(``tests/test_layout.py`` holds that)::
+
+    Transport, PullCall, Pending   what the client asks of servers (``_base``): a pull
+                                   stream for a pass, dataset descriptions, preprocessing
+    GrpcTransport                  the one that talks to servers (``_grpc``): channels with
+                                   the client's options and credentials (``_security``),
+                                   calls, status codes mapped to exceptions
+    BatchwireError and its kinds   what comes out of a transport that failed
+                                   (``_exceptions``), ``code`` being gRPC's ``StatusCode``
+
+The loader, its passes and the ``Preprocessor`` hold a ``Transport``: they send and
+receive ``batchwire.v1`` messages, and catch the client's own exceptions.
+``check_health`` and ``list_datasets`` are the public calls of their own.
+"""
+
+from __future__ import annotations
+
+from grpc import StatusCode
+
+from batchwire.client._transport._base import Pending, PullCall, Server, Transport
+from batchwire.client._transport._exceptions import (
+    AuthenticationError,
+    BadImagesError,
+    BatchwireError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+    error_for,
+)
+from batchwire.client._transport._grpc import (
+    CHANNEL_OPTIONS,
+    GrpcTransport,
+    check_health,
+    check_target,
+    host_of,
+    list_datasets,
+    read_grant,
+    rpc_details,
+)
+from batchwire.client._transport._security import ChannelSecurity, PemSource
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "AuthenticationError",
+    "BadImagesError",
+    "BatchwireError",
+    "ChannelSecurity",
+    "GrpcTransport",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "PemSource",
+    "Pending",
+    "PullCall",
+    "ResourceExhaustedError",
+    "Server",
+    "StatusCode",
+    "Transport",
+    "UnavailableError",
+    "check_health",
+    "check_target",
+    "error_for",
+    "host_of",
+    "list_datasets",
+    "read_grant",
+    "rpc_details",
+]
