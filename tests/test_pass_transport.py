@@ -17,6 +17,7 @@ from batchwire.client._delivery import LoaderOptions, Tensors
 from batchwire.client._pass import StreamPass
 from batchwire.client._servers import ServerSet
 from batchwire.client._transport import Server, StatusCode, UnavailableError
+from batchwire.common.sampler import Plan
 from batchwire.v1 import batchwire_pb2 as pb
 
 BATCH = 4
@@ -39,31 +40,27 @@ def new_pass(
     shared_memory: bool = False,
 ) -> StreamPass:
     options = LoaderOptions(
-        device=torch.device("cpu"), normalize=False, shared_memory=shared_memory
+        device=torch.device("cpu"),
+        normalize=False,
+        prefetch=1,  # each server is asked for 3 batches at a time
+        timeout=60,  # a hang guard
+        retry_timeout=60,  # a hang guard
+        shared_memory=shared_memory,
     )
     return StreamPass(
-        epoch=0,
-        origin=0,
-        world_size=1,
-        start=0,
-        share_size=num_batches * BATCH,
-        num_batches=num_batches,
-        batch_size=BATCH,
+        plan=Plan(num_samples=num_batches * BATCH, batch_size=BATCH, shuffle=False),
         spec=pb.StreamBatchesRequest(dataset="fake", pipeline="val", batch_size=BATCH),
         transport=transport,
         tensors=Tensors(options, pb.PipelineInfo(name="val"), "NCHW"),
         servers=ServerSet(addresses),
-        credit=2,
         window=6,
-        retry_timeout=60,  # a hang guard
-        timeout=60,  # a hang guard
     )
 
 
 def take_all(stream_pass: StreamPass) -> list[tuple[int, list[int], int, int]]:
     """(index, ids, cursor, the value its images hold) of each batch, taken in order."""
     taken = []
-    for index in range(stream_pass.num_batches):
+    for index in range(stream_pass.plan.num_batches):
         delivery = stream_pass.take(index)
         values = np.unique(delivery.images.numpy())
         assert len(values) == 1, values

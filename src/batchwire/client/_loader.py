@@ -611,22 +611,12 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _new_pass(self, spec: StreamSpec, plan: Plan, tensors: Tensors, window: int) -> StreamPass:
         return StreamPass(
-            epoch=spec.epoch,
-            origin=plan.origin,
-            world_size=plan.world_size,
-            start=spec.start,
-            share_size=plan.share_size,
-            num_batches=plan.num_batches,
-            batch_size=self.batch_size,
+            plan=plan,
             spec=spec.to_proto(),
             transport=self._transport,
             tensors=tensors,
             servers=self._servers,
-            credit=self.prefetch + 2,
             window=window,
-            retry_timeout=self.retry_timeout,
-            timeout=self.timeout,
-            resolve_every=self.resolve_every,
         )
 
     def _look_ahead(self, current: StreamPass, share: Rank, tensors: Tensors) -> None:
@@ -641,7 +631,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         if not self._passes_ended:
             return
         try:
-            spec, plan = self._plan(share, Place(current.epoch + 1))
+            spec, plan = self._plan(share, Place(current.plan.epoch + 1))
         except BatchwireError:
             return  # the next pass raises it itself
         if plan.num_batches == 0:
@@ -705,7 +695,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         ahead: StreamPass | None = None  # the next pass, if this iterator started it
         last = False  # this pass's last batch was handed out
         try:
-            for index in range(stream_pass.first, stream_pass.num_batches):
+            for index in range(stream_pass.first, stream_pass.plan.num_batches):
                 if self._ahead is None and stream_pass.book.all_asked:
                     self._look_ahead(stream_pass, share, tensors)
                     ahead = self._ahead
@@ -723,7 +713,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 # Also a batch whose every sample was unreadable (empty): every rank takes
                 # len(loader) steps, or DDP's collectives would wait for this one.
                 # Frameworks that count batches by len() (Lightning) stop asking here.
-                last = index == stream_pass.num_batches - 1
+                last = index == stream_pass.plan.num_batches - 1
                 yield tensors.output(delivery)
             self._end(stream_pass)
         finally:

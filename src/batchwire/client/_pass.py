@@ -43,6 +43,7 @@ from batchwire.client._transport import (
     Transport,
     rpc_details,
 )
+from batchwire.common.sampler import Plan
 from batchwire.common.words import counted
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -83,51 +84,39 @@ def _stop_everything() -> None:
 
 
 class StreamPass:
-    """Batches ``first .. num_batches-1`` of one pass, pulled from every server.
+    """The batches of ``plan`` (a rank's share of one epoch), from batch ``first`` (where
+    the plan's ``start`` falls) to its last, pulled from every server of ``servers``.
 
-    ``epoch``, ``start``, ``share_size`` and ``num_batches`` describe the pass, whose split
-    of the epoch over ``world_size`` ranks begins at ``origin``; ``cursor`` is the position
-    after the last batch handed out (kept by the caller). Each server is asked
-    for at most ``credit`` batches at a time, and at most ``window`` batches beyond the
-    one taken next are asked for or held. ``take(k)`` blocks for at most ``timeout``
-    seconds.
+    ``spec`` is the stream every server is asked for; ``cursor`` is the position after
+    the last batch handed out (kept by the caller). ``tensors.options`` sets the rest:
+    each server is asked for at most ``prefetch + 2`` batches at a time, ``take(k)``
+    blocks for at most ``timeout`` seconds (``retry_timeout`` of failed servers), and a
+    ``dns:///`` name is resolved again every ``resolve_every`` seconds. At most
+    ``window`` batches beyond the one taken next are asked for or held.
     """
 
     def __init__(
         self,
         *,
-        epoch: int,
-        origin: int,
-        world_size: int,
-        start: int,
-        share_size: int,
-        num_batches: int,
-        batch_size: int,
+        plan: Plan,
         spec: pb.StreamBatchesRequest,
         transport: Transport,
         tensors: Tensors,
         servers: ServerSet,
-        credit: int,
         window: int,
-        retry_timeout: float,
-        timeout: float,
-        resolve_every: float = 5.0,
     ) -> None:
         self.id = secrets.randbits(62) + 1  # names the pass in the ledger; 0 is none
+        self.plan = plan
         self.spec = spec  # the stream asked of every server
-        self.epoch = epoch
-        self.origin = origin
-        self.world_size = world_size
-        self.cursor = start
-        self.share_size = share_size
-        self.first = start // batch_size
-        self.num_batches = num_batches
-        self._timeout = timeout
-        self._retry_timeout = retry_timeout
-        self._resolve_every = resolve_every
+        self.cursor = plan.start
+        self.first = plan.start // plan.batch_size
+        options = tensors.options
+        self._timeout = options.timeout
+        self._retry_timeout = options.retry_timeout
+        self._resolve_every = options.resolve_every
         self._stop = threading.Event()
         self._superseded = False
-        self.book = Book(first=self.first, num_batches=num_batches, window=window)
+        self.book = Book(first=self.first, num_batches=plan.num_batches, window=window)
         self._servers = servers
 
         def puller(server: Server) -> ServerPuller:
@@ -137,7 +126,7 @@ class StreamPass:
                 transport=transport,
                 tensors=tensors,
                 book=self.book,
-                credit=credit,
+                credit=options.prefetch + 2,
                 servers=servers,
                 stop=self._stop,
             )

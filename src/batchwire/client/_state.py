@@ -137,9 +137,10 @@ class Position:
         """After the last batch handed out, or where the next pass starts."""
         record = self.ledger.read()
         if current is not None and record.pass_id == current.id:
-            if current.cursor == current.share_size:
-                return Place(current.epoch + 1)  # after the last batch: see RemoteLoader._begin
-            return Place(current.epoch, current.origin, current.cursor, current.world_size)
+            plan = current.plan
+            if current.cursor == plan.share_size:
+                return Place(plan.epoch + 1)  # after the last batch: see RemoteLoader._begin
+            return Place(plan.epoch, plan.origin, current.cursor, plan.world_size)
         if record.fresh:
             return Place(record.epoch, record.origin, record.cursor, record.world, record.batch)
         return Place(record.epoch + 1)
@@ -197,7 +198,7 @@ class Position:
     def end(self, record: Record, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
         if record.pass_id == stream_pass.id:
-            Place(stream_pass.epoch + 1).write(record, directive=False)
+            Place(stream_pass.plan.epoch + 1).write(record, directive=False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "loaded_in_worker": False, "_probe": None}
