@@ -73,6 +73,33 @@ def _names(dataset: str | Mixture) -> dict[str, Any]:
     return {"sources": tuple(Source(name, counts.get(name, 1)) for name in dataset.names)}
 
 
+class _Setting:
+    """A read-only attribute of a loader: field ``field`` (by default, the attribute's own
+    name) of the object the loader keeps as ``holder`` (its ``_spec`` or ``_options``)."""
+
+    def __init__(self, holder: str, field: str | None = None) -> None:
+        self._holder, self._field, self._name = holder, field, field
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name, self._field = name, self._field or name
+
+    def __get__(self, loader: object, owner: type | None = None) -> Any:
+        if loader is None:
+            return self
+        return getattr(getattr(loader, self._holder), str(self._field))
+
+    def __set__(self, loader: object, value: object) -> None:
+        raise AttributeError(
+            f"{type(loader).__name__}.{self._name} is read-only: a loader's settings are "
+            "fixed when it is built"
+        )
+
+
+def _setting(holder: str, field: str | None = None) -> Any:
+    """A :class:`_Setting`, typed as the attribute it is assigned to declares."""
+    return _Setting(holder, field)
+
+
 class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """Batches of one dataset, or of a :class:`Mixture` of several, preprocessed by a
     named pipeline on remote servers.
@@ -283,90 +310,44 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """How batches are delivered."""
         return self._options
 
-    @property
-    def dataset_name(self) -> str:
-        """The dataset's name (a mixture's: its sources' names joined by "+")."""
-        return self._spec.name
-
-    @property
-    def pipeline(self) -> str:
-        """The pipeline's name."""
-        return self._spec.pipeline
-
-    @property
-    def batch_size(self) -> int:
-        """Samples per batch."""
-        return self._spec.batch_size
-
-    @property
-    def shuffle(self) -> bool:
-        """Whether each epoch's order is shuffled."""
-        return self._spec.shuffle
-
-    @property
-    def drop_last(self) -> bool:
-        """Whether a last batch smaller than batch_size is dropped."""
-        return self._spec.drop_last
-
-    @property
-    def seed(self) -> int:
-        """The seed of every epoch's order."""
-        return self._spec.seed
-
-    @property
-    def dtype(self) -> str:
-        """The dtype images travel in."""
-        return self._spec.dtype
-
-    @property
-    def layout(self) -> str:
-        """The layout images travel in."""
-        return self._spec.layout
+    dataset_name: str = _setting("_spec", "name")
+    """The dataset's name (a mixture's: its sources' names joined by "+")."""
+    pipeline: str = _setting("_spec")
+    """The pipeline's name."""
+    batch_size: int = _setting("_spec")
+    """Samples per batch."""
+    shuffle: bool = _setting("_spec")
+    """Whether each epoch's order is shuffled."""
+    drop_last: bool = _setting("_spec")
+    """Whether a last batch smaller than batch_size is dropped."""
+    seed: int = _setting("_spec")
+    """The seed of every epoch's order."""
+    dtype: str = _setting("_spec")
+    """The dtype images travel in."""
+    layout: str = _setting("_spec")
+    """The layout images travel in."""
 
     @property
     def params(self) -> dict[str, float]:
         """The pipeline parameters this loader overrides (a copy)."""
         return dict(self._spec.params)
 
-    @property
-    def device(self) -> torch.device:
-        """Where batches are delivered."""
-        return self._options.device
-
-    @property
-    def normalize(self) -> bool:
-        """Whether uint8 images are normalized on the device."""
-        return self._options.normalize
-
-    @property
-    def return_ids(self) -> bool:
-        """Whether each batch carries its sample ids."""
-        return self._options.return_ids
-
-    @property
-    def prefetch(self) -> int:
-        """Batches delivered ahead of the loop."""
-        return self._options.prefetch
-
-    @property
-    def timeout(self) -> float:
-        """Seconds to wait for a batch."""
-        return self._options.timeout
-
-    @property
-    def retry_timeout(self) -> float:
-        """Seconds of failed servers before an error."""
-        return self._options.retry_timeout
-
-    @property
-    def resolve_every(self) -> float:
-        """Seconds between resolutions of a dns:/// name."""
-        return self._options.resolve_every
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether servers on this host may send batches through shared memory."""
-        return self._options.shared_memory
+    device: torch.device = _setting("_options")
+    """Where batches are delivered."""
+    normalize: bool = _setting("_options")
+    """Whether uint8 images are normalized on the device."""
+    return_ids: bool = _setting("_options")
+    """Whether each batch carries its sample ids."""
+    prefetch: int = _setting("_options")
+    """Batches delivered ahead of the loop."""
+    timeout: float = _setting("_options")
+    """Seconds to wait for a batch."""
+    retry_timeout: float = _setting("_options")
+    """Seconds of failed servers before an error."""
+    resolve_every: float = _setting("_options")
+    """Seconds between resolutions of a dns:/// name."""
+    shared_memory: bool = _setting("_options")
+    """Whether servers on this host may send batches through shared memory."""
 
     # -- dataset facts -----------------------------------------------------------------
 
