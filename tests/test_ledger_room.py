@@ -40,9 +40,9 @@ class Bump(torch.utils.data.IterableDataset[tuple[int, int, int]]):
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
         info = torch.utils.data.get_worker_info()
         assert info is not None, "Bump runs in DataLoader workers"
-        with self.ledger.update() as record:
-            record.cursor += 1
-            seen = (info.id, record.epoch, record.cursor)
+        with self.ledger.update() as entry:
+            entry.cursor += 1
+            seen = (info.id, entry.epoch, entry.cursor)
         yield seen
 
 
@@ -52,15 +52,15 @@ class Bump(torch.utils.data.IterableDataset[tuple[int, int, int]]):
 _TRAINER = """
 import json, logging, os, subprocess, sys, tempfile
 import torch.utils.data
-from batchwire.client._ledger import Ledger, Record
+from batchwire.client._ledger import Ledger, Entry
 from test_ledger_room import Bump
 
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
 report = {"pid": os.getpid()}
-ledger = Ledger(Record(epoch=2))
+ledger = Ledger(Entry(epoch=2))
 report["shm"] = sorted(os.listdir("/dev/shm"))
-with ledger.update() as record:
-    record.epoch = 3
+with ledger.update() as entry:
+    entry.epoch = 3
 report["read"] = [ledger.read().epoch, ledger.read().cursor]
 CHECKS
 room = "remount,rw,size=16m,nr_inodes=4096"
@@ -74,8 +74,8 @@ data = torch.utils.data.DataLoader(
 )
 report["passes"] = []
 for epoch in (3, 4):
-    with ledger.update() as record:  # as set_epoch does
-        record.epoch = epoch
+    with ledger.update() as entry:  # as set_epoch does
+        entry.epoch = epoch
     report["passes"].append([sorted(map(list, data)), ledger.read().cursor])
 report["after"] = [name for name in os.listdir("/dev/shm") if name.startswith("batchwire")]
 print(json.dumps(report))
@@ -161,8 +161,8 @@ def test_with_no_room_anywhere_the_ledger_is_this_process_alone_with_one_warning
     copies = """
 report["tmp"] = sorted(os.listdir("/tmp"))
 copy = __import__("pickle").loads(__import__("pickle").dumps(ledger))
-with copy.update() as record:  # a copy has a ledger of its own, and no second warning
-    record.epoch = 9
+with copy.update() as entry:  # a copy has a ledger of its own, and no second warning
+    entry.epoch = 9
 report["copy"] = [copy.read().epoch, ledger.read().epoch, Ledger().read().epoch]
 """
     done = run_python(
@@ -192,7 +192,7 @@ report["copy"] = [copy.read().epoch, ledger.read().epoch, Ledger().read().epoch]
     assert report["shm"] == [] and report["tmp"] == [".filler"]
     assert report["read"] == [3, 0]  # it works in this process
     assert report["copy"] == [9, 3, 0]
-    # Each worker runs on a copy of the training process's record, which never sees the
+    # Each worker runs on a copy of the training process's entry, which never sees the
     # copy's update: the cursor stays 0. Workers made anew for each pass copy the epoch
     # set before it; persistent ones go on from their first copy, and miss the second.
     fork = workers == "fork"
@@ -209,8 +209,8 @@ from batchwire.client._ledger import Ledger
 
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
 ledger = Ledger()
-with ledger.update() as record:
-    record.epoch = 5
+with ledger.update() as entry:
+    entry.epoch = 5
 tmp = tempfile.gettempdir()
 owners = {name: os.stat(os.path.join(tmp, name)).st_uid for name in os.listdir(tmp)}
 report = {"uid": os.getuid(), "pid": os.getpid(), "tmp": tmp, "owners": owners}

@@ -22,7 +22,7 @@ from conftest import start_server
 from processes import serve_process
 
 from batchwire.client import RemoteLoader
-from batchwire.client._shared_memory import SharedMemory
+from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import read_grant
 from batchwire.common import shared_memory as common_shared_memory
 from batchwire.common.batch_codec import decode_batch
@@ -185,8 +185,8 @@ def test_a_trainer_in_another_container_claims_through_a_socket_in_a_shared_dire
 def test_a_grant_claimed_by_another_process_than_the_offers_is_refused(
     server: BatchwireServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    shared = SharedMemory.offer(2)
-    offer = shared.message()
+    ring = RingReader.offer(2)
+    offer = ring.message()
     offer.pid = 1  # as if another process of this host had made the offer, and the key leaked
     spec = pb.StreamBatchesRequest(
         dataset="shapes", pipeline="val", batch_size=8, params=SMALL, world_size=1
@@ -197,32 +197,32 @@ def test_a_grant_claimed_by_another_process_than_the_offers_is_refused(
         metadata = call.initial_metadata()
         assert any(key == GRANT_METADATA for key, _ in metadata)
         with caplog.at_level(logging.WARNING):
-            shared.claim(read_grant(metadata), server.target)
-        assert not shared.claimed
+            ring.claim(read_grant(metadata), server.target)
+        assert not ring.claimed
         batches = list(call)
     assert f"pid {os.getpid()} claimed the shared memory offered to pid 1" in caplog.text
     assert [b.index for b in batches] == [0, 1]
     # In their messages: the server never puts a batch in a ring nobody claimed.
     assert all(not b.HasField("shared_images") and b.images.data for b in batches)
-    shared.close()
+    ring.close()
 
 
 def test_a_release_of_a_buffer_the_stream_does_not_hold_ends_it_invalid_argument(
     server: BatchwireServer,
 ) -> None:
-    shared = SharedMemory.offer(2)
+    ring = RingReader.offer(2)
     spec = pb.StreamBatchesRequest(
         dataset="shapes", pipeline="val", batch_size=8, params=SMALL, world_size=1
     )
     requests = [
-        pb.PullRequest(stream=spec, shared_memory=shared.message(), batches=[0]),
+        pb.PullRequest(stream=spec, shared_memory=ring.message(), batches=[0]),
         pb.PullRequest(batches=[1], released_buffers=[9]),
     ]
     with grpc.insecure_channel(server.target) as channel:
         call = pb_grpc.BatchwireStub(channel).PullBatches(iter(requests), timeout=30)
         with pytest.raises(grpc.RpcError) as raised:
             list(call)
-    shared.close()
+    ring.close()
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "holds no batch of this stream" in raised.value.details()
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from batchwire.client._shared_memory import SharedMemory
+from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import BatchwireError, StatusCode
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.tensors import from_proto
@@ -190,13 +190,14 @@ class Tensors:
         self._stats = stats
 
     def deliveries(
-        self, messages: Iterable[bytes], shared: SharedMemory | None = None
+        self, messages: Iterable[bytes], ring: RingReader | None = None
     ) -> Iterator[Delivery]:
         """Runs in a puller thread: each batch of one call's ``messages`` (Batch message
         bytes, a batch in one or more parts) once its last part arrived; a batch in the
-        call's ``shared`` memory is copied out of it and its buffer released."""
+        server's shared memory is copied out of the call's ``ring`` and its buffer
+        released."""
         parts: list[DecodedBatch] = []
-        view = None if shared is None else shared.view
+        view = None if ring is None else ring.view
         for raw in messages:
             part = decode_batch(raw, view)
             if part.header.part != len(parts):
@@ -208,8 +209,8 @@ class Tensors:
             parts.append(part)
             if len(parts) == (part.header.parts or 1):
                 delivery = assemble(parts, self._allocate, self._stats)
-                if shared is not None and part.header.HasField("shared_images"):
-                    shared.copied(part.header.shared_images.buffer)
+                if ring is not None and part.header.HasField("shared_images"):
+                    ring.copied(part.header.shared_images.buffer)
                 # Let go of the views before yielding: a view of shared memory keeps the
                 # server's ring mapped for as long as this generator may be kept.
                 parts = []

@@ -14,7 +14,7 @@ and a file nobody holds is a dead process's.
 The file goes in ``/dev/shm`` where it can, else in ``tempfile.gettempdir()``
 (``TMPDIR``): a directory that refuses it (full, out of inodes, read-only, not
 writable by this user) is left, with nothing in it, for the next. The file's
-bytes are reserved when it is made, so that writing the record later never
+bytes are reserved when it is made, so that writing the entry later never
 fails for space. Where no directory takes it (a container's full 64 MiB
 ``/dev/shm`` and no writable temporary directory), the ledger is kept in
 memory, of this process alone, and a warning says so once per process: the
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch.utils.data
 
-__all__ = ["Ledger", "Record"]
+__all__ = ["Entry", "Ledger"]
 
 _log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ _warned = 0  # the pid of the process that logged that its ledgers are in memory
 
 
 @dataclasses.dataclass
-class Record:
-    """The ledger's values.
+class Entry:
+    """What a ledger holds: where the next pass starts, and which pass began last.
 
     ``fresh`` set: the next pass starts exactly at ``(epoch, cursor)`` (a new
     loader, ``set_epoch``, ``load_state_dict``, or a pass that ran to its end).
@@ -96,7 +96,7 @@ class Record:
         )
 
     @classmethod
-    def unpack(cls, data: bytes) -> Record:
+    def unpack(cls, data: bytes) -> Entry:
         version, epoch, cursor, fresh, pass_id, in_workers, *place = _FORMAT.unpack(data)
         return cls(epoch, cursor, bool(fresh), pass_id, bool(in_workers), version, *place)
 
@@ -136,7 +136,7 @@ def _directories() -> tuple[list[str], list[str]]:
 def _sweep(directory: str) -> None:
     """Remove the ledger files no live process holds: one killed (``kill -9``, an
     out-of-memory kill) never ran the finalizer that removes its file. Each creator holds
-    a POSIX read lock on a byte past its record for life (``_LIVE``); the kernel drops it
+    a POSIX read lock on a byte past its entry for life (``_LIVE``); the kernel drops it
     with the process. This process holds no ledger in ``directory`` yet: closing a file
     here releases no lock of its own. Needs no room: it only opens, locks and unlinks."""
     for name in os.listdir(directory):
@@ -160,7 +160,7 @@ def _sweep(directory: str) -> None:
 
 def _reserve(fd: int, size: int) -> None:
     """Allocate the file's first ``size`` bytes now, so that writing them later cannot
-    fail for want of space. Where the file system cannot, the write of the record that
+    fail for want of space. Where the file system cannot, the write of the entry that
     follows allocates them (an overwrite in place needs no more room on tmpfs or ext4)."""
     if not hasattr(os, "posix_fallocate"):  # macOS
         return
@@ -171,27 +171,27 @@ def _reserve(fd: int, size: int) -> None:
             raise
 
 
-def _write(fd: int, record: Record) -> None:
-    data = record.pack()
+def _write(fd: int, entry: Entry) -> None:
+    data = entry.pack()
     written = os.pwrite(fd, data, 0)
     if written != len(data):  # a short write: the file system ran out of room
-        raise OSError(errno.ENOSPC, f"wrote {written} of a record's {len(data)} bytes")
+        raise OSError(errno.ENOSPC, f"wrote {written} of an entry's {len(data)} bytes")
 
 
-def _make_file(directory: str, record: Record) -> tuple[int, str]:
-    """A new ledger file in ``directory`` holding ``record``, locked for life: its
+def _make_file(directory: str, entry: Entry) -> tuple[int, str]:
+    """A new ledger file in ``directory`` holding ``entry``, locked for life: its
     descriptor and path. Raises OSError, with nothing left behind, where the directory
     refuses it or has no room."""
     # Locked before it takes the name a sweep looks for, so that no sweep finds it
-    # unheld, and complete by then, so that no worker reads half a record. The lock is
+    # unheld, and complete by then, so that no worker reads half a entry. The lock is
     # for life: the kernel releases it when this process goes, however it goes (POSIX
-    # locks are independent of the flock that guards the record).
+    # locks are independent of the flock that guards the entry).
     fd, made = tempfile.mkstemp(prefix=f".{_PREFIX}{os.getpid()}-", dir=directory)
     path = os.path.join(os.path.dirname(made), os.path.basename(made)[1:])
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH, 1, _LIVE)
         _reserve(fd, _FORMAT.size)
-        _write(fd, record)
+        _write(fd, entry)
         os.rename(made, path)
     except BaseException:
         os.close(fd)
@@ -227,18 +227,18 @@ def _remove(path: str | None, owner: int) -> None:
 
 
 class Ledger:
-    """A ``Record`` shared between a loader and its DataLoader workers; see the module.
+    """An ``Entry`` shared between a loader and its DataLoader workers; see the module.
 
-    ``_path`` is the file (None: the record is in memory, ``_snapshot`` itself);
+    ``_path`` is the file (None: the entry is in memory, ``_snapshot`` itself);
     ``_snapshot``, the values a copy carried; ``_fd``, this process's descriptor of the
     file (-1: none yet, or in memory); ``_pid``, the process ``_fd`` belongs to.
     """
 
-    def __init__(self, initial: Record | None = None) -> None:
-        self._create(initial or Record())
+    def __init__(self, initial: Entry | None = None) -> None:
+        self._create(initial or Entry())
         _ledgers.add(self)
 
-    def _create(self, initial: Record) -> None:
+    def _create(self, initial: Entry) -> None:
         directories, missing = _directories()
         failures: list[str] = []
         self._fd, self._path = -1, None
@@ -282,37 +282,37 @@ class Ledger:
         self._pid = os.getpid()
         return self._fd
 
-    def _read_from_path(self) -> Record:
+    def _read_from_path(self) -> Entry:
         if self._path is None:
             return dataclasses.replace(self._snapshot)
         try:
             with open(self._path, "rb") as file:
-                return Record.unpack(file.read(_FORMAT.size))
+                return Entry.unpack(file.read(_FORMAT.size))
         except (FileNotFoundError, struct.error):
             return self._snapshot
 
     @contextlib.contextmanager
-    def update(self) -> Iterator[Record]:
-        """The record, locked against the other processes; changes are written back."""
+    def update(self) -> Iterator[Entry]:
+        """The entry, locked against the other processes; changes are written back."""
         fd = self._handle()
         if fd < 0:  # in memory: this process alone
-            record = dataclasses.replace(self._snapshot)
-            yield record
-            self._snapshot = record
+            entry = dataclasses.replace(self._snapshot)
+            yield entry
+            self._snapshot = entry
             return
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            record = Record.unpack(os.pread(fd, _FORMAT.size, 0))
-            before = dataclasses.replace(record)
-            yield record
-            if record != before:
-                _write(fd, record)
+            entry = Entry.unpack(os.pread(fd, _FORMAT.size, 0))
+            before = dataclasses.replace(entry)
+            yield entry
+            if entry != before:
+                _write(fd, entry)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def read(self) -> Record:
-        with self.update() as record:
-            return dataclasses.replace(record)
+    def read(self) -> Entry:
+        with self.update() as entry:
+            return dataclasses.replace(entry)
 
     def close(self) -> None:
         """Remove the file (in the process that created it); idempotent."""

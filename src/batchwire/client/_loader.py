@@ -15,7 +15,7 @@ import torch.utils.data
 from batchwire.client._delivery import LoaderOptions, Tensors, TransferStats
 from batchwire.client._descriptions import describe_dataset, find_workers
 from batchwire.client._frameworks import refuse_accelerate_wrappers, worker_id
-from batchwire.client._ledger import Record
+from batchwire.client._ledger import Entry
 from batchwire.client._mixture import Described, Mixture
 from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._per_source import PerSource
@@ -422,9 +422,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             raise InvalidArgumentError(str(exc)) from None
         return torch.from_numpy(np.asarray(sources)), torch.from_numpy(np.asarray(local))
 
-    def _plan(self, share: Rank, place: Place) -> tuple[StreamSpec, Plan]:
-        """The stream of ``share`` from ``place`` (in this loader's units), and its plan."""
-        return self._position.plan(share, place, self._describe())
+    def _plan(self, rank: Rank, place: Place) -> tuple[StreamSpec, Plan]:
+        """The stream of ``rank`` from ``place`` (in this loader's units), and its plan."""
+        return self._position.plan(rank, place, self._describe())
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (equal on every rank)."""
@@ -495,7 +495,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     # -- passes -------------------------------------------------------------------------
 
-    def _begin(self, share: Rank, tensors: Tensors) -> StreamPass:
+    def _begin(self, rank: Rank, tensors: Tensors) -> StreamPass:
         """Stop the previous pass, claim the next one in the ledger, start its readers."""
         previous, self._pass = self._pass, None
         if previous is not None:
@@ -504,8 +504,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         # after it here, which uses it up only by running to its end: torchdata primes
         # the prefetch of a restored iterator before it finds the state was of a finished
         # pass and starts another, and that discarded pass must not count (Position.begin).
-        with self._position.ledger.update() as record:
-            place, spec, plan = self._upcoming(record, share)
+        with self._position.ledger.update() as entry:
+            place, spec, plan = self._upcoming(entry, rank)
             ahead = self._take_ahead()
             if ahead is not None and ahead.spec == spec.to_proto():
                 stream_pass = ahead  # started as the last pass ended: its batches are coming
@@ -515,30 +515,30 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                     ahead.stop()
                 stream_pass = self._new_pass(spec, plan, tensors, self._window())
                 stream_pass.start_readers()
-            self._position.begin(record, stream_pass.id, plan)
+            self._position.begin(entry, stream_pass.id, plan)
         self._say_what_is_left_out(plan)
         if place.cursor == 0:
             self.skipped_ids = []
         self._pass = stream_pass
         return stream_pass
 
-    def _upcoming(self, record: Record, share: Rank) -> tuple[Place, StreamSpec, Plan]:
-        """Where the next pass of ``share`` starts, as the ledger's ``record`` places it,
+    def _upcoming(self, entry: Entry, rank: Rank) -> tuple[Place, StreamSpec, Plan]:
+        """Where the next pass of ``rank`` starts, as the ledger's ``entry`` places it,
         its stream and its plan."""
-        place = self._position.next_place(record, share, self.num_samples)
-        spec, plan = self._plan(share, place)  # validates a loaded cursor
+        place = self._position.next_place(entry, rank, self.num_samples)
+        spec, plan = self._plan(rank, place)  # validates a loaded cursor
         if plan.num_batches == 0 or 0 < plan.share_size == place.cursor:
             # The end of an epoch is the start of the next: frameworks that count
             # batches by len() (Lightning) never ask past the last one, so their
             # checkpoint at an epoch's end is this, and the next pass is a new epoch.
             # So is a rest of an epoch that drop_last leaves no batch of.
             place = Place(place.epoch + 1)
-            spec, plan = self._plan(share, place)
+            spec, plan = self._plan(rank, place)
         return place, spec, plan
 
-    def _next_plan(self, share: Rank) -> Plan:
-        """The plan of the next pass of ``share``, as the ledger places it now."""
-        return self._upcoming(self._position.ledger.read(), share)[2]
+    def _next_plan(self, rank: Rank) -> Plan:
+        """The plan of the next pass of ``rank``, as the ledger places it now."""
+        return self._upcoming(self._position.ledger.read(), rank)[2]
 
     def _skip_to(self, epoch: int) -> None:
         """The next pass starts ``epoch``: what is left of this one is dropped (a part of a
@@ -600,7 +600,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             window=window,
         )
 
-    def _look_ahead(self, current: StreamPass, share: Rank, tensors: Tensors) -> None:
+    def _look_ahead(self, current: StreamPass, rank: Rank, tensors: Tensors) -> None:
         """Start the pass that follows ``current`` when it runs to its end (the next
         epoch, from its start), asking each server for its first ``prefetch`` batches
         only: the next ``iter()`` adopts it if it is that pass, so that a short epoch
@@ -612,7 +612,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         if not self._passes_ended:
             return
         try:
-            spec, plan = self._plan(share, Place(current.plan.epoch + 1))
+            spec, plan = self._plan(rank, Place(current.plan.epoch + 1))
         except BatchwireError:
             return  # the next pass raises it itself
         if plan.num_batches == 0:
@@ -634,8 +634,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
         self._passes_ended += 1
-        with self._position.ledger.update() as record:
-            self._position.end(record, stream_pass)
+        with self._position.ledger.update() as entry:
+            self._position.end(entry, stream_pass)
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -648,15 +648,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         refuse_accelerate_wrappers()
         if worker_id() not in (None, 0):
             return  # worker 0 streams the whole share, in order
-        share = self._sharing.resolve()
+        rank = self._sharing.resolve()
         if self._parts is not None:
-            yield from self._parts.iterate(share, self.skipped_ids)
+            yield from self._parts.iterate(rank, self.skipped_ids)
             return
-        stream_pass, tensors = self._start(share)
-        yield from self._deliver(stream_pass, share, tensors)
+        stream_pass, tensors = self._start(rank)
+        yield from self._deliver(stream_pass, rank, tensors)
 
-    def _start(self, share: Rank) -> tuple[StreamPass, Tensors]:
-        """Begin the next pass of ``share``: its streams start at once."""
+    def _start(self, rank: Rank) -> tuple[StreamPass, Tensors]:
+        """Begin the next pass of ``rank``: its streams start at once."""
         info = next(p for p in self._describe().info.pipelines if p.name == self.pipeline)
         tensors = Tensors(self._options, info, self.layout, self.transfer)
         # Once a process: a unit's workers in place of the unit, to pull from each.
@@ -666,10 +666,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             self._spec.datasets[0],
             timeout=min(self.timeout, _FIND_WORKERS_TIMEOUT_S),
         )
-        return self._begin(share, tensors), tensors
+        return self._begin(rank, tensors), tensors
 
     def _deliver(
-        self, stream_pass: StreamPass, share: Rank, tensors: Tensors
+        self, stream_pass: StreamPass, rank: Rank, tensors: Tensors
     ) -> Generator[tuple[torch.Tensor, ...]]:
         """The batches of ``stream_pass``, begun by :meth:`_start`; the caller stops the
         pass if it never advances this."""
@@ -678,7 +678,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         try:
             for index in range(stream_pass.first, stream_pass.plan.num_batches):
                 if self._ahead is None and stream_pass.book.all_asked:
-                    self._look_ahead(stream_pass, share, tensors)
+                    self._look_ahead(stream_pass, rank, tensors)
                     ahead = self._ahead
                 try:
                     delivery = stream_pass.take(index)

@@ -34,7 +34,7 @@ from typing import Protocol
 from batchwire.client._book import Book, Held
 from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._servers import RETRIABLE, ServerSet, backoff
-from batchwire.client._shared_memory import SharedMemory, SharedMemoryFailed
+from batchwire.client._shared_memory import RingReader, SharedMemoryFailed
 from batchwire.client._transport import (
     BatchwireError,
     PullCall,
@@ -290,30 +290,30 @@ class ServerPuller(threading.Thread):
             failure: tuple[StatusCode, str] | None = None
             before = self.delivered
             # Each call offers shared memory anew: a server on this host grants it.
-            shared = SharedMemory.offer(self._credit + 1) if self._shared_memory else None
+            ring = RingReader.offer(self._credit + 1) if self._shared_memory else None
             # Where the server may be on this host (its shared memory was taken before, or
             # this is the first call to it), the first batches are asked for once the ring
             # is claimed, so that they go there too; else (a server on another host) with
             # the call's first message, not a round trip later.
             accepted = threading.Event()
-            if shared is None or not self._transport.shares_memory.get(self.server, True):
+            if ring is None or not self._transport.shares_memory.get(self.server, True):
                 accepted.set()
             try:
                 with self._lock:
                     if self._halted():
                         return
                     call = self._call = self._transport.open_pull(
-                        self.server, self._requests(held, over, accepted, shared)
+                        self.server, self._requests(held, over, accepted, ring)
                     )
                 with call:  # what the call raises comes out of it as a BatchwireError
                     grant = call.grant()  # sent once it opened
-                    if shared is not None:
+                    if ring is not None:
                         # Batches the server finishes before the claim is done come in
                         # their messages.
-                        shared.claim(grant, self.server.address)
-                        self._transport.shares_memory[self.server] = shared.claimed
+                        ring.claim(grant, self.server.address)
+                        self._transport.shares_memory[self.server] = ring.claimed
                     accepted.set()
-                    self._receive(call, held, shared, recovering=attempt > 0)
+                    self._receive(call, held, ring, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except SharedMemoryFailed as exc:
                 if self._halted():
@@ -342,8 +342,8 @@ class ServerPuller(threading.Thread):
                 over.set()  # before giving back, so the request stream claims no more
                 accepted.set()  # the request stream may wait for one of the two
                 returned = self._book.give_back(held, failure)
-                if shared is not None:
-                    shared.close()
+                if ring is not None:
+                    ring.close()
             if failure is None:
                 continue  # shared memory failed: again at once, over the socket
             self._servers.mark_failed(self.server)
@@ -363,12 +363,12 @@ class ServerPuller(threading.Thread):
         self,
         call: Iterable[bytes],
         held: Held,
-        shared: SharedMemory | None,
+        ring: RingReader | None,
         *,
         recovering: bool,
     ) -> None:
         """Hand the call's batches to the book as their last parts arrive, until it ends."""
-        for delivery in self._tensors.deliveries(call, shared):
+        for delivery in self._tensors.deliveries(call, ring):
             self._book.deliver(held, delivery)
             self.delivered += 1
             if recovering:
@@ -380,7 +380,7 @@ class ServerPuller(threading.Thread):
         held: Held,
         over: threading.Event,
         accepted: threading.Event,
-        shared: SharedMemory | None,
+        ring: RingReader | None,
     ) -> Iterator[pb.PullRequest]:
         """The call's request stream (read by gRPC's own thread): the stream (and an offer
         of shared memory), with the first batches it has room for unless a ring is awaited
@@ -392,7 +392,7 @@ class ServerPuller(threading.Thread):
         def ended() -> bool:
             return over.is_set() or self._pass_stop.is_set()
 
-        offer = None if shared is None else shared.message()
+        offer = None if ring is None else ring.message()
         first = self._book.claim(held, self._credit, ended, wait=False) if accepted.is_set() else []
         yield pb.PullRequest(stream=self._spec, shared_memory=offer, batches=first or ())
         # Set once the ring is claimed (where one is awaited), or the call is over (every
@@ -402,7 +402,7 @@ class ServerPuller(threading.Thread):
             batches = self._book.claim(held, self._credit, ended)
             if batches is None:
                 return
-            released = () if shared is None else shared.take_released()
+            released = () if ring is None else ring.take_released()
             yield pb.PullRequest(batches=batches, released_buffers=released)
 
     def _halted(self) -> bool:

@@ -68,16 +68,16 @@ class Part(Protocol):
 
     def _use_count(self, count: int) -> None: ...
 
-    def _plan(self, share: Rank, place: Place) -> tuple[StreamSpec, Plan]: ...
+    def _plan(self, rank: Rank, place: Place) -> tuple[StreamSpec, Plan]: ...
 
-    def _next_plan(self, share: Rank) -> Plan: ...
+    def _next_plan(self, rank: Rank) -> Plan: ...
 
     def _skip_to(self, epoch: int) -> None: ...
 
-    def _start(self, share: Rank) -> tuple[StreamPass, Tensors]: ...
+    def _start(self, rank: Rank) -> tuple[StreamPass, Tensors]: ...
 
     def _deliver(
-        self, stream_pass: StreamPass, share: Rank, tensors: Tensors
+        self, stream_pass: StreamPass, rank: Rank, tensors: Tensors
     ) -> Generator[tuple[torch.Tensor, ...]]: ...
 
 
@@ -112,10 +112,10 @@ class PerSource:
             self._described, self._infos = described, infos
         return self._described
 
-    def num_batches(self, share: Rank) -> int:
+    def num_batches(self, rank: Rank) -> int:
         """Batches of a whole epoch on each rank."""
         self.describe()
-        return self._of_epoch([part._plan(share, Place(0))[1].num_batches for part in self.parts])
+        return self._of_epoch([part._plan(rank, Place(0))[1].num_batches for part in self.parts])
 
     def _of_epoch(self, batches: Sequence[int]) -> int:
         """Batches of a whole epoch whose parts have ``batches`` each: added up
@@ -134,15 +134,15 @@ class PerSource:
         for part in self.parts:
             part.set_epoch(epoch)
 
-    def state_dict(self, share: Rank, identity: Mapping[str, Any]) -> dict[str, Any]:
+    def state_dict(self, rank: Rank, identity: Mapping[str, Any]) -> dict[str, Any]:
         states = {
             name: part.state_dict() for name, part in zip(self.names, self.parts, strict=True)
         }
         return {
             **identity,
             "epoch": min(state["epoch"] for state in states.values()),
-            "world_size": share.world_size,
-            "rank": share.rank,
+            "world_size": rank.world_size,
+            "rank": rank.rank,
             PARTS: states,
         }
 
@@ -162,17 +162,17 @@ class PerSource:
 
     # -- a pass --------------------------------------------------------------------------
 
-    def _standing(self, share: Rank) -> tuple[int, list[int], list[int], bool]:
+    def _standing(self, rank: Rank) -> tuple[int, list[int], list[int], bool]:
         """Where the parts stand for the next pass: its epoch, each part's batches of the
         whole epoch and left of it, and whether a part's rest is split anew (a state of
         another world or batch size)."""
         self.describe()
-        upcoming = [part._next_plan(share) for part in self.parts]
+        upcoming = [part._next_plan(rank) for part in self.parts]
         epoch = min(plan.epoch for plan in upcoming)
         whole, left = [], []
         resplit = False
         for part, plan in zip(self.parts, upcoming, strict=True):
-            whole.append(part._plan(share, Place(epoch))[1].num_batches)
+            whole.append(part._plan(rank, Place(epoch))[1].num_batches)
             if plan.epoch == epoch:
                 left.append(plan.num_batches - plan.start // plan.batch_size)
                 resplit = resplit or plan.origin > 0
@@ -186,19 +186,19 @@ class PerSource:
                 )
         return epoch, whole, left, resplit
 
-    def steps(self, share: Rank) -> tuple[int, list[tuple[int, ...]], list[int], bool]:
+    def steps(self, rank: Rank) -> tuple[int, list[tuple[int, ...]], list[int], bool]:
         """The next pass: its epoch, the parts (by index) each step takes a batch from,
         each part's batches left after it (a stratified epoch ends with the part that runs
         out first: the others' last batches are dropped, as drop_last drops a tail), and
         whether it is a whole epoch."""
-        epoch, whole, left, resplit = self._standing(share)
+        epoch, whole, left, resplit = self._standing(rank)
         complete = self._of_epoch(left) == self._of_epoch(whole)
         if self.stratified:
             steps = min(left)
             if not steps:  # the epoch is over: the parts' next passes start the next
                 for part in self.parts:
                     part._skip_to(epoch + 1)
-                epoch, whole, left, resplit = self._standing(share)
+                epoch, whole, left, resplit = self._standing(rank)
                 steps, complete = min(left), True
             everyone = tuple(range(len(self.parts)))
             return epoch, [everyone] * steps, [n - steps for n in left], complete
@@ -212,11 +212,11 @@ class PerSource:
         schedule = batch_schedule(self.seed, epoch, left, self.shuffle)
         return epoch, [(s,) for s in schedule.tolist()], none_dropped, complete
 
-    def iterate(self, share: Rank, skipped: list[int]) -> Iterator[tuple[torch.Tensor, ...]]:
+    def iterate(self, rank: Rank, skipped: list[int]) -> Iterator[tuple[torch.Tensor, ...]]:
         """The batches of the next pass: every part that has batches left begins its
         pass at once (its streams start, and its ledger says the pass began), and each
         step takes the next batch of each part it names (one, or all when stratified)."""
-        epoch, steps, dropped, complete = self.steps(share)
+        epoch, steps, dropped, complete = self.steps(rank)
         offsets = offsets_of(self.describe().sizes).tolist()
         if complete:
             skipped.clear()
@@ -225,8 +225,8 @@ class PerSource:
         delivering: dict[int, Generator[tuple[torch.Tensor, ...]]] = {}
         try:
             for s in left:  # the parts of this pass, in their first step's order
-                started[s] = self.parts[s]._start(share)
-                delivering[s] = self.parts[s]._deliver(started[s][0], share, started[s][1])
+                started[s] = self.parts[s]._start(rank)
+                delivering[s] = self.parts[s]._deliver(started[s][0], rank, started[s][1])
             for step in steps:
                 batches = []
                 for s in step:

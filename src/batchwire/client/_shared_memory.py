@@ -1,8 +1,8 @@
 """The client's side of batches through shared memory (a server on this host).
 
-Each ``PullBatches`` call offers shared memory (:meth:`SharedMemory.offer`: how many
+Each ``PullBatches`` call offers shared memory (:meth:`RingReader.offer`: how many
 batches it holds, and who this process is). A server that grants it answers in the
-call's initial metadata; the call then claims the ring (:meth:`SharedMemory.claim`):
+call's initial metadata; the call then claims the ring (:meth:`RingReader.claim`):
 it connects to the server's Unix socket, sends the grant's key and receives the ring's
 descriptor, a sealed memfd, read-only (see ``batchwire.common.shared_memory``). The
 ring is mapped read-only at the first batch the server puts there, and its descriptor
@@ -47,7 +47,7 @@ from batchwire.common.shared_memory import (
 )
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["SharedMemory", "SharedMemoryFailed"]
+__all__ = ["RingReader", "SharedMemoryFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ _ELSEWHERE = (errno.ENOENT, errno.ECONNREFUSED)
 # A fork waits while a descriptor is being received or a ring mapped, so that a child
 # never inherits one that is not yet accounted for below.
 _fork_lock = threading.Lock()
-_calls: weakref.WeakSet[SharedMemory] = weakref.WeakSet()
+_calls: weakref.WeakSet[RingReader] = weakref.WeakSet()
 
 
 class SharedMemoryFailed(BatchwireError):
@@ -69,10 +69,11 @@ class SharedMemoryFailed(BatchwireError):
         super().__init__(message, code=StatusCode.UNAVAILABLE)
 
 
-class SharedMemory:
-    """One call's offer of shared memory, the ring it claimed, and the ring's buffers
-    copied out and not yet released (thread-safe: the puller claims and reads batches,
-    gRPC's thread sends the releases)."""
+class RingReader:
+    """One call's reader of a server's ring (the server's ``SharedRing``): the offer of
+    shared memory the call makes, the ring it claims, and the ring's buffers copied out
+    and not yet released (thread-safe: the puller claims and reads batches, gRPC's thread
+    sends the releases)."""
 
     def __init__(self, buffers: int) -> None:
         self._buffers = buffers
@@ -84,7 +85,7 @@ class SharedMemory:
         _calls.add(self)
 
     @classmethod
-    def offer(cls, buffers: int) -> SharedMemory:
+    def offer(cls, buffers: int) -> RingReader:
         """An offer for a call that holds at most ``buffers`` batches."""
         return cls(buffers)
 

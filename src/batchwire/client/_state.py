@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchwire.client._frameworks import distributed_rank_world, worker_id
-from batchwire.client._ledger import Ledger, Record
+from batchwire.client._ledger import Entry, Ledger
 from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
 from batchwire.common.sampler import Plan
 
@@ -108,19 +108,19 @@ class Place:
     world: int = 0
     batch: int = 0
 
-    def write(self, record: Record, *, directive: bool = True) -> None:
+    def write(self, entry: Entry, *, directive: bool = True) -> None:
         """Make this the place the next pass starts at; a ``directive`` (set_epoch,
         load_state_dict) also forgets the passes before it."""
-        record.epoch, record.origin, record.cursor = self.epoch, self.origin, self.cursor
-        record.world, record.batch, record.fresh = self.world, self.batch, True
+        entry.epoch, entry.origin, entry.cursor = self.epoch, self.origin, self.cursor
+        entry.world, entry.batch, entry.fresh = self.world, self.batch, True
         if directive:
-            record.pass_id, record.in_workers = 0, False
+            entry.pass_id, entry.in_workers = 0, False
 
 
 class Position:
     """A loader's position in its epochs (see the module): kept in ``ledger``.
 
-    The loader passes in what the position depends on (the pass running, the share,
+    The loader passes in what the position depends on (the pass running, the rank,
     the dataset's description); ``spec`` gives the loader's settings.
     """
 
@@ -135,25 +135,25 @@ class Position:
 
     def place(self, current: StreamPass | None) -> Place:
         """After the last batch handed out, or where the next pass starts."""
-        record = self.ledger.read()
-        if current is not None and record.pass_id == current.id:
+        entry = self.ledger.read()
+        if current is not None and entry.pass_id == current.id:
             plan = current.plan
             if current.cursor == plan.share_size:
                 return Place(plan.epoch + 1)  # after the last batch: see RemoteLoader._begin
             return Place(plan.epoch, plan.origin, current.cursor, plan.world_size)
-        if record.fresh:
-            return Place(record.epoch, record.origin, record.cursor, record.world, record.batch)
-        return Place(record.epoch + 1)
+        if entry.fresh:
+            return Place(entry.epoch, entry.origin, entry.cursor, entry.world, entry.batch)
+        return Place(entry.epoch + 1)
 
-    def next_place(self, record: Record, share: Rank, num_samples: int) -> Place:
-        """Where the next pass of ``share`` starts, in its own units: a place counted in
+    def next_place(self, entry: Entry, rank: Rank, num_samples: int) -> Place:
+        """Where the next pass of ``rank`` starts, in its own units: a place counted in
         another world or batch size starts the split at its global position."""
-        if not record.fresh:
-            return Place(record.epoch + 1)
-        world, batch = record.world or share.world_size, record.batch or self._spec.batch_size
-        if (world, batch) == (share.world_size, self._spec.batch_size):
-            return Place(record.epoch, record.origin, record.cursor)
-        origin = min(record.origin, num_samples)
+        if not entry.fresh:
+            return Place(entry.epoch + 1)
+        world, batch = entry.world or rank.world_size, entry.batch or self._spec.batch_size
+        if (world, batch) == (rank.world_size, self._spec.batch_size):
+            return Place(entry.epoch, entry.origin, entry.cursor)
+        origin = min(entry.origin, num_samples)
         saved = Plan(
             num_samples=num_samples,
             batch_size=batch,
@@ -161,19 +161,19 @@ class Position:
             drop_last=self._spec.drop_last,
             origin=origin,
         )
-        if record.cursor >= saved.share_size:
+        if entry.cursor >= saved.share_size:
             # The saved job's epoch was over; the tail it dropped stays dropped.
-            return Place(record.epoch + 1)
-        return Place(record.epoch, min(origin + record.cursor * world, num_samples))
+            return Place(entry.epoch + 1)
+        return Place(entry.epoch, min(origin + entry.cursor * world, num_samples))
 
-    def begin(self, record: Record, pass_id: int, plan: Plan) -> None:
+    def begin(self, entry: Entry, pass_id: int, plan: Plan) -> None:
         """Pass ``pass_id`` starts as ``plan`` plans it; unless it only tries a state
         loaded in a DataLoader worker (see RemoteLoader._begin), it uses the place up."""
         if not self.loaded_in_worker:
-            Place(plan.epoch, plan.origin, plan.start).write(record, directive=False)
-            record.fresh = False
+            Place(plan.epoch, plan.origin, plan.start).write(entry, directive=False)
+            entry.fresh = False
         self.loaded_in_worker = False
-        record.pass_id, record.in_workers = pass_id, worker_id() is not None
+        entry.pass_id, entry.in_workers = pass_id, worker_id() is not None
         # A server of a release before origins serves the split of the whole epoch instead
         # of the rest's: the first batch of a pass with an origin shows which one it is.
         first = plan.start // plan.batch_size
@@ -195,24 +195,24 @@ class Position:
                 code=StatusCode.FAILED_PRECONDITION,
             )
 
-    def end(self, record: Record, stream_pass: StreamPass) -> None:
+    def end(self, entry: Entry, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
-        if record.pass_id == stream_pass.id:
-            Place(stream_pass.plan.epoch + 1).write(record, directive=False)
+        if entry.pass_id == stream_pass.id:
+            Place(stream_pass.plan.epoch + 1).write(entry, directive=False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "loaded_in_worker": False, "_probe": None}
 
-    def plan(self, share: Rank, place: Place, info: Described) -> tuple[StreamSpec, Plan]:
-        """The stream of ``share`` from ``place`` (in the loader's units) of the dataset
+    def plan(self, rank: Rank, place: Place, info: Described) -> tuple[StreamSpec, Plan]:
+        """The stream of ``rank`` from ``place`` (in the loader's units) of the dataset
         or mixture ``info`` describes, and its plan."""
         try:
             # The version the share is planned on (a mixture's counts and versions): a
             # server that serves another one refuses the stream (FAILED_PRECONDITION)
             # rather than mix versions.
             spec = self._spec.replace(
-                rank=share.rank,
-                world_size=share.world_size,
+                rank=rank.rank,
+                world_size=rank.world_size,
                 epoch=place.epoch,
                 origin=place.origin,
                 start=place.cursor,
@@ -236,12 +236,12 @@ class Position:
         about to resume ``epoch``)."""
         if epoch < 0:
             raise InvalidArgumentError(f"epoch must be >= 0, got {epoch}")
-        with self.ledger.update() as record:
-            if not (record.fresh and record.epoch == epoch):
-                Place(epoch).write(record)
+        with self.ledger.update() as entry:
+            if not (entry.fresh and entry.epoch == epoch):
+                Place(epoch).write(entry)
 
     def state_dict(
-        self, current: StreamPass | None, share: Rank, info: Described | None
+        self, current: StreamPass | None, rank: Rank, info: Described | None
     ) -> dict[str, Any]:
         """The state of RemoteLoader.state_dict: ``epoch``, ``origin``, ``cursor`` in
         shares of ``world_size`` ranks of ``batch_size``, and ``position``, the samples of
@@ -255,7 +255,7 @@ class Position:
                 "work all the same"
             )
         place = self.place(current)
-        world = place.world or share.world_size
+        world = place.world or rank.world_size
         position = place.origin + place.cursor * world
         state = {
             "version": _STATE_VERSION,
@@ -263,7 +263,7 @@ class Position:
             "batch_size": place.batch or self._spec.batch_size,
             "world_size": world,
             "pipeline": self._spec.pipeline,
-            "rank": share.rank,
+            "rank": rank.rank,
             "epoch": place.epoch,
             "origin": place.origin,
             "cursor": place.cursor,
@@ -334,8 +334,8 @@ class Position:
                 _check_sources(state.get(_SOURCES), describe)
             else:
                 _check_dataset_version(self._spec.dataset, state.get(_DATASET_VERSION), describe)
-        with self.ledger.update() as record:
-            place.write(record)
+        with self.ledger.update() as entry:
+            place.write(entry)
         self.loaded_in_worker = worker is not None
         return True
 
