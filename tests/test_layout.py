@@ -270,6 +270,83 @@ def test_the_package_imports_no_cycle() -> None:
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def _imports(source: str, module: str, package: str) -> list[tuple[int, str]]:
+    """Every name of batchwire that ``source`` (module ``module`` of package ``package``)
+    imports, anywhere (under ``TYPE_CHECKING`` and inside functions too), with its line, in
+    line order: a module, or a name of a module (``from a.b import c`` is ``a.b.c``);
+    relative imports resolved."""
+    found = []
+    for node in ast.walk(ast.parse(source, module)):
+        if isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            parent = ".".join([*base, *([node.module] if node.module else [])])
+            found += [(node.lineno, f"{parent}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return sorted((line, name) for line, name in found if name.split(".")[0] == "batchwire")
+
+
+# What serving may import of batchwire: the engine, and what every part uses.
+_SERVING_MAY_IMPORT = (
+    "batchwire.server.serving",
+    "batchwire.server.core",
+    "batchwire.server.config",
+    "batchwire.server.errors",
+    "batchwire.common",
+    "batchwire.v1",
+)
+
+
+def _below_core(source: str, module: str, package: str) -> list[str]:
+    """Imports in ``source`` (module ``module`` of serving's package ``package``) of
+    batchwire beyond what serving may import."""
+    return [
+        f"{module}:{line} {name}"
+        for line, name in _imports(source, module, package)
+        if not any(f"{name}.".startswith(f"{allowed}.") for allowed in _SERVING_MAY_IMPORT)
+    ]
+
+
+def test_serving_imports_core_and_nothing_below_it() -> None:
+    """Serving adapts messages to the engine: it imports ``batchwire.server.core`` (whose
+    ``Engine`` offers what serving and its metrics read of the parts below), the config,
+    the errors, ``batchwire.common`` and the protocol, never ``data``, ``pipelines``,
+    ``runners`` or ``scheduling``, not even for a type or inside a function."""
+    paths = sorted((PACKAGE / "server" / "serving").rglob("*.py"))
+    assert len(paths) > 5, "few serving modules found: the walk misses the package"
+    found = [
+        hit
+        for path in paths
+        for hit in _below_core(
+            path.read_text(),
+            _module_name(path),
+            _module_name(path if path.name == "__init__.py" else path.parent),
+        )
+    ]
+    assert not found, "serving imports below core:\n" + "\n".join(found)
+    serving = "batchwire.server.serving._x"
+    sample = (
+        "from typing import TYPE_CHECKING\n"
+        "from batchwire.server.core import Engine\n"
+        "from batchwire.server import errors, scheduling\n"
+        "from . import _metrics\n"
+        "if TYPE_CHECKING:\n"
+        "    from batchwire.server.runners import PipelineHealth\n"
+        "def f():\n"
+        "    import batchwire.server.data.records\n"
+        "    from ..pipelines import PipelineSpec\n"
+        "    from batchwire.server import ServerConfig\n"
+    )
+    assert _below_core(sample, serving, "batchwire.server.serving") == [
+        f"{serving}:3 batchwire.server.scheduling",
+        f"{serving}:6 batchwire.server.runners.PipelineHealth",
+        f"{serving}:8 batchwire.server.data.records",
+        f"{serving}:9 batchwire.server.pipelines.PipelineSpec",
+        f"{serving}:10 batchwire.server.ServerConfig",
+    ]
+
+
 # Run in a process of its own, so that no thread of another test is profiled with it.
 _BATCH_PATH = """
 import json, pathlib, sys, threading

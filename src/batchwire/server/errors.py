@@ -11,12 +11,18 @@ import grpc.
     ├── VersionMismatch    a stream expects another version of its dataset (replaced)
     └── PipelineFault      a pipeline failed for a reason that is not a sample (out of
                            memory, CUDA, a build, a batch that fails whole); retry elsewhere
+    DatasetError           a dataset or the data directory is missing, unreadable or not
+                           in batchwire's format (DATA_LOSS to a client; ``batchwire
+                           inspect`` and ``serve`` say it and exit)
+
+``DatasetError`` is also :mod:`batchwire.server.data`'s, which exports it for scripts.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "FAULT_KINDS",
+    "DatasetError",
     "Draining",
     "InvalidRequest",
     "NotFound",
@@ -81,3 +87,7 @@ class PipelineFault(ServiceError):
 
     def __reduce__(self) -> tuple[type[PipelineFault], tuple[str, str, str]]:
         return type(self), (self.pipeline, self.kind, self.cause)
+
+
+class DatasetError(Exception):
+    """A dataset directory is missing, unreadable or not in batchwire's format."""

@@ -7,7 +7,10 @@ as a :class:`Batch`) and preprocesses images, on the runners (:mod:`batchwire.se
 that the scheduler (:mod:`batchwire.server.scheduling`) shares among streams. It takes plain
 arguments and yields NumPy arrays; the serving layer (:mod:`batchwire.server.serving`) adapts
 messages to :class:`~batchwire.common.stream.StreamSpec` and maps the errors of
-:mod:`batchwire.server.errors` to status codes::
+:mod:`batchwire.server.errors` to status codes. What serving reads of the parts below is
+the engine's to give, so that serving imports nothing below it (``tests/test_layout.py``):
+:meth:`Engine.stats` (an :class:`EngineStats`, for metrics), :attr:`Engine.num_datasets`,
+:meth:`Engine.broken_devices` and :meth:`Engine.watch_devices`::
 
     engine = Engine(ServerConfig(data_dir="data"))
     engine.open_datasets()
@@ -22,6 +25,7 @@ from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
 from batchwire.server.core._engine import Engine
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.core._stats import EngineStats
 from batchwire.server.core._stream import Batch, BatchStream, share_batches, wait_event
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "DeviceError",
     "DevicePlan",
     "Engine",
+    "EngineStats",
     "PreprocessRequest",
     "PreprocessResult",
     "check_data_dir",

@@ -17,8 +17,8 @@ import pathlib
 import threading
 
 from batchwire.common.stream import NAME_PATTERN
-from batchwire.server.data.records import MANIFEST, Dataset, DatasetError, manifest_version
-from batchwire.server.errors import NotFound, VersionMismatch
+from batchwire.server.data.records import MANIFEST, Dataset, manifest_version
+from batchwire.server.errors import DatasetError, NotFound, VersionMismatch
 
 __all__ = ["Catalog", "Change", "DatasetDescription", "check_data_dir", "check_version"]
 

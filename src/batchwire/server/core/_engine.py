@@ -27,6 +27,7 @@ from batchwire.server.core._cpus import pipeline_threads, usable_cpus
 from batchwire.server.core._devices import DevicePlan
 from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
 from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.core._stats import EngineStats
 from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
 from batchwire.server.data.records import (
     Dataset,
@@ -52,7 +53,7 @@ from batchwire.server.runners import (
 )
 from batchwire.server.scheduling import Scheduler, Ticket
 
-__all__ = ["DatasetDescription", "Engine"]
+__all__ = ["DatasetDescription", "Engine", "EngineStats"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ class Engine:
         read = functools.partial(self.stages.add, "read")  # every stream's read-ahead's time
         self.readahead = ReadAhead.sized(config.read_ahead_reads, config.read_ahead_mib, read)
         # Faults, broken devices and a sample known to run, from every pipeline.
-        self.pipeline_health = PipelineHealth(self.devices.device_ids)
+        self._pipeline_health = PipelineHealth(self.devices.device_ids)
         # The datasets under the data directory, as of the last rescan.
-        self.catalog = Catalog(pathlib.Path(config.data_dir))
+        self._catalog = Catalog(pathlib.Path(config.data_dir))
         # Every stream's batches and every Preprocess batch run on these pipelines.
         self.scheduler = Scheduler(
             self._build_runner,
@@ -118,7 +119,7 @@ class Engine:
         since the last scan, each logged. Streams open on a replaced or removed dataset
         finish on the version they started with; new streams get the new one.
         ``DatasetError`` (and no change) if the data directory is missing."""
-        changes = self.catalog.scan()
+        changes = self._catalog.scan()
         for change in changes:
             if change.change == "removed":
                 log.info("dataset %r removed (was version %s)", change.name, change.old)
@@ -143,13 +144,18 @@ class Engine:
     @property
     def datasets(self) -> Mapping[str, Dataset]:
         """The datasets served now, by name (a snapshot)."""
-        return self.catalog.snapshot()
+        return self._catalog.snapshot()
+
+    @property
+    def num_datasets(self) -> int:
+        """How many datasets are served now."""
+        return len(self._catalog)
 
     def list_datasets(self) -> list[DatasetDescription]:
-        return self.catalog.describe_all()
+        return self._catalog.describe_all()
 
     def describe(self, name: str) -> DatasetDescription:
-        return self.catalog.describe(name)
+        return self._catalog.describe(name)
 
     @property
     def pipelines(self) -> Mapping[str, PipelineSpec]:
@@ -177,11 +183,11 @@ class Engine:
         datasets: list[Dataset] = []
         try:
             for name in spec.datasets:
-                datasets.append(self.catalog.acquire(name))
+                datasets.append(self._catalog.acquire(name))
             return self._open(spec, datasets, encode, batches)
         except BaseException:
             for dataset in datasets:
-                self.catalog.release(dataset)
+                self._catalog.release(dataset)
             raise
 
     def _open(
@@ -267,7 +273,7 @@ class Engine:
             num_threads=self.threads,
             prefetch=self.config.prefetch,
             stages=self.stages,
-            health=self.pipeline_health,
+            health=self._pipeline_health,
         )
 
     def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:
@@ -305,7 +311,7 @@ class Engine:
         if ahead is not None:
             ahead.close()  # before the datasets may close: it reads their maps
         for dataset in datasets:
-            self.catalog.release(dataset)
+            self._catalog.release(dataset)
 
     @property
     def active_streams(self) -> int:
@@ -315,11 +321,39 @@ class Engine:
         """The streams open now (for introspection and metrics)."""
         return [stream for stream in list(self._open_streams) if not stream.closed]
 
+    # -- what it shows ---------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """What the stages, the scheduler's slots, the pipelines' faults and the read-ahead
+        show now, read at once (for metrics; each part is read under its own lock)."""
+        slots, waits = self.scheduler.stats.snapshot()
+        health = self._pipeline_health
+        return EngineStats(
+            stage_seconds=self.stages.snapshot(),
+            slots=slots,
+            queue_waits=waits,
+            queued=self.scheduler.queued(),
+            faults=health.faults(),
+            batches_failed=health.batches_failed(),
+            devices=health.devices(),
+            readahead=None if self.readahead is None else self.readahead.stats(),
+        )
+
+    def broken_devices(self) -> dict[str, str]:
+        """The devices broken now (``cpu`` or a GPU's id), with why: a CUDA error, or
+        faults in a row (see ``PipelineHealth``). Empty while every device runs."""
+        return self._pipeline_health.broken()
+
+    def watch_devices(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` whenever a device becomes broken or recovers, from the
+        thread of the pipeline that showed it (what it returns is ignored)."""
+        self._pipeline_health.listen(callback)
+
     # -- life cycle ------------------------------------------------------------------
 
     def warm_up(self) -> None:
         """Run one small batch of every dataset's first pipeline: proves DALI works."""
-        names = self.catalog.names()
+        names = self._catalog.names()
         if not names:
             log.warning("no datasets under %s: nothing to serve yet", self.config.data_dir)
             return
@@ -363,4 +397,4 @@ class Engine:
         self.scheduler.close()
         if self.readahead is not None:
             self.readahead.close()
-        self.catalog.close()
+        self._catalog.close()

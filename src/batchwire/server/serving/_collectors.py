@@ -1,5 +1,6 @@
-"""Metrics read from the engine at each scrape: where the pipelines' time goes, what the
-scheduler's pipeline slots do, and the pipelines' faults.
+"""Metrics read from the engine at each scrape, from one :class:`EngineStats`: where the
+pipelines' time goes, what the scheduler's pipeline slots do, the pipelines' faults, and
+the read-ahead.
 
 =========================================  =========  ====================================
 ``batchwire_stage_seconds_total``          counter    seconds the pipelines' threads
@@ -38,7 +39,7 @@ scheduler's pipeline slots do, and the pipelines' faults.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -48,13 +49,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from batchwire.server.data.records import ReadAhead
-from batchwire.server.runners import PipelineHealth, StageTimes
-from batchwire.server.scheduling import Scheduler
+from batchwire.server.core import EngineStats
 
-__all__ = ["HealthCollector", "ReadAheadCollector", "SchedulerCollector", "StageCollector"]
+__all__ = ["EngineCollector"]
 
-# SchedulerStats field -> (metric name without _total, help)
+# EngineStats.slots field -> (metric name without _total, help)
 _COUNTERS = {
     "busy_seconds": (
         "batchwire_pipeline_busy_seconds",
@@ -73,111 +72,107 @@ _COUNTERS = {
 }
 
 
-class StageCollector(Collector):
-    """The engine's :class:`StageTimes` as a counter family."""
+class EngineCollector(Collector):
+    """The engine's figures as metric families: ``stats()`` (the engine's
+    :meth:`~batchwire.server.core.Engine.stats`) is read once a scrape."""
 
-    def __init__(self, stages: StageTimes) -> None:
-        self._stages = stages
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "batchwire_stage_seconds",
-            "Seconds the pipelines' threads spent, by stage: read (LMDB, parse, screen), "
-            "pipeline (DALI's run), encode (message build).",
-            labels=("stage",),
-        )
-        for stage, seconds in self._stages.snapshot().items():
-            family.add_metric((stage,), seconds)
+        stats = self._stats()
+        yield from _stages(stats)
+        yield from _slots(stats)
+        yield from _health(stats)
+        yield from _readahead(stats)
+
+
+def _stages(stats: EngineStats) -> Iterator[Metric]:
+    family = CounterMetricFamily(
+        "batchwire_stage_seconds",
+        "Seconds the pipelines' threads spent, by stage: read (LMDB, parse, screen), "
+        "pipeline (DALI's run), encode (message build).",
+        labels=("stage",),
+    )
+    for stage, seconds in stats.stage_seconds.items():
+        family.add_metric((stage,), seconds)
+    yield family
+
+
+def _slots(stats: EngineStats) -> Iterator[Metric]:
+    """What the scheduler's slots did, and its queue, by pipeline name."""
+    for field, (name, help) in _COUNTERS.items():
+        family = CounterMetricFamily(name, help, labels=("pipeline",))
+        for (kind, pipeline), value in sorted(stats.slots.items()):
+            if kind == field:
+                family.add_metric((pipeline,), value)
         yield family
+    summary = SummaryMetricFamily(
+        "batchwire_queue_wait_seconds",
+        "Seconds a batch waited from being asked for to a pipeline taking it.",
+        labels=("pipeline",),
+    )
+    for pipeline, (count, seconds) in sorted(stats.queue_waits.items()):
+        summary.add_metric((pipeline,), count, seconds)
+    yield summary
+    queued = GaugeMetricFamily(
+        "batchwire_queued_batches",
+        "Batches asked for and waiting for a pipeline now.",
+        labels=("pipeline",),
+    )
+    for pipeline, count in sorted(stats.queued.items()):
+        queued.add_metric((pipeline,), count)
+    yield queued
 
 
-class SchedulerCollector(Collector):
-    """The scheduler's :class:`SchedulerStats` and queue, by pipeline name."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-
-    def collect(self) -> Iterable[Metric]:
-        sums, waits = self._scheduler.stats.snapshot()
-        for field, (name, help) in _COUNTERS.items():
-            family = CounterMetricFamily(name, help, labels=("pipeline",))
-            for (kind, pipeline), value in sorted(sums.items()):
-                if kind == field:
-                    family.add_metric((pipeline,), value)
-            yield family
-        summary = SummaryMetricFamily(
-            "batchwire_queue_wait_seconds",
-            "Seconds a batch waited from being asked for to a pipeline taking it.",
-            labels=("pipeline",),
-        )
-        for pipeline, (count, seconds) in sorted(waits.items()):
-            summary.add_metric((pipeline,), count, seconds)
-        yield summary
-        queued = GaugeMetricFamily(
-            "batchwire_queued_batches",
-            "Batches asked for and waiting for a pipeline now.",
-            labels=("pipeline",),
-        )
-        for pipeline, count in sorted(self._scheduler.queued().items()):
-            queued.add_metric((pipeline,), count)
-        yield queued
+def _health(stats: EngineStats) -> Iterator[Metric]:
+    """The pipelines' faults, the batches they failed, and the devices' health."""
+    faults = CounterMetricFamily(
+        "batchwire_pipeline_faults",
+        "Pipeline faults (a failure that is not a sample's: the stream resumes on "
+        "another server), by pipeline and kind.",
+        labels=("pipeline", "kind"),
+    )
+    for (pipeline, kind), count in sorted(stats.faults.items()):
+        faults.add_metric((pipeline, kind), count)
+    failed = CounterMetricFamily(
+        "batchwire_batches_failed",
+        "Batches a pipeline held when a fault ended its run, by pipeline.",
+        labels=("pipeline",),
+    )
+    for pipeline, count in sorted(stats.batches_failed.items()):
+        failed.add_metric((pipeline,), count)
+    healthy = GaugeMetricFamily(
+        "batchwire_device_healthy",
+        "1 while a device runs its pipelines, 0 while it is broken (health NOT_SERVING).",
+        labels=("device",),
+    )
+    for device, ok in sorted(stats.devices.items()):
+        healthy.add_metric((device,), 1 if ok else 0)
+    yield from (faults, failed, healthy)
 
 
-class HealthCollector(Collector):
-    """The engine's :class:`PipelineHealth` as metric families, read when scraped."""
-
-    def __init__(self, health: PipelineHealth) -> None:
-        self._health = health
-
-    def collect(self) -> Iterable[Metric]:
-        faults = CounterMetricFamily(
-            "batchwire_pipeline_faults",
-            "Pipeline faults (a failure that is not a sample's: the stream resumes on "
-            "another server), by pipeline and kind.",
-            labels=("pipeline", "kind"),
-        )
-        for (pipeline, kind), count in sorted(self._health.faults().items()):
-            faults.add_metric((pipeline, kind), count)
-        failed = CounterMetricFamily(
-            "batchwire_batches_failed",
-            "Batches a pipeline held when a fault ended its run, by pipeline.",
-            labels=("pipeline",),
-        )
-        for pipeline, count in sorted(self._health.batches_failed().items()):
-            failed.add_metric((pipeline,), count)
-        healthy = GaugeMetricFamily(
-            "batchwire_device_healthy",
-            "1 while a device runs its pipelines, 0 while it is broken (health NOT_SERVING).",
-            labels=("device",),
-        )
-        for device, ok in sorted(self._health.devices().items()):
-            healthy.add_metric((device,), 1 if ok else 0)
-        yield from (faults, failed, healthy)
-
-
-class ReadAheadCollector(Collector):
-    """The server's :class:`ReadAhead` (its seconds are in the ``read`` stage)."""
-
-    def __init__(self, readahead: ReadAhead) -> None:
-        self._readahead = readahead
-
-    def collect(self) -> Iterable[Metric]:
-        stats = self._readahead.stats()
-        counters = (
-            ("records", "Records read ahead of their streams.", stats.records),
-            ("bytes", "Bytes of the records read ahead.", stats.bytes),
-            (
-                "dropped",
-                "Records a stream closed or read before they were read ahead.",
-                stats.dropped,
-            ),
-        )
-        for name, help, value in counters:
-            yield CounterMetricFamily(f"batchwire_readahead_{name}", help, value=value)
-        gauges = (
-            ("held_bytes", "Bytes read ahead and not yet read by their streams.", stats.held_bytes),
-            ("in_flight", "Records being read ahead now.", stats.in_flight),
-            ("streams", "Streams reading ahead now.", stats.streams),
-        )
-        for name, help, value in gauges:
-            yield GaugeMetricFamily(f"batchwire_readahead_{name}", help, value=value)
+def _readahead(stats: EngineStats) -> Iterator[Metric]:
+    """The read-ahead's records and bytes (its seconds are in the ``read`` stage); nothing
+    where the server reads nothing ahead."""
+    readahead = stats.readahead
+    if readahead is None:
+        return
+    counters = (
+        ("records", "Records read ahead of their streams.", readahead.records),
+        ("bytes", "Bytes of the records read ahead.", readahead.bytes),
+        (
+            "dropped",
+            "Records a stream closed or read before they were read ahead.",
+            readahead.dropped,
+        ),
+    )
+    for name, help, value in counters:
+        yield CounterMetricFamily(f"batchwire_readahead_{name}", help, value=value)
+    gauges = (
+        ("held_bytes", "Bytes read ahead and not yet read by their streams.", readahead.held_bytes),
+        ("in_flight", "Records being read ahead now.", readahead.in_flight),
+        ("streams", "Streams reading ahead now.", readahead.streams),
+    )
+    for name, help, value in gauges:
+        yield GaugeMetricFamily(f"batchwire_readahead_{name}", help, value=value)

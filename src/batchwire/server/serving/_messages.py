@@ -19,8 +19,8 @@ from batchwire.common.stream import StreamSpec, output_fields
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
 from batchwire.server.core import PreprocessRequest, PreprocessResult, share_batches
-from batchwire.server.data.records import DatasetError
 from batchwire.server.errors import (
+    DatasetError,
     Draining,
     InvalidRequest,
     NotFound,

@@ -65,15 +65,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
-from batchwire.server.data.records import ReadAhead
-from batchwire.server.runners import PipelineHealth, StageTimes
-from batchwire.server.scheduling import Scheduler
-from batchwire.server.serving._collectors import (
-    HealthCollector,
-    ReadAheadCollector,
-    SchedulerCollector,
-    StageCollector,
-)
+from batchwire.server.core import EngineStats
+from batchwire.server.serving._collectors import EngineCollector
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
 
@@ -183,23 +176,12 @@ class ServerMetrics:
         self.datasets = Gauge("batchwire_datasets", "Datasets served now.", registry=r)
         self.info = Info("batchwire_server", "Version and devices of this server.", registry=r)
 
-    def watch_stages(self, stages: StageTimes) -> None:
-        """Export ``stages`` as ``batchwire_stage_seconds_total``, read at each scrape."""
-        self.registry.register(StageCollector(stages))
-
-    def watch_scheduler(self, scheduler: Scheduler) -> None:
-        """Export what the pipeline slots do (``batchwire_pipeline_*``,
-        ``batchwire_queue*``), read at each scrape."""
-        self.registry.register(SchedulerCollector(scheduler))
-
-    def watch_health(self, health: PipelineHealth) -> None:
-        """Export ``health``'s faults, failed batches and devices, read at each scrape."""
-        self.registry.register(HealthCollector(health))
-
-    def watch_readahead(self, readahead: ReadAhead | None) -> None:
-        """Export the read-ahead's records and bytes (``batchwire_readahead_*``), if any."""
-        if readahead is not None:
-            self.registry.register(ReadAheadCollector(readahead))
+    def watch_engine(self, stats: Callable[[], EngineStats]) -> None:
+        """Export the engine's figures (``batchwire_stage_seconds_total``,
+        ``batchwire_pipeline_*``, ``batchwire_queue*``, ``batchwire_batches_failed_total``,
+        ``batchwire_device_healthy``, ``batchwire_readahead_*``): ``stats()`` is read at
+        each scrape."""
+        self.registry.register(EngineCollector(stats))
 
     def interceptor(self, methods: Iterable[str]) -> MetricsInterceptor:
         """Counts ended calls by status code; ``methods`` are the full method names

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from batchwire.server.core import Change, Engine, wait_event
-from batchwire.server.data.records import DatasetError
+from batchwire.server.errors import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 
 __all__ = ["Rescans"]
@@ -71,7 +71,7 @@ class Rescans:
                 self._failing = False
             for change in changes:
                 self._metrics.datasets_changed.labels(change=change.change).inc()
-            self._metrics.datasets.set(len(self._engine.catalog))
+            self._metrics.datasets.set(self._engine.num_datasets)
         if changes:
             await self._changed()
         return changes

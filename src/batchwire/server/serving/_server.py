@@ -99,10 +99,7 @@ class BatchwireServer(Listening):
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
-        self.metrics.watch_stages(self.engine.stages)
-        self.metrics.watch_scheduler(self.engine.scheduler)
-        self.metrics.watch_health(self.engine.pipeline_health)
-        self.metrics.watch_readahead(self.engine.readahead)
+        self.metrics.watch_engine(self.engine.stats)
         self._metrics_http: MetricsHTTPServer | None = None
         # Streams are awaited on the event loop and only open, close and build Preprocess
         # replies here: a few threads, however many streams.
@@ -132,7 +129,7 @@ class BatchwireServer(Listening):
     def start(self) -> None:
         """Open the datasets, listen, and warm a pipeline in the background."""
         self.engine.open_datasets()
-        self.metrics.datasets.set(len(self.engine.catalog))
+        self.metrics.datasets.set(self.engine.num_datasets)
         if self.config.metrics_port is not None:
             try:
                 self._metrics_http = MetricsHTTPServer(
@@ -240,7 +237,7 @@ class BatchwireServer(Listening):
             await self._health.set(service, _NOT_SERVING)
         loop = asyncio.get_running_loop()
         # Pipelines report a device broken or recovered from their own threads.
-        self.engine.pipeline_health.listen(
+        self.engine.watch_devices(
             lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._report()))
         )
         await self._listen(server)
@@ -348,7 +345,7 @@ class BatchwireServer(Listening):
             except Exception:
                 log.exception("pipeline warm-up failed: health stays NOT_SERVING")
                 return
-            if not len(self.engine.catalog):
+            if not self.engine.num_datasets:
                 when = (
                     f"within {self.config.rescan_interval:g}s or on SIGHUP"
                     if self.config.rescan_interval
@@ -363,7 +360,7 @@ class BatchwireServer(Listening):
                 return
             self._warm = True
         await self._report()
-        log.info("SERVING %d datasets", len(self.engine.catalog))
+        log.info("SERVING %d datasets", self.engine.num_datasets)
 
     async def _datasets_changed(self) -> None:
         await self._warm_up()
@@ -376,10 +373,10 @@ class BatchwireServer(Listening):
         unit's reported (SERVING only while every worker is)."""
         if self.engine.draining:
             return  # NOT_SERVING already; draining keeps it so
-        if not self._warm or len(self.engine.catalog) == 0:
+        if not self._warm or self.engine.num_datasets == 0:
             own = State.WARMING  # not ready: warming up, or no dataset to serve yet
         else:
-            own = State.BROKEN if self.engine.pipeline_health.broken() else State.SERVING
+            own = State.BROKEN if self.engine.broken_devices() else State.SERVING
         if self._member is None:
             serving = own is State.SERVING
         else:

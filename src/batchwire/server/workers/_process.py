@@ -22,7 +22,7 @@ from typing import Any
 
 from batchwire.server.config import ConfigError, ServerConfig
 from batchwire.server.core import DeviceError
-from batchwire.server.data.records import DatasetError
+from batchwire.server.errors import DatasetError
 from batchwire.server.serving import (
     BatchwireServer,
     MetricsError,

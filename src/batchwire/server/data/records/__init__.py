@@ -18,7 +18,6 @@ from batchwire.server.data.records._dataset import (
     MAX_LABEL,
     NAME_PATTERN,
     Dataset,
-    DatasetError,
     Manifest,
     Shard,
     manifest_version,
@@ -27,6 +26,7 @@ from batchwire.server.data.records._dataset import (
 from batchwire.server.data.records._formats import unsupported_reason
 from batchwire.server.data.records._mixed import MixedDataset, Records
 from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
+from batchwire.server.errors import DatasetError
 
 
 def read_manifest(directory: pathlib.Path | str) -> Manifest:

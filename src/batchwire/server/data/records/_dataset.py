@@ -35,9 +35,10 @@ import numpy as np
 
 from batchwire.common.stream import NAME_PATTERN
 from batchwire.server.data.records._datum import datum_image
-from batchwire.server.data.records._environments import ENVIRONMENTS, DatasetError, copied
+from batchwire.server.data.records._environments import ENVIRONMENTS, copied
 from batchwire.server.data.records._formats import ScreenedRecords
 from batchwire.server.data.records._lmdb_index import ShardIndex, index_shard, last_commit
+from batchwire.server.errors import DatasetError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -45,7 +46,6 @@ __all__ = [
     "MAX_LABEL",
     "NAME_PATTERN",
     "Dataset",
-    "DatasetError",
     "Manifest",
     "Shard",
     "manifest_version",

@@ -11,11 +11,9 @@ import threading
 import lmdb
 import numpy as np
 
-__all__ = ["ENVIRONMENTS", "DatasetError", "copied"]
+from batchwire.server.errors import DatasetError
 
-
-class DatasetError(Exception):
-    """A dataset directory is missing, unreadable or not in batchwire's format."""
+__all__ = ["ENVIRONMENTS", "copied"]
 
 
 class _SharedEnvironments:
