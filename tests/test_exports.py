@@ -6,7 +6,8 @@ are read from its source: functions, classes and assignments at the top level (a
 ``if``/``try``), ``__version__`` wherever it comes from, and, in a package's
 ``__init__.py``, what it imports from its own subpackages and modules (including those
 imported under ``TYPE_CHECKING`` and served on first use by ``__getattr__``). Modules
-imported whole, and names imported from elsewhere, are not exports.
+imported whole, and names imported from elsewhere, are not exports, but those
+:data:`REEXPORTS` names.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import pytest
 import batchwire
 
 PACKAGE = pathlib.Path(batchwire.__file__).parent
+
+# Names a package re-exports from elsewhere on purpose: an error its users catch, exported
+# where scripts import it, though defined with every other error in batchwire.server.errors.
+REEXPORTS = {"batchwire.server.data": {("batchwire.server.errors", "DatasetError")}}
 
 
 def _public_modules() -> list[str]:
@@ -65,7 +70,8 @@ def _exported(name: str, path: pathlib.Path) -> set[str]:
             own = package and node.level == 0 and (node.module or "").startswith(f"{name}.")
             for alias in node.names:
                 bound = alias.asname or alias.name
-                if own or bound == "__version__":
+                chosen = (node.module, alias.name) in REEXPORTS.get(name, set())
+                if own or chosen or bound == "__version__":
                     found.add(bound)
     return {n for n in found if not n.startswith("_") or n == "__version__"}
 

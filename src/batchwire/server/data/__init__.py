@@ -13,6 +13,8 @@ build job): it needs LMDB, Pillow and DALI's CPU decoder, and never loads grpc::
 Two subpackages, gathered here for scripts: :mod:`batchwire.server.data.ingestion`, the
 offline tool that writes datasets, and :mod:`batchwire.server.data.records`, a dataset's
 records as a server reads them. The server's own code imports the subpackage it needs.
+:class:`DatasetError`, what a dataset that cannot be read raises, is
+:mod:`batchwire.server.errors`'s, exported here for scripts.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from batchwire.server.data.records import (
     MANIFEST,
     NAME_PATTERN,
     Dataset,
-    DatasetError,
     Manifest,
     ReadAhead,
     ReadAheadStats,
@@ -46,6 +47,7 @@ from batchwire.server.data.records import (
     sample_key,
     unsupported_reason,
 )
+from batchwire.server.errors import DatasetError
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",

@@ -26,12 +26,11 @@ from batchwire.server.data.records._dataset import (
 from batchwire.server.data.records._formats import unsupported_reason
 from batchwire.server.data.records._mixed import MixedDataset, Records
 from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
-from batchwire.server.errors import DatasetError
 
 
 def read_manifest(directory: pathlib.Path | str) -> Manifest:
-    """The checked ``manifest.json`` of the dataset in ``directory`` (``DatasetError`` if
-    it is missing or malformed)."""
+    """The checked ``manifest.json`` of the dataset in ``directory``
+    (:class:`~batchwire.server.errors.DatasetError` if it is missing or malformed)."""
     return Manifest.load(pathlib.Path(directory))
 
 
@@ -40,7 +39,6 @@ __all__ = [
     "MAX_LABEL",
     "NAME_PATTERN",
     "Dataset",
-    "DatasetError",
     "Manifest",
     "MixedDataset",
     "ReadAhead",
