@@ -35,7 +35,7 @@ from batchwire.common.words import counted
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
-log = logging.getLogger("batchwire.serve")
+log = logging.getLogger(__name__)
 
 
 HELP = "serve every dataset under a directory over gRPC"

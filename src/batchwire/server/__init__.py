@@ -26,9 +26,9 @@ Its parts, by role:
 A package is used through what its ``__init__`` exports, never through another package's
 private modules (tests/test_layout.py holds it).
 
-``BatchwireServer`` and ``ServerError`` load on first use, so importing the data or
-core parts never loads grpc; the settings (``ServerConfig``, ``settings``) load without
-DALI or LMDB, so a thin client's ``batchwire`` command line builds.
+``BatchwireServer`` loads on first use, so importing the data or core parts never loads
+grpc; the settings (``ServerConfig``, ``settings``) and ``ServerError`` load without DALI
+or LMDB, so a thin client's ``batchwire`` command line builds.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ from batchwire.server.config import (
     resolve,
     settings,
 )
+from batchwire.server.errors import ServerError
 
 if TYPE_CHECKING:
-    from batchwire.server.serving import BatchwireServer, ServerError
+    from batchwire.server.serving import BatchwireServer
 
 __all__ = [
     "BatchwireServer",
@@ -68,8 +69,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("BatchwireServer", "ServerError"):
-        from batchwire.server import serving
+    if name == "BatchwireServer":
+        from batchwire.server.serving import BatchwireServer
 
-        return getattr(serving, name)
+        return BatchwireServer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

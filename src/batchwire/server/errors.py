@@ -14,6 +14,8 @@ import grpc.
     DatasetError           a dataset or the data directory is missing, unreadable or not
                            in batchwire's format (DATA_LOSS to a client; ``batchwire
                            inspect`` and ``serve`` say it and exit)
+    ServerError            a server or a unit could not start (port in use, metrics
+                           endpoint, ...) or is not running; never a request's
 
 ``DatasetError`` is also :mod:`batchwire.server.data`'s, which exports it for scripts.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "NotFound",
     "OverCapacity",
     "PipelineFault",
+    "ServerError",
     "ServiceError",
     "VersionMismatch",
 ]
@@ -91,3 +94,8 @@ class PipelineFault(ServiceError):
 
 class DatasetError(Exception):
     """A dataset directory is missing, unreadable or not in batchwire's format."""
+
+
+class ServerError(RuntimeError):
+    """The server could not start (port in use, bad data directory, ...), or is not
+    running."""

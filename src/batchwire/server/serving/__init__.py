@@ -7,10 +7,10 @@ unit share, and the budget of shared memory they hold together.
 
 from __future__ import annotations
 
+from batchwire.server.serving._listening import Listening, check_port_free
 from batchwire.server.serving._malloc import tune_for_large_buffers
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
-from batchwire.server.serving._runtime import Listening, check_port_free
-from batchwire.server.serving._server import BatchwireServer, ServerError
+from batchwire.server.serving._server import BatchwireServer
 from batchwire.server.serving._shared_memory import RingBudget
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.server.serving._worker_states import State, UnitMember, WorkerStates
@@ -22,7 +22,6 @@ __all__ = [
     "MetricsError",
     "MetricsHTTPServer",
     "RingBudget",
-    "ServerError",
     "State",
     "UnitMember",
     "WorkerStates",

@@ -13,8 +13,7 @@ from batchwire.server.serving._metrics import ServerMetrics
 
 __all__ = ["Rescans"]
 
-# The server's lines: operators find them under its logger name.
-log = logging.getLogger("batchwire.server.serving._server")
+log = logging.getLogger(__name__)
 
 
 class Rescans:

@@ -9,13 +9,12 @@ Usable in-process (tests, ``batchwire demo``) and from ``batchwire serve``::
     server.rescan()              # datasets added, replaced or removed since (also on a timer)
     server.stop(grace=10)        # NOT_SERVING, refuse new streams, drain, stop
 
-The server runs its own event loop (uvloop where installed) in a named thread.
-As one worker of ``batchwire serve --workers N`` (``member=``, see
-:mod:`._workers`), it binds its port with SO_REUSEPORT beside its siblings and its
-health service answers for the whole unit.
-TLS, mutual TLS and bearer tokens come from the config (``batchwire.server.serving._security``);
-the constructor reads those files, so a bad one is a ``ConfigError`` before anything
-is opened.
+The server runs its own event loop (:mod:`._event_loop`: uvloop where installed) in a
+named thread. As one worker of ``batchwire serve --workers N`` (``member=``, see
+:mod:`batchwire.server.workers`), it binds its port with SO_REUSEPORT beside its siblings
+and its health service answers for the whole unit (:mod:`._health`).
+TLS, mutual TLS and bearer tokens come from the config (:mod:`._security`); the constructor
+reads those files, so a bad one is a ``ConfigError`` before anything is opened.
 """
 
 from __future__ import annotations
@@ -34,17 +33,19 @@ from grpc_reflection.v1alpha import reflection
 
 from batchwire.server.config import ServerConfig
 from batchwire.server.core import Change, Engine, wait_event
-from batchwire.server.serving import _runtime
+from batchwire.server.errors import ServerError
+from batchwire.server.serving._event_loop import finish_tasks, new_loop
+from batchwire.server.serving._health import UnitHealthServicer
+from batchwire.server.serving._listening import Listening, check_port_free
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._rescans import Rescans
-from batchwire.server.serving._runtime import Listening, ServerError
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
 from batchwire.server.serving._shared_memory import RingBroker, RingBudget
 from batchwire.server.serving._worker_states import State, UnitMember
 from batchwire.v1 import batchwire_pb2
 
-__all__ = ["SERVICE_NAME", "BatchwireServer", "ServerError"]
+__all__ = ["SERVICE_NAME", "BatchwireServer"]
 
 log = logging.getLogger(__name__)
 # Hosts that listen on every interface of the machine.
@@ -107,9 +108,7 @@ class BatchwireServer(Listening):
             max_workers=_SHORT_TASK_THREADS, thread_name_prefix="batchwire-stream"
         )
         self._health = (
-            health.aio.HealthServicer()
-            if member is None
-            else _runtime.UnitHealthServicer(self._report)
+            health.aio.HealthServicer() if member is None else UnitHealthServicer(self._report)
         )
         self._warm = False  # warmed up with datasets: SERVING unless a device is broken
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -200,7 +199,7 @@ class BatchwireServer(Listening):
     # -- event loop thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        loop = self._loop = _runtime.new_loop()
+        loop = self._loop = new_loop()
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._main())
@@ -213,7 +212,7 @@ class BatchwireServer(Listening):
             self._listening.set()
             # Let handlers still closing their streams finish (as asyncio.run
             # does), so none is destroyed pending when the loop closes.
-            _runtime.finish_tasks(loop)
+            finish_tasks(loop)
             # Wait for stream threads (each at most one batch away from done)
             # before the datasets they read from are closed.
             self._executor.shutdown(wait=True, cancel_futures=True)
@@ -291,7 +290,7 @@ class BatchwireServer(Listening):
         """Bind the port and start ``server``; ServerError when the port is taken."""
         address = f"{self.config.host}:{self.config.port}"
         if self._member is None:  # a unit's parent checked it, and holds it reserved
-            _runtime.check_port_free(self.config.host, self.config.port)
+            check_port_free(self.config.host, self.config.port)
         credentials = self.security.server_credentials()
         own = None
         if self._worker_ports and self._member is not None:

@@ -7,6 +7,10 @@ its own stream (it asks for a few batches ahead of those written, no more).
 
 A client that cancels its stream (or closes its channel, or exits) is normal
 operation: the stream ends with one INFO line, ``status=CANCELLED``.
+
+The start and end lines are logged under ``batchwire.server.serving._servicer``, not this
+module's name: operators find and filter them under that logger, which docs/operations.md
+(Logs) shows in a JSON line and ``tests/test_ops.py`` checks.
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["EncodedBatch", "StreamMetrics", "batch_header", "encode_parts", "serve_stream", "write"]
 
-# The stream start and end lines are the servicer's: operators find and filter them
-# under this logger name (it is in the JSON log lines: docs/operations.md, Logs).
+# The servicer's logger, not this module's: see the module docstring.
 log = logging.getLogger("batchwire.server.serving._servicer")
 
 # How long a stream whose write failed waits for gRPC to report the client gone (see write).

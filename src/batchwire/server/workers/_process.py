@@ -22,13 +22,12 @@ from typing import Any
 
 from batchwire.server.config import ConfigError, ServerConfig
 from batchwire.server.core import DeviceError
-from batchwire.server.errors import DatasetError
+from batchwire.server.errors import DatasetError, ServerError
 from batchwire.server.serving import (
     BatchwireServer,
     MetricsError,
     MetricsHTTPServer,
     RingBudget,
-    ServerError,
     State,
     WorkerStates,
     tune_for_large_buffers,

@@ -46,12 +46,12 @@ from prometheus_client import CollectorRegistry
 
 from batchwire.server.config import ServerConfig
 from batchwire.server.core import DevicePlan, pipeline_threads, usable_cpus
+from batchwire.server.errors import ServerError
 from batchwire.server.serving import (
     Listening,
     MetricsError,
     MetricsHTTPServer,
     RingBudget,
-    ServerError,
     State,
     WorkerStates,
     check_port_free,
