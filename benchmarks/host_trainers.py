@@ -43,7 +43,7 @@ SERVERS: dict[str, tuple[str, dict[str, object]]] = {
 def run_host_trainers(args: argparse.Namespace) -> int:
     from batchwire.bench import LocalServer, bench_dataset, run_dali
     from batchwire.server import ServerConfig
-    from batchwire.server.core import visible_gpu_count
+    from batchwire.server.engine import visible_gpu_count
     from benchmarks._server_probe import ServerProbe
 
     counts = [int(k) for k in args.host_trainers.split(",")]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import DevicePlan, visible_gpu_count
 from batchwire.server.data import Manifest, ingest, write_image_folders
+from batchwire.server.engine import DevicePlan, visible_gpu_count
 
 # Hypothesis's own timers (a deadline per example, a health check on how fast inputs are
 # generated) are timing thresholds: a slow or loaded host fails them with nothing wrong.

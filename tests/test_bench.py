@@ -16,8 +16,8 @@ from conftest import start_server
 
 import benchmarks
 from batchwire.cli import build_parser, main
-from batchwire.server.core import visible_gpu_count
 from batchwire.server.data import ingest, write_image_folders
+from batchwire.server.engine import visible_gpu_count
 from benchmarks._server_probe import gpu_memory_mib
 
 _FIGURES = ("images_per_s", "trainer_cpu_per_1000")

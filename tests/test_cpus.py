@@ -13,7 +13,7 @@ import pytest
 from processes import serve_process
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchwire.server.core._cpus import (
+from batchwire.server.engine._cpus import (
     GPU_THREADS_CAP,
     cgroup_cpu_limit,
     pipeline_threads,

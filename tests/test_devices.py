@@ -14,7 +14,7 @@ from conftest import start_server
 from prometheus_client.registry import CollectorRegistry
 
 from batchwire.client import RemoteLoader
-from batchwire.server.core import DeviceError, DevicePlan, visible_gpu_count
+from batchwire.server.engine import DeviceError, DevicePlan, visible_gpu_count
 
 
 @pytest.mark.parametrize(

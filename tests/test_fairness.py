@@ -17,7 +17,7 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import ServerConfig
-from batchwire.server.core import BatchStream, Engine
+from batchwire.server.engine import BatchStream, Engine
 from batchwire.server.runners import Job, RunnerKey
 from batchwire.server.scheduling import Ticket
 from batchwire.server.scheduling._fair import FairQueue

@@ -23,14 +23,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "batchwire"
 
 
-def test_data_and_core_load_no_grpc() -> None:
+def test_data_and_engine_load_no_grpc() -> None:
     code = (
         "import sys\n"
-        "import batchwire.server.data, batchwire.server.core, batchwire.server.errors\n"
+        "import batchwire.server.data, batchwire.server.engine, batchwire.server.errors\n"
         "import batchwire.server.runners, batchwire.server.scheduling\n"
         "from batchwire.server import ServerConfig\n"
         "from batchwire.server.data import Dataset, ingest, read_manifest\n"
-        "from batchwire.server.core import Engine\n"
+        "from batchwire.server.engine import Engine\n"
         "from batchwire.server.pipelines import PipelineSpec\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health',"
         " 'grpc_reflection')))\n"
@@ -117,14 +117,14 @@ def test_no_module_imports_another_packages_private_module() -> None:
     assert not found, "private modules imported across packages:\n" + "\n".join(found)
     serving = "batchwire.server.serving"
     sample = (
-        "from batchwire.server.core._engine import Engine\n"
-        "from batchwire.server.core import _errors, Engine\n"
+        "from batchwire.server.engine._engine import Engine\n"
+        "from batchwire.server.engine import _errors, Engine\n"
         "from batchwire.server.serving._streaming import write\n"
         "from batchwire import __version__\n"
     )
     assert _foreign_private_imports(sample, f"{serving}._x", serving) == [
-        f"{serving}._x:1 batchwire.server.core._engine",
-        f"{serving}._x:2 batchwire.server.core._errors",
+        f"{serving}._x:1 batchwire.server.engine._engine",
+        f"{serving}._x:2 batchwire.server.engine._errors",
     ]
     transport = "batchwire.client._transport"
     sample = (
@@ -290,7 +290,7 @@ def _imports(source: str, module: str, package: str) -> list[tuple[int, str]]:
 # What serving may import of batchwire: the engine, and what every part uses.
 _SERVING_MAY_IMPORT = (
     "batchwire.server.serving",
-    "batchwire.server.core",
+    "batchwire.server.engine",
     "batchwire.server.config",
     "batchwire.server.errors",
     "batchwire.common",
@@ -298,7 +298,7 @@ _SERVING_MAY_IMPORT = (
 )
 
 
-def _below_core(source: str, module: str, package: str) -> list[str]:
+def _below_the_engine(source: str, module: str, package: str) -> list[str]:
     """Imports in ``source`` (module ``module`` of serving's package ``package``) of
     batchwire beyond what serving may import."""
     return [
@@ -308,8 +308,8 @@ def _below_core(source: str, module: str, package: str) -> list[str]:
     ]
 
 
-def test_serving_imports_core_and_nothing_below_it() -> None:
-    """Serving adapts messages to the engine: it imports ``batchwire.server.core`` (whose
+def test_serving_imports_the_engine_and_nothing_below_it() -> None:
+    """Serving adapts messages to the engine: it imports ``batchwire.server.engine`` (whose
     ``Engine`` offers what serving and its metrics read of the parts below), the config,
     the errors, ``batchwire.common`` and the protocol, never ``data``, ``pipelines``,
     ``runners`` or ``scheduling``, not even for a type or inside a function."""
@@ -318,17 +318,17 @@ def test_serving_imports_core_and_nothing_below_it() -> None:
     found = [
         hit
         for path in paths
-        for hit in _below_core(
+        for hit in _below_the_engine(
             path.read_text(),
             _module_name(path),
             _module_name(path if path.name == "__init__.py" else path.parent),
         )
     ]
-    assert not found, "serving imports below core:\n" + "\n".join(found)
+    assert not found, "serving imports below the engine:\n" + "\n".join(found)
     serving = "batchwire.server.serving._x"
     sample = (
         "from typing import TYPE_CHECKING\n"
-        "from batchwire.server.core import Engine\n"
+        "from batchwire.server.engine import Engine\n"
         "from batchwire.server import errors, scheduling\n"
         "from . import _metrics\n"
         "if TYPE_CHECKING:\n"
@@ -338,7 +338,7 @@ def test_serving_imports_core_and_nothing_below_it() -> None:
         "    from ..pipelines import PipelineSpec\n"
         "    from batchwire.server import ServerConfig\n"
     )
-    assert _below_core(sample, serving, "batchwire.server.serving") == [
+    assert _below_the_engine(sample, serving, "batchwire.server.serving") == [
         f"{serving}:3 batchwire.server.scheduling",
         f"{serving}:6 batchwire.server.runners.PipelineHealth",
         f"{serving}:8 batchwire.server.data.records",

@@ -32,8 +32,8 @@ from batchwire.client import InvalidArgumentError, Mixture, NotFoundError, Remot
 from batchwire.common.mixture import mixture_counts, mixture_order
 from batchwire.common.stream import Source, StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import Engine
 from batchwire.server.data import ingest, write_image_folders
+from batchwire.server.engine import Engine
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 

@@ -34,7 +34,7 @@ from batchwire.cli._serve import resolve_config
 from batchwire.client import AuthenticationError, RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, ConfigError
-from batchwire.server.core import DeviceError, DevicePlan
+from batchwire.server.engine import DeviceError, DevicePlan
 from batchwire.server.serving._messages import Lane
 
 NODE = ROOT / "tests" / "node"

@@ -141,7 +141,7 @@ def test_closing_the_engine_closes_streams_nobody_closed(data_dir: pathlib.Path)
     # What a stream handler cancelled during shutdown leaves behind.
     from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine
+    from batchwire.server.engine import Engine
 
     engine = Engine(ServerConfig(data_dir=data_dir, device="cpu", num_threads=1))
     engine.open_datasets()

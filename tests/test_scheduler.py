@@ -19,7 +19,7 @@ import pytest
 
 from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
-from batchwire.server.core import Engine
+from batchwire.server.engine import Engine
 from batchwire.server.runners import Job, Result, RunnerKey
 from batchwire.server.scheduling import Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb

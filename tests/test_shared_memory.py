@@ -29,7 +29,7 @@ from batchwire.common.batch_codec import decode_batch
 from batchwire.common.sampler import Plan
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.server import BatchwireServer
-from batchwire.server.core import Batch
+from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving._shared_memory import RingBudget, SharedRing
 from batchwire.v1 import batchwire_pb2 as pb

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchwire.client import RemoteLoader
 from batchwire.server import ServerConfig
-from batchwire.server.core._cpus import pipeline_threads, usable_cpus
+from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
 from batchwire.server.workers import plan_workers
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -93,7 +93,7 @@ def run_dali(
     server's ``hw_decoder_load`` unless given."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-    from batchwire.server.core import visible_gpu_count
+    from batchwire.server.engine import visible_gpu_count
 
     gpu = device == "gpu" or (device == "auto" and visible_gpu_count() > 0)
     with RssSampler(os.getpid()) as rss:
@@ -140,8 +140,8 @@ def _caffe_pipeline(
     from nvidia.dali import Pipeline, fn
 
     from batchwire.server import ServerConfig
-    from batchwire.server.core import pipeline_threads, usable_cpus
     from batchwire.server.data import Manifest
+    from batchwire.server.engine import pipeline_threads, usable_cpus
     from batchwire.server.pipelines import BuildContext, OutputSpec
 
     spec = pipeline_spec(pipeline)

@@ -142,7 +142,7 @@ def bench_dataset(
 
 def machine() -> dict[str, Any]:
     """Cores, CPU model, visible GPUs and Python version, as results report them."""
-    from batchwire.server.core import visible_gpu_count
+    from batchwire.server.engine import visible_gpu_count
 
     cpu = "unknown"
     try:
@@ -197,7 +197,7 @@ def run_inprocess(
     path, scheduler and pipelines without gRPC."""
     from batchwire.common.stream import StreamSpec
     from batchwire.server import ServerConfig
-    from batchwire.server.core import Engine
+    from batchwire.server.engine import Engine
 
     engine = Engine(ServerConfig(data_dir=data_dir, device="auto"))
     engine.open_datasets()

@@ -52,7 +52,7 @@ class _InMemoryBatches:
     def _encoded(self, plan: Any, index: int) -> list[bytes]:
         import numpy as np
 
-        from batchwire.server.core import Batch
+        from batchwire.server.engine import Batch
         from batchwire.server.serving import encode_parts
 
         planned = plan.batch(index)

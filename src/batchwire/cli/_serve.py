@@ -129,8 +129,8 @@ class _Signals:
 
 def run(args: argparse.Namespace) -> int:
     from batchwire.server import BatchwireServer, ConfigError, ServerError
-    from batchwire.server.core import DeviceError, check_data_dir
     from batchwire.server.data import DatasetError
+    from batchwire.server.engine import DeviceError, check_data_dir
     from batchwire.server.serving import tune_for_large_buffers
     from batchwire.server.workers import plan_workers
 

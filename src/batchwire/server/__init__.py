@@ -17,7 +17,7 @@ Its parts, by role:
 - :mod:`batchwire.server.pipelines`: what a named pipeline is, and the presets (no grpc);
 - :mod:`batchwire.server.runners`: pipelines built and run, batch by batch (no grpc);
 - :mod:`batchwire.server.scheduling`: the runners shared among the streams, fairly (no grpc);
-- :mod:`batchwire.server.core`: the engine: streams, preprocessing, the datasets it serves,
+- :mod:`batchwire.server.engine`: the engine: streams, preprocessing, the datasets it serves,
   the host's CPUs and GPUs (no grpc);
 - :mod:`batchwire.server.errors`: what the parts raise, which serving maps to status codes;
 - :mod:`batchwire.server.serving`: the gRPC server, its security and metrics;
@@ -26,7 +26,7 @@ Its parts, by role:
 A package is used through what its ``__init__`` exports, never through another package's
 private modules (tests/test_layout.py holds it).
 
-``BatchwireServer`` loads on first use, so importing the data or core parts never loads
+``BatchwireServer`` loads on first use, so importing the data or engine parts never loads
 grpc; the settings (``ServerConfig``, ``settings``) and ``ServerError`` load without DALI
 or LMDB, so a thin client's ``batchwire`` command line builds.
 """

@@ -49,7 +49,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from batchwire.server.core import EngineStats
+from batchwire.server.engine import EngineStats
 
 __all__ = ["EngineCollector"]
 
@@ -74,7 +74,7 @@ _COUNTERS = {
 
 class EngineCollector(Collector):
     """The engine's figures as metric families: ``stats()`` (the engine's
-    :meth:`~batchwire.server.core.Engine.stats`) is read once a scrape."""
+    :meth:`~batchwire.server.engine.Engine.stats`) is read once a scrape."""
 
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self._stats = stats

@@ -18,7 +18,7 @@ from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec, output_fields
 from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
-from batchwire.server.core import PreprocessRequest, PreprocessResult, share_batches
+from batchwire.server.engine import PreprocessRequest, PreprocessResult, share_batches
 from batchwire.server.errors import (
     DatasetError,
     Draining,
@@ -112,7 +112,7 @@ MAX_LANES = 1024  # lanes a StreamBatches client may split a share into
 class Lane:
     """Which part of a share a ``StreamBatches`` call carries: batch ``k`` of the share
     travels in lane ``k % lanes``, so that a plain client can split a share over several
-    calls. Lanes are the servicer's alone: the contract (``Share``, ``Plan``) and the core
+    calls. Lanes are the servicer's alone: the contract (``Share``, ``Plan``) and the engine
     know only the batches a stream is asked for."""
 
     lane: int = 0

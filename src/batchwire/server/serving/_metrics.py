@@ -65,7 +65,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
-from batchwire.server.core import EngineStats
+from batchwire.server.engine import EngineStats
 from batchwire.server.serving._collectors import EngineCollector
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]

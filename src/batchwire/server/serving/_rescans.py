@@ -7,7 +7,7 @@ import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable
 
-from batchwire.server.core import Change, Engine, wait_event
+from batchwire.server.engine import Change, Engine, wait_event
 from batchwire.server.errors import DatasetError
 from batchwire.server.serving._metrics import ServerMetrics
 

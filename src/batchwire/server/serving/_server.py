@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from batchwire.server.config import ServerConfig
-from batchwire.server.core import Change, Engine, wait_event
+from batchwire.server.engine import Change, Engine, wait_event
 from batchwire.server.errors import ServerError
 from batchwire.server.serving._event_loop import finish_tasks, new_loop
 from batchwire.server.serving._health import UnitHealthServicer

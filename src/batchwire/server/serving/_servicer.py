@@ -26,7 +26,7 @@ import grpc
 from batchwire.common.sampler import Plan
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.common.stream import StreamSpec
-from batchwire.server.core import Batch, BatchStream, DatasetDescription, Engine
+from batchwire.server.engine import Batch, BatchStream, DatasetDescription, Engine
 from batchwire.server.errors import InvalidRequest, OverCapacity, ServiceError
 from batchwire.server.serving._messages import (
     Malformed,
@@ -202,9 +202,9 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         self, request: pb.PreprocessRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreprocessResponse:
         loop = asyncio.get_running_loop()
-        core = preprocess_request_from_proto(request)
+        wanted = preprocess_request_from_proto(request)
         # Screening the images' headers is CPU work: off the event loop.
-        future = await loop.run_in_executor(self._executor, self._engine.preprocess, core)
+        future = await loop.run_in_executor(self._executor, self._engine.preprocess, wanted)
         # Cancelling this await (the client went away) cancels the queued work.
         result = await asyncio.wrap_future(future)
         return await loop.run_in_executor(self._executor, preprocess_result_to_proto, result)

@@ -55,7 +55,7 @@ from batchwire.common.shared_memory import (
     socket_address,
     warn_once,
 )
-from batchwire.server.core import Batch
+from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving._streaming import EncodedBatch, batch_header
 from batchwire.v1 import batchwire_pb2 as pb

@@ -28,7 +28,7 @@ import grpc
 from batchwire.common.batch_codec import encode_batch
 from batchwire.common.stream import StreamSpec
 from batchwire.common.tensors import to_proto
-from batchwire.server.core import Batch, BatchStream
+from batchwire.server.engine import Batch, BatchStream
 from batchwire.server.serving._messages import Lane, status_for
 from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb

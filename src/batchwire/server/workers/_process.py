@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from batchwire.server.config import ConfigError, ServerConfig
-from batchwire.server.core import DeviceError
+from batchwire.server.engine import DeviceError
 from batchwire.server.errors import DatasetError, ServerError
 from batchwire.server.serving import (
     BatchwireServer,

@@ -45,7 +45,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from batchwire.server.config import ServerConfig
-from batchwire.server.core import DevicePlan, pipeline_threads, usable_cpus
+from batchwire.server.engine import DevicePlan, pipeline_threads, usable_cpus
 from batchwire.server.errors import ServerError
 from batchwire.server.serving import (
     Listening,

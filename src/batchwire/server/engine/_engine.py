@@ -22,13 +22,6 @@ from batchwire.common.params import check_batch_size
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.server.config import ServerConfig
-from batchwire.server.core._catalog import Catalog, Change, DatasetDescription, check_version
-from batchwire.server.core._cpus import pipeline_threads, usable_cpus
-from batchwire.server.core._devices import DevicePlan
-from batchwire.server.core._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
-from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
-from batchwire.server.core._stats import EngineStats
-from batchwire.server.core._stream import Batch, BatchStream, StreamSetup, own, share_batches
 from batchwire.server.data.records import (
     Dataset,
     MixedDataset,
@@ -36,6 +29,13 @@ from batchwire.server.data.records import (
     Records,
     StreamReadAhead,
 )
+from batchwire.server.engine._catalog import Catalog, Change, DatasetDescription, check_version
+from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
+from batchwire.server.engine._devices import DevicePlan
+from batchwire.server.engine._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
+from batchwire.server.engine._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.engine._stats import EngineStats
+from batchwire.server.engine._stream import Batch, BatchStream, StreamSetup, own, share_batches
 from batchwire.server.errors import (
     Draining,
     InvalidRequest,

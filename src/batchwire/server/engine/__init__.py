@@ -20,13 +20,13 @@ the engine's to give, so that serving imports nothing below it (``tests/test_lay
 
 from __future__ import annotations
 
-from batchwire.server.core._catalog import Change, DatasetDescription, check_data_dir
-from batchwire.server.core._cpus import pipeline_threads, usable_cpus
-from batchwire.server.core._devices import DeviceError, DevicePlan, visible_gpu_count
-from batchwire.server.core._engine import Engine
-from batchwire.server.core._preprocess_request import PreprocessRequest, PreprocessResult
-from batchwire.server.core._stats import EngineStats
-from batchwire.server.core._stream import Batch, BatchStream, share_batches, wait_event
+from batchwire.server.engine._catalog import Change, DatasetDescription, check_data_dir
+from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
+from batchwire.server.engine._devices import DeviceError, DevicePlan, visible_gpu_count
+from batchwire.server.engine._engine import Engine
+from batchwire.server.engine._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.engine._stats import EngineStats
+from batchwire.server.engine._stream import Batch, BatchStream, share_batches, wait_event
 
 __all__ = [
     "Batch",

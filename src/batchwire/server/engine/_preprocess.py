@@ -36,13 +36,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from batchwire.server.config import ServerConfig
-from batchwire.server.core._preprocess_request import (
+from batchwire.server.data.records import unsupported_reason
+from batchwire.server.engine._preprocess_request import (
     Pending,
     PreprocessRequest,
     PreprocessResult,
     settle,
 )
-from batchwire.server.data.records import unsupported_reason
 from batchwire.server.errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.pipelines import PipelineSpec
 from batchwire.server.runners import Job, Result, RunnerKey, pipeline_named, runner_key
