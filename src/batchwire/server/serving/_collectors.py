@@ -102,11 +102,10 @@ def _stages(stats: EngineStats) -> Iterator[Metric]:
 def _slots(stats: EngineStats) -> Iterator[Metric]:
     """What the scheduler's slots did, and its queue, by pipeline name."""
     for field, (name, help) in _COUNTERS.items():
-        family = CounterMetricFamily(name, help, labels=("pipeline",))
-        for (kind, pipeline), value in sorted(stats.slots.items()):
-            if kind == field:
-                family.add_metric((pipeline,), value)
-        yield family
+        sums = [
+            ((pipeline,), value) for (kind, pipeline), value in stats.slots.items() if kind == field
+        ]
+        yield _family(CounterMetricFamily, name, help, ("pipeline",), sums)
     summary = SummaryMetricFamily(
         "batchwire_queue_wait_seconds",
         "Seconds a batch waited from being asked for to a pipeline taking it.",
@@ -115,41 +114,54 @@ def _slots(stats: EngineStats) -> Iterator[Metric]:
     for pipeline, (count, seconds) in sorted(stats.queue_waits.items()):
         summary.add_metric((pipeline,), count, seconds)
     yield summary
-    queued = GaugeMetricFamily(
+    yield _family(
+        GaugeMetricFamily,
         "batchwire_queued_batches",
         "Batches asked for and waiting for a pipeline now.",
-        labels=("pipeline",),
+        ("pipeline",),
+        [((pipeline,), count) for pipeline, count in stats.queued.items()],
     )
-    for pipeline, count in sorted(stats.queued.items()):
-        queued.add_metric((pipeline,), count)
-    yield queued
 
 
 def _health(stats: EngineStats) -> Iterator[Metric]:
     """The pipelines' faults, the batches they failed, and the devices' health."""
-    faults = CounterMetricFamily(
+    yield _family(
+        CounterMetricFamily,
         "batchwire_pipeline_faults",
         "Pipeline faults (a failure that is not a sample's: the stream resumes on "
         "another server), by pipeline and kind.",
-        labels=("pipeline", "kind"),
+        ("pipeline", "kind"),
+        stats.faults.items(),
     )
-    for (pipeline, kind), count in sorted(stats.faults.items()):
-        faults.add_metric((pipeline, kind), count)
-    failed = CounterMetricFamily(
+    yield _family(
+        CounterMetricFamily,
         "batchwire_batches_failed",
         "Batches a pipeline held when a fault ended its run, by pipeline.",
-        labels=("pipeline",),
+        ("pipeline",),
+        [((pipeline,), count) for pipeline, count in stats.batches_failed.items()],
     )
-    for pipeline, count in sorted(stats.batches_failed.items()):
-        failed.add_metric((pipeline,), count)
-    healthy = GaugeMetricFamily(
+    yield _family(
+        GaugeMetricFamily,
         "batchwire_device_healthy",
         "1 while a device runs its pipelines, 0 while it is broken (health NOT_SERVING).",
-        labels=("device",),
+        ("device",),
+        [((device,), 1 if ok else 0) for device, ok in stats.devices.items()],
     )
-    for device, ok in sorted(stats.devices.items()):
-        healthy.add_metric((device,), 1 if ok else 0)
-    yield from (faults, failed, healthy)
+
+
+def _family(
+    kind: type[CounterMetricFamily | GaugeMetricFamily],
+    name: str,
+    help: str,
+    labels: tuple[str, ...],
+    values: Iterable[tuple[tuple[str, ...], float]],
+) -> Metric:
+    """A counter or gauge family of ``values``, each its labels' values and its value, in
+    the order of their labels' values."""
+    family = kind(name, help, labels=labels)
+    for label_values, value in sorted(values):
+        family.add_metric(label_values, value)
+    return family
 
 
 def _readahead(stats: EngineStats) -> Iterator[Metric]:
