@@ -53,7 +53,7 @@ from batchwire.server.runners import (
 )
 from batchwire.server.scheduling import Scheduler, Ticket
 
-__all__ = ["DatasetDescription", "Engine", "EngineStats"]
+__all__ = ["DatasetDescription", "Engine"]
 
 log = logging.getLogger(__name__)
 
