@@ -270,7 +270,7 @@ def test_the_package_imports_no_cycle() -> None:
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def _imports(source: str, module: str, package: str) -> list[tuple[int, str]]:
+def _batchwire_imports(source: str, module: str, package: str) -> list[tuple[int, str]]:
     """Every name of batchwire that ``source`` (module ``module`` of package ``package``)
     imports, anywhere (under ``TYPE_CHECKING`` and inside functions too), with its line, in
     line order: a module, or a name of a module (``from a.b import c`` is ``a.b.c``);
@@ -303,7 +303,7 @@ def _below_the_engine(source: str, module: str, package: str) -> list[str]:
     batchwire beyond what serving may import."""
     return [
         f"{module}:{line} {name}"
-        for line, name in _imports(source, module, package)
+        for line, name in _batchwire_imports(source, module, package)
         if not any(f"{name}.".startswith(f"{allowed}.") for allowed in _SERVING_MAY_IMPORT)
     ]
 
