@@ -5,6 +5,48 @@ on the scheduler's pipelines, and hands them out in that order: awaited on the e
 (:meth:`BatchStream.next_async`), or by iteration in a thread of the caller's. Who opened
 it says which batches: a pulling client asks as it goes; a ``StreamBatches`` call asks for
 its lane's at once, and in-process use for its whole share (:func:`share_batches`).
+
+The server's path of a pulled batch, from the request to the bytes sent, all of it named
+here (each line a call, with the thread it runs in and what it hands on)::
+
+    BatchwireServicer._read_wants     the event loop: a PullRequest's batch indices
+      BatchStream.want                  the share's PlannedBatches, appended in order
+        Ticket.extend                   the stream has more batches
+          Scheduler.request             under the scheduler's lock, which asks back
+            Ticket.next_requests          the batch numbers the window allows, pending
+            FairQueue.add                 the ticket waits; the slots are woken
+    Scheduler._run_key                a slot's thread (batchwire-pipeline-N), one key
+      Runner.run(jobs)                  the slot's pipeline runs the jobs of any stream
+        _Source (DALI's input)          called by DALI in pipe.run, on the slot's thread
+          Scheduler._jobs               the next (ticket, seq) the FairQueue gives; the
+                                        Job's seq renumbered for the slot
+            Ticket.read                 StageTimes "read", StreamReadAhead.around, and
+              BatchStream._read           back up into this stream
+                read_job                  down to the records: Dataset.read_screened
+                                          (pread, Datum walk, screen): a Job
+        Runner._result                  DALI's output a Result, images a view of its buffer
+          Job.finish                    back up into this stream: BatchStream._finish
+            encode                      a Batch, through StageTimes "encode", to serving's
+                                        encoder: encode_parts or SharedRing.encode, the
+                                        one copy of the pixels: an EncodedBatch
+          Result                        images[:0], the EncodedBatch as its payload
+      Ticket.deliver                    seq put back (dataclasses.replace); the future set
+    serve_stream                      the event loop again
+      BatchStream.next_async            the future awaited: the EncodedBatch
+        Ticket.more                     one taken: Scheduler.request, one more allowed
+      write                             each message's bytes to gRPC
+    ReadAhead._work                   a read-ahead thread (batchwire-readahead-N): the
+                                      next ids from BatchStream.batch_ids, back up into
+                                      this stream, advised to the kernel
+
+That is about 20 calls over 18 of the server's files (and 3 of ``batchwire.common``),
+4 thread hand-offs (the event loop to a slot, the slot to DALI's own threads and back,
+the slot to the event loop by a future), and 8 types: PullRequest, PlannedBatch, Job,
+DALI's output, Result, Batch, EncodedBatch, the message bytes. Four calls climb back up a
+layer: the scheduler asks the ticket, DALI's input reads through the stream, the runner
+finishes through the stream, and the read-ahead guesses through the stream; and, once at
+its open, the stream asks the engine back for its ticket (``StreamSetup.schedule``, a
+partial of the engine's ``_stream_ticket``).
 """
 
 from __future__ import annotations
