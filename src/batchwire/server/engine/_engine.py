@@ -226,7 +226,9 @@ class Engine:
                 plan=plan,
                 normalized=output.normalized,
                 layout=output.layout,
-                schedule=functools.partial(self._stream_ticket, key, ahead, window=window),
+                schedule=functools.partial(self.scheduler.ticket, key, 0, window=window),
+                ahead=ahead,
+                stages=self.stages,
                 release=functools.partial(self._release, datasets, ahead),
                 draining=self._drain.is_set,
             )
@@ -236,8 +238,6 @@ class Engine:
                 None if batches is None else batches(plan),
             )
             self._open_streams.add(stream)
-            if ahead is not None:
-                ahead.follow(stream.batch_ids)
             return stream
         except BaseException:
             if ahead is not None:
@@ -278,18 +278,6 @@ class Engine:
 
     def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:
         return self.scheduler.ticket(key, 0, self.stages.timed("read", read), window)
-
-    def _stream_ticket(
-        self,
-        key: RunnerKey,
-        ahead: StreamReadAhead | None,
-        read: Callable[[int], Job[Any]],
-        *,
-        window: int,
-    ) -> Ticket:
-        if ahead is not None:
-            read = ahead.around(read)  # the read-ahead learns which batch is read
-        return self._ticket(key, read, window=window)
 
     def _reserve_stream(self) -> None:
         """Count a new stream, or refuse it at the limit (``_uncount`` uncounts it)."""

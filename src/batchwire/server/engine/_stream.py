@@ -44,9 +44,9 @@ That is about 20 calls over 18 of the server's files (and 3 of ``batchwire.commo
 the slot to the event loop by a future), and 8 types: PullRequest, PlannedBatch, Job,
 DALI's output, Result, Batch, EncodedBatch, the message bytes. Four calls climb back up a
 layer: the scheduler asks the ticket, DALI's input reads through the stream, the runner
-finishes through the stream, and the read-ahead guesses through the stream; and, once at
-its open, the stream asks the engine back for its ticket (``StreamSetup.schedule``, a
-partial of the engine's ``_stream_ticket``).
+finishes through the stream, and the read-ahead guesses through the stream. At its open
+the stream takes its ticket from the scheduler (``StreamSetup.schedule``) and hands its
+reader down to it, and its guess of the next ids to its read-ahead.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ import numpy as np
 
 from batchwire.common.mixture import MixturePlan, split_ids
 from batchwire.common.sampler import Plan, PlannedBatch
-from batchwire.server.data.records import Records
+from batchwire.server.data.records import Records, StreamReadAhead
 from batchwire.server.errors import Draining, InvalidRequest
-from batchwire.server.runners import Job, Result, read_job
+from batchwire.server.runners import Job, Result, StageTimes, read_job
 from batchwire.server.scheduling import Ticket
 
 __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
@@ -110,14 +110,17 @@ def share_batches(plan: Plan) -> range:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamSetup:
-    """What the engine gives a stream: its plan and output format, how it asks the server's
-    pipelines (``schedule(read)``, a ticket), its end (``release``) and a drain's notice."""
+    """What the engine gives a stream: its plan and output format, the scheduler's ticket
+    for its reads (``schedule(read)``), its read-ahead if any, the stage times its reads
+    add to, its end (``release``) and a drain's notice."""
 
     dataset: Records
     plan: Plan
     normalized: bool
     layout: str
     schedule: Callable[[Callable[[int], Job[Any]]], Ticket]
+    ahead: StreamReadAhead | None
+    stages: StageTimes
     release: Callable[[], None]
     draining: Callable[[], bool]
 
@@ -160,7 +163,10 @@ class BatchStream(Generic[P]):
         self._closed = False
         self.produced = 0  # batches handed out so far
         self._next_seq = 0  # the batch to hand out next, in the order asked
-        self._ticket = setup.schedule(self._read)
+        read: Callable[[int], Job[P]] = self._read
+        if setup.ahead is not None:
+            read = setup.ahead.around(read)  # the read-ahead learns which batch is read
+        self._ticket = setup.schedule(setup.stages.timed("read", read))
         try:
             if batches is not None:
                 self.want(batches)
@@ -169,6 +175,8 @@ class BatchStream(Generic[P]):
         except BaseException:
             self._ticket.close()
             raise
+        if setup.ahead is not None:
+            setup.ahead.follow(self.batch_ids)
 
     def _read(self, seq: int) -> Job[P]:
         job: Job[P] = read_job(self._setup.dataset, seq, self._planned[seq].ids)
