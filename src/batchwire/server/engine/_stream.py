@@ -18,8 +18,8 @@ here (each line a call, with the thread it runs in and what it hands on)::
     Scheduler._run_key                a slot's thread (batchwire-pipeline-N), one key
       Runner.run(jobs)                  the slot's pipeline runs the jobs of any stream
         _Source (DALI's input)          called by DALI in pipe.run, on the slot's thread
-          Scheduler._jobs               the next (ticket, seq) the FairQueue gives; the
-                                        Job's seq renumbered for the slot
+          Scheduler._jobs               the next (ticket, seq) the FairQueue gives, kept
+                                        in the slot's in-flight queue
             Ticket.read                 StageTimes "read", StreamReadAhead.around, and
               BatchStream._read           back up into this stream
                 read_job                  down to the records: Dataset.read_screened
@@ -30,7 +30,7 @@ here (each line a call, with the thread it runs in and what it hands on)::
                                         encoder: encode_parts or SharedRing.encode, the
                                         one copy of the pixels: an EncodedBatch
           Result                        images[:0], the EncodedBatch as its payload
-      Ticket.deliver                    seq put back (dataclasses.replace); the future set
+      Ticket.deliver                    the next in flight: the future of its seq set
     serve_stream                      the event loop again
       BatchStream.next_async            the future awaited: the EncodedBatch
         Ticket.more                     one taken: Scheduler.request, one more allowed

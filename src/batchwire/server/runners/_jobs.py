@@ -23,7 +23,7 @@ P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's m
 class Job(Generic[P]):
     """A batch to run: ``ids[i]`` is encoded as ``images[i]`` with ``labels[i]``."""
 
-    seq: int
+    seq: int  # the batch's number in its stream (its ticket's), kept by its Result
     ids: np.ndarray
     images: list[np.ndarray]
     labels: np.ndarray

@@ -50,13 +50,14 @@ log = logging.getLogger(__name__)
 
 
 class _Source:
-    """The external_source callback: hands DALI the next job, remembers it."""
+    """The external_source callback: hands DALI the next job, remembers it. Each job is
+    held with its place in the run (``Runner.run`` numbers them in the order taken)."""
 
     def __init__(self) -> None:
-        self.jobs: Iterator[Job] = iter(())
-        self.retries: collections.deque[Job] = collections.deque()
-        self.in_flight: collections.deque[Job] = collections.deque()
-        self.empty: list[Job] = []
+        self.jobs: Iterator[tuple[int, Job]] = iter(())
+        self.retries: collections.deque[tuple[int, Job]] = collections.deque()
+        self.in_flight: collections.deque[tuple[int, Job]] = collections.deque()
+        self.empty: list[tuple[int, Job]] = []
         self.seconds = 0.0  # spent in this callback: waiting for and reading jobs
 
     def __call__(self) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -68,15 +69,15 @@ class _Source:
 
     def _next(self) -> tuple[Any, np.ndarray, np.ndarray]:
         while True:
-            job = self.retries.popleft() if self.retries else next(self.jobs, None)
-            if job is None:
+            taken = self.retries.popleft() if self.retries else next(self.jobs, None)
+            if taken is None:
                 raise StopIteration
-            if not job.images:
+            if not taken[1].images:
                 # Nothing left to run (every sample skipped): no DALI batch.
-                self.empty.append(job)
+                self.empty.append(taken)
                 continue
-            self.in_flight.append(job)
-            images, labels, meta = job.inputs()
+            self.in_flight.append(taken)
+            images, labels, meta = taken[1].inputs()
             return encoded_batch(images), labels, meta
 
 
@@ -127,8 +128,9 @@ class Runner:
             synchronous=synchronous,
         )
 
-    def run(self, jobs: Iterator[Job[Any]], first: int = 0) -> Generator[Result[Any], None, None]:
-        """Run ``jobs`` (seq first, first + 1, …) and yield their results in seq order.
+    def run(self, jobs: Iterator[Job[Any]]) -> Generator[Result[Any], None, None]:
+        """Run ``jobs`` (of any streams: their ``seq`` is kept, not used) and yield their
+        results in the order of the jobs.
 
         Closing the generator early drains what DALI still has in flight, so the
         runner can run the next jobs clean. One run at a time. Raises PipelineFault
@@ -138,21 +140,21 @@ class Runner:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("a Runner runs one sequence of jobs at a time")
         source = self._source
-        source.jobs = jobs
+        source.jobs = enumerate(jobs)
         source.retries.clear()
         source.in_flight.clear()
         source.empty.clear()
         finished = False
         try:
-            done: dict[int, Result] = {}
-            next_seq = first
+            done: dict[int, Result] = {}  # by place in the run
+            place = 0  # the next result to yield
             while True:
-                for job in source.empty:
-                    done[job.seq] = self._empty(job)
+                for taken, job in source.empty:
+                    done[taken] = self._empty(job)
                 source.empty.clear()
-                if next_seq in done:
-                    yield done.pop(next_seq)
-                    next_seq += 1
+                if place in done:
+                    yield done.pop(place)
+                    place += 1
                     continue
                 try:
                     outputs = self._run()
@@ -171,8 +173,8 @@ class Runner:
                         raise  # not a batch's failure: the source itself failed
                     self._repair(exc)
                     continue
-                job = source.in_flight.popleft()
-                done[job.seq] = self._result(job, outputs)
+                taken, job = source.in_flight.popleft()
+                done[taken] = self._result(job, outputs)
         finally:
             if not finished and self.healthy:
                 self._drain()
@@ -224,7 +226,7 @@ class Runner:
         it again without them, with the batches that were in flight behind it, on a new
         pipeline. A fault ends the run instead (PipelineFault, raised)."""
         source = self._source
-        failed = source.in_flight.popleft()
+        taken, failed = source.in_flight.popleft()
         pending = list(source.in_flight)
         source.in_flight.clear()
         # After an error DALI's pipeline is no longer valid: it is replaced (after the
@@ -238,7 +240,7 @@ class Runner:
             if isinstance(error, PipelineFault):
                 self._fault(error, batches=1 + len(pending) + len(source.retries))
             raise
-        source.retries.extendleft(reversed([repaired, *pending]))
+        source.retries.extendleft(reversed([(taken, repaired), *pending]))
 
     def _recover(self, job: Job, exc: Exception) -> Job:
         """``job`` without the samples that make it fail with ``exc``; PipelineFault when

@@ -79,7 +79,6 @@ class _Slot:
     runners: collections.OrderedDict[RunnerKey, Runner] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
-    next_seq: int = 0
     key: RunnerKey | None = None  # the key it ran last
     thread: threading.Thread | None = None
 
@@ -155,11 +154,16 @@ class Scheduler:
             return None
 
     def _jobs(
-        self, slot: _Slot, key: RunnerKey, stay: float, in_flight: dict[int, tuple[Ticket, int]]
+        self,
+        slot: _Slot,
+        key: RunnerKey,
+        stay: float,
+        in_flight: collections.deque[tuple[Ticket, int]],
     ) -> Iterator[Job]:
-        """Jobs of ``key`` in the policy's order, numbered by the slot; ends when none is
-        waiting (after a short linger), or, ``stay`` seconds on, when another key's turn
-        has come."""
+        """Jobs of ``key`` in the policy's order, each kept in ``in_flight`` with its ticket
+        until its result comes back (the runner's are in the order of its jobs); ends when
+        none is waiting (after a short linger), or, ``stay`` seconds on, when another key's
+        turn has come."""
         started = time.monotonic()
         while True:
             with self._lock:
@@ -182,9 +186,7 @@ class Scheduler:
             except Exception as exc:  # the stream fails, not the slot
                 ticket.deliver(seq, exc)
                 continue
-            job.seq = slot.next_seq
-            in_flight[job.seq] = (ticket, seq)
-            slot.next_seq += 1
+            in_flight.append((ticket, seq))
             yield job
 
     def _runner(self, slot: _Slot, key: RunnerKey) -> tuple[Runner, float]:
@@ -233,26 +235,26 @@ class Scheduler:
                 log.exception("building pipeline %s failed", key.pipeline)
             self._fail_waiting(key, exc)
             return
-        in_flight: dict[int, tuple[Ticket, int]] = {}
+        in_flight: collections.deque[tuple[Ticket, int]] = collections.deque()
         with self._lock:
             stay = self._fair.stay(key, rebuilt)
         jobs = self._jobs(slot, key, stay, in_flight)
         last: float | None = None  # the first result's time includes the pipeline's start
         try:
-            for result in runner.run(jobs, slot.next_seq):
+            for result in runner.run(jobs):
                 now = time.monotonic()
                 if last is not None:
                     self._measured(key, now - last)
                 last = now
-                ticket, seq = in_flight.pop(result.seq)
-                ticket.deliver(seq, dataclasses.replace(result, seq=seq))
+                ticket, seq = in_flight.popleft()
+                ticket.deliver(seq, result)
         except Exception as exc:
             # A pipeline that fails outside a bad sample (which the runner skips) fails
             # the batches it held, not the server: it is dropped and built again.
             if not isinstance(exc, PipelineFault):  # a fault is logged where it is found
                 log.exception("pipeline %s failed; rebuilding it", key.pipeline)
             slot.runners.pop(key, None)
-            for ticket, seq in in_flight.values():
+            for ticket, seq in in_flight:
                 ticket.deliver(seq, exc)
         else:
             if not runner.healthy:
