@@ -42,11 +42,15 @@ here (each line a call, with the thread it runs in and what it hands on)::
 That is about 20 calls over 18 of the server's files (and 3 of ``batchwire.common``),
 4 thread hand-offs (the event loop to a slot, the slot to DALI's own threads and back,
 the slot to the event loop by a future), and 8 types: PullRequest, PlannedBatch, Job,
-DALI's output, Result, Batch, EncodedBatch, the message bytes. Four calls climb back up a
-layer: the scheduler asks the ticket, DALI's input reads through the stream, the runner
-finishes through the stream, and the read-ahead guesses through the stream. At its open
-the stream takes its ticket from the scheduler (``StreamSetup.schedule``) and hands its
-reader down to it, and its guess of the next ids to its read-ahead.
+DALI's output, Result, Batch, EncodedBatch, the message bytes. A batch keeps one number,
+its ``seq`` in the stream, from its request to its result. Three calls go up a layer,
+each to a function handed down at construction (the seams of docs/development.md): DALI's
+input reads through the stream's reader, the runner finishes through the stream's
+encoder, the read-ahead guesses through the stream. Inside scheduling, the scheduler asks
+the ticket back for its next requests (``Ticket.next_requests``), under its lock, which
+guards the ticket's count of requests. At its open the stream takes its ticket from the
+scheduler (``StreamSetup.schedule``) and hands its reader down to it, and its guess of the
+next ids to its read-ahead.
 """
 
 from __future__ import annotations
