@@ -19,8 +19,9 @@ from batchwire.client._ledger import Entry
 from batchwire.client._mixture import Described, Mixture
 from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._per_source import PerSource
+from batchwire.client._rank import Rank, Sharing
 from batchwire.client._servers import ServerSet
-from batchwire.client._state import Place, Position, Rank, Sharing
+from batchwire.client._state import Place, Position
 from batchwire.client._transport import (
     BatchwireError,
     ChannelSecurity,

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from batchwire.client._mixture import Described, Mixture
-from batchwire.client._state import Place, Rank
+from batchwire.client._rank import Rank
+from batchwire.client._state import Place
 from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
 from batchwire.common.mixture import batch_schedule, offsets_of
 

@@ -1,7 +1,7 @@
-"""Where a loader stands in its epochs: its rank (resolved when a pass starts) and its
-:class:`Position`, which :class:`~batchwire.client.RemoteLoader` holds and asks to save
-(``state_dict``), restore (``load_state_dict``) and place each pass. The position lives
-in the loader's ledger, which it shares with its own DataLoader workers.
+"""Where a loader stands in its epochs: its :class:`Position`, which
+:class:`~batchwire.client.RemoteLoader` holds and asks to save (``state_dict``), restore
+(``load_state_dict``) and place each pass. The position lives in the loader's ledger,
+which it shares with its own DataLoader workers.
 
 A state records the job's global position in the epoch besides the rank's cursor. The
 ranks of a job move in lockstep: global step ``k`` is the ``k``-th batch of every rank,
@@ -20,8 +20,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from batchwire.client._frameworks import distributed_rank_world, worker_id
+from batchwire.client._frameworks import worker_id
 from batchwire.client._ledger import Entry, Ledger
+from batchwire.client._rank import Rank
 from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
 from batchwire.common.sampler import Plan
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
     from batchwire.common.stream import StreamSpec
 
-__all__ = ["Place", "Position", "Rank", "Sharing"]
+__all__ = ["Place", "Position"]
 
 _STATE_VERSION = 3
 # 1: batchwire 0.1, 2: the release after it. Same fields and meaning, without origin (0).
@@ -47,53 +48,6 @@ _DATASET_VERSION = "dataset_version"
 # The rest of that epoch is the same order only where the server serves those versions
 # and the loader plans those counts.
 _SOURCES = "sources"
-
-
-@dataclasses.dataclass(frozen=True)
-class Rank:
-    """Who a process streams for: a rank of a world (resolved when a pass starts)."""
-
-    rank: int
-    world_size: int
-
-
-class Sharing:
-    """Which rank of which world a loader streams for, resolved when asked (a pass
-    starts): ``explicit`` (given to the loader), else torch.distributed's (``group``'s),
-    else what the loader carried when it was pickled, else rank 0 of 1."""
-
-    def __init__(self, explicit: Rank | None, group: Any) -> None:
-        self.explicit, self.group = explicit, group
-        # The share torch.distributed gave when the loader was pickled: spawned
-        # DataLoader workers have no process group of their own.
-        self.inherited: Rank | None = None
-
-    def resolve(self) -> Rank:
-        live = distributed_rank_world(self.group)
-        explicit = self.explicit
-        if explicit is not None:
-            if live is not None and live != (explicit.rank, explicit.world_size):
-                raise InvalidArgumentError(
-                    f"rank={explicit.rank}, world_size={explicit.world_size} were given, but "
-                    f"torch.distributed is initialized with rank {live[0]} of {live[1]}: this "
-                    "process would train on another share than its rank's. Leave rank and "
-                    "world_size unset to take them from torch.distributed, or pass "
-                    "process_group= to shard over a subgroup"
-                )
-            return explicit
-        if live is not None:
-            return Rank(*live)
-        return self.inherited or Rank(0, 1)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A copy carries the share torch.distributed gives here; process groups don't
-        # pickle, so a subgroup's share becomes the copy's explicit one.
-        live = distributed_rank_world(self.group)
-        explicit = self.explicit
-        if self.group is not None and explicit is None and live is not None:
-            explicit = Rank(*live)
-        inherited = Rank(*live) if live is not None else self.inherited
-        return {"explicit": explicit, "group": None, "inherited": inherited}
 
 
 @dataclasses.dataclass(frozen=True)
