@@ -14,9 +14,11 @@ one: the ledgers made before stay where they were made.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import struct
 import sys
 from collections.abc import Iterator
 
@@ -25,16 +27,31 @@ import torch.utils.data
 from namespaces import State, run_python
 
 import batchwire
-from batchwire.client._ledger import Ledger
+from batchwire.client._ledger import SIZE, Ledger
 
 PREFIX = "batchwire-loader-"
+
+
+@dataclasses.dataclass
+class Counts:
+    """A record for the ledgers under test: an epoch and a cursor, in the ledger's bytes."""
+
+    epoch: int = 0
+    cursor: int = 0
+
+    def pack(self) -> bytes:
+        return struct.pack("<2q", self.epoch, self.cursor).ljust(SIZE, b"\0")
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Counts:
+        return cls(*struct.unpack_from("<2q", data))
 
 
 class Bump(torch.utils.data.IterableDataset[tuple[int, int, int]]):
     """A DataLoader worker's pass: it adds 1 to the ledger's cursor and yields its worker
     id, the epoch it read and the cursor it wrote."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger[Counts]) -> None:
         self.ledger = ledger
 
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
@@ -52,12 +69,12 @@ class Bump(torch.utils.data.IterableDataset[tuple[int, int, int]]):
 _TRAINER = """
 import json, logging, os, subprocess, sys, tempfile
 import torch.utils.data
-from batchwire.client._ledger import Ledger, Entry
-from test_ledger_room import Bump
+from batchwire.client._ledger import Ledger
+from test_ledger_room import Bump, Counts
 
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
 report = {"pid": os.getpid()}
-ledger = Ledger(Entry(epoch=2))
+ledger = Ledger(Counts(epoch=2))
 report["shm"] = sorted(os.listdir("/dev/shm"))
 with ledger.update() as entry:
     entry.epoch = 3
@@ -163,7 +180,7 @@ report["tmp"] = sorted(os.listdir("/tmp"))
 copy = __import__("pickle").loads(__import__("pickle").dumps(ledger))
 with copy.update() as entry:  # a copy has a ledger of its own, and no second warning
     entry.epoch = 9
-report["copy"] = [copy.read().epoch, ledger.read().epoch, Ledger().read().epoch]
+report["copy"] = [copy.read().epoch, ledger.read().epoch, Ledger(Counts()).read().epoch]
 """
     done = run_python(
         _TRAINER.replace("CHECKS", copies),
@@ -206,15 +223,16 @@ NOBODY = 65534
 _AS_ANOTHER_USER = """
 import json, logging, os, tempfile
 from batchwire.client._ledger import Ledger
+from batchwire.client._state import Entry, Place
 
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-ledger = Ledger()
+ledger = Ledger(Entry())
 with ledger.update() as entry:
-    entry.epoch = 5
+    entry.place = Place(5)
 tmp = tempfile.gettempdir()
 owners = {name: os.stat(os.path.join(tmp, name)).st_uid for name in os.listdir(tmp)}
 report = {"uid": os.getuid(), "pid": os.getpid(), "tmp": tmp, "owners": owners}
-print(json.dumps({**report, "shm": os.listdir("/dev/shm"), "epoch": ledger.read().epoch}))
+print(json.dumps({**report, "shm": os.listdir("/dev/shm"), "epoch": ledger.read().place.epoch}))
 """
 
 
@@ -236,3 +254,14 @@ def test_a_dev_shm_this_user_may_not_write_in_puts_the_ledger_in_the_temporary_d
     ((name, owner),) = report.pop("owners").items()  # the ledger, this user's
     assert name.startswith(f"{PREFIX}{report['pid']}-") and owner == NOBODY
     assert report == {"uid": NOBODY, "pid": report["pid"], "tmp": "/tmp", "shm": [], "epoch": 5}
+
+
+def test_an_entry_keeps_the_ledgers_byte_layout() -> None:
+    """A loader and its DataLoader workers read one entry's bytes, as every release wrote
+    them: version, epoch, cursor, fresh, pass_id, in_workers, origin, world, batch."""
+    from batchwire.client._state import Entry, Place
+
+    entry = Entry(Place(2, origin=3, cursor=4, world=5, batch=6), False, 7, True)
+    data = struct.pack("<9q", 1, 2, 4, 0, 7, 1, 3, 5, 6)
+    assert len(data) == SIZE
+    assert entry.pack() == data and Entry.unpack(data) == entry

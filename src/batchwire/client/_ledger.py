@@ -1,11 +1,12 @@
-"""Where a loader's next pass starts, shared with the loader's DataLoader worker processes.
+"""A record shared between a loader and its DataLoader worker processes: where the
+loader's next pass starts (``batchwire.client._state``'s ``Entry``).
 
 A ``RemoteLoader`` handed to ``DataLoader(num_workers=N)`` is copied into each
 worker (by fork, or by pickling for spawn and forkserver), and a worker's copy
 runs the pass. Without something shared, the loader in the training process
 would never learn that a pass happened, and every epoch would replay the
-first. The ledger is that shared thing: a few integers in a small file, read
-and written under ``flock``, which works across fork, spawn and forkserver
+first. The ledger is that shared thing: a record of ``SIZE`` bytes in a small file,
+read and written under ``flock``, which works across fork, spawn and forkserver
 alike. The file is removed when its loader goes; the files of processes killed
 before they could (``kill -9``) are removed by the next process that makes a
 ledger in the same directory: a creator holds a POSIX lock on its file for life,
@@ -14,7 +15,7 @@ and a file nobody holds is a dead process's.
 The file goes in ``/dev/shm`` where it can, else in ``tempfile.gettempdir()``
 (``TMPDIR``): a directory that refuses it (full, out of inodes, read-only, not
 writable by this user) is left, with nothing in it, for the next. The file's
-bytes are reserved when it is made, so that writing the entry later never
+bytes are reserved when it is made, so that writing the record later never
 fails for space. Where no directory takes it (a container's full 64 MiB
 ``/dev/shm`` and no writable temporary directory), the ledger is kept in
 memory, of this process alone, and a warning says so once per process: the
@@ -30,78 +31,46 @@ own, starting from the values the copy carried.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import logging
 import os
-import struct
 import tempfile
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import torch.utils.data
 
-__all__ = ["Entry", "Ledger"]
+__all__ = ["SIZE", "Ledger", "Record"]
 
 _log = logging.getLogger(__name__)
 
-_FORMAT = struct.Struct("<9q")
+# The bytes of a record: a loader's file and its workers' reads of it agree on this, and
+# so do the files of other processes (releases) that a sweep locks past it.
+SIZE = 72
 _SHM = "/dev/shm"
 _PREFIX = "batchwire-loader-"  # then the creating process's pid, "-" and mkstemp's letters
-_LIVE = _FORMAT.size  # the byte its creator holds a read lock on while it lives
+_LIVE = SIZE  # the byte its creator holds a read lock on while it lives
 # posix_fallocate's errors that mean "this file system cannot", not "no room".
 _NO_FALLOCATE = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _swept: set[str] = set()  # the directories this process removed dead processes' files from
 _warned = 0  # the pid of the process that logged that its ledgers are in memory
 
 
-@dataclasses.dataclass
-class Entry:
-    """What a ledger holds: where the next pass starts, and which pass began last.
+class Record(Protocol):
+    """What a ledger holds: a value packed into ``SIZE`` bytes, and read back from them."""
 
-    ``fresh`` set: the next pass starts exactly at ``(epoch, cursor)`` (a new
-    loader, ``set_epoch``, ``load_state_dict``, or a pass that ran to its end).
-    ``fresh`` clear: a pass of ``epoch`` began; the next one starts the epoch
-    after it. ``pass_id`` names the pass that began last (0: none since a
-    directive). ``in_workers``: that pass ran in a DataLoader worker, so this
-    process cannot know how far training got. ``origin`` is where in the epoch order
-    the split of that pass begins; ``world`` and ``batch``, where not 0, are the world
-    and batch size ``cursor`` counts in (a loaded state of a job of another shape: the
-    next pass starts at its global position, see ``batchwire.client._state``).
-    """
-
-    epoch: int = 0
-    cursor: int = 0
-    fresh: bool = True
-    pass_id: int = 0
-    in_workers: bool = False
-    version: int = 1
-    origin: int = 0
-    world: int = 0
-    batch: int = 0
-
-    def pack(self) -> bytes:
-        return _FORMAT.pack(
-            self.version,
-            self.epoch,
-            self.cursor,
-            self.fresh,
-            self.pass_id,
-            self.in_workers,
-            self.origin,
-            self.world,
-            self.batch,
-        )
+    def pack(self) -> bytes: ...
 
     @classmethod
-    def unpack(cls, data: bytes) -> Entry:
-        version, epoch, cursor, fresh, pass_id, in_workers, *place = _FORMAT.unpack(data)
-        return cls(epoch, cursor, bool(fresh), pass_id, bool(in_workers), version, *place)
+    def unpack(cls, data: bytes) -> Self: ...
 
 
-_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
+R = TypeVar("R", bound=Record)
+
+
+_ledgers: weakref.WeakSet[Ledger[Any]] = weakref.WeakSet()
 
 
 def _settle_before_fork() -> None:
@@ -136,7 +105,7 @@ def _directories() -> tuple[list[str], list[str]]:
 def _sweep(directory: str) -> None:
     """Remove the ledger files no live process holds: one killed (``kill -9``, an
     out-of-memory kill) never ran the finalizer that removes its file. Each creator holds
-    a POSIX read lock on a byte past its entry for life (``_LIVE``); the kernel drops it
+    a POSIX read lock on a byte past its record for life (``_LIVE``); the kernel drops it
     with the process. This process holds no ledger in ``directory`` yet: closing a file
     here releases no lock of its own. Needs no room: it only opens, locks and unlinks."""
     for name in os.listdir(directory):
@@ -160,7 +129,7 @@ def _sweep(directory: str) -> None:
 
 def _reserve(fd: int, size: int) -> None:
     """Allocate the file's first ``size`` bytes now, so that writing them later cannot
-    fail for want of space. Where the file system cannot, the write of the entry that
+    fail for want of space. Where the file system cannot, the write of the record that
     follows allocates them (an overwrite in place needs no more room on tmpfs or ext4)."""
     if not hasattr(os, "posix_fallocate"):  # macOS
         return
@@ -171,27 +140,26 @@ def _reserve(fd: int, size: int) -> None:
             raise
 
 
-def _write(fd: int, entry: Entry) -> None:
-    data = entry.pack()
+def _write(fd: int, data: bytes) -> None:
     written = os.pwrite(fd, data, 0)
     if written != len(data):  # a short write: the file system ran out of room
-        raise OSError(errno.ENOSPC, f"wrote {written} of an entry's {len(data)} bytes")
+        raise OSError(errno.ENOSPC, f"wrote {written} of a record's {len(data)} bytes")
 
 
-def _make_file(directory: str, entry: Entry) -> tuple[int, str]:
-    """A new ledger file in ``directory`` holding ``entry``, locked for life: its
+def _make_file(directory: str, data: bytes) -> tuple[int, str]:
+    """A new ledger file in ``directory`` holding ``data``, locked for life: its
     descriptor and path. Raises OSError, with nothing left behind, where the directory
     refuses it or has no room."""
     # Locked before it takes the name a sweep looks for, so that no sweep finds it
-    # unheld, and complete by then, so that no worker reads half a entry. The lock is
+    # unheld, and complete by then, so that no worker reads half a record. The lock is
     # for life: the kernel releases it when this process goes, however it goes (POSIX
-    # locks are independent of the flock that guards the entry).
+    # locks are independent of the flock that guards the record).
     fd, made = tempfile.mkstemp(prefix=f".{_PREFIX}{os.getpid()}-", dir=directory)
     path = os.path.join(os.path.dirname(made), os.path.basename(made)[1:])
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH, 1, _LIVE)
-        _reserve(fd, _FORMAT.size)
-        _write(fd, entry)
+        _reserve(fd, SIZE)
+        _write(fd, data)
         os.rename(made, path)
     except BaseException:
         os.close(fd)
@@ -226,19 +194,23 @@ def _remove(path: str | None, owner: int) -> None:
             os.unlink(path)
 
 
-class Ledger:
-    """An ``Entry`` shared between a loader and its DataLoader workers; see the module.
+class Ledger(Generic[R]):
+    """A record shared between a loader and its DataLoader workers; see the module.
 
-    ``_path`` is the file (None: the entry is in memory, ``_snapshot`` itself);
-    ``_snapshot``, the values a copy carried; ``_fd``, this process's descriptor of the
+    ``_path`` is the file (None: the record is in memory, ``_snapshot`` itself);
+    ``_snapshot``, the bytes a copy carried; ``_fd``, this process's descriptor of the
     file (-1: none yet, or in memory); ``_pid``, the process ``_fd`` belongs to.
     """
 
-    def __init__(self, initial: Entry | None = None) -> None:
-        self._create(initial or Entry())
+    def __init__(self, initial: R) -> None:
+        data = initial.pack()
+        if len(data) != SIZE:
+            raise ValueError(f"a ledger holds a record of {SIZE} bytes, not {len(data)}")
+        self._kind = type(initial)
+        self._create(data)
         _ledgers.add(self)
 
-    def _create(self, initial: Entry) -> None:
+    def _create(self, initial: bytes) -> None:
         directories, missing = _directories()
         failures: list[str] = []
         self._fd, self._path = -1, None
@@ -282,37 +254,40 @@ class Ledger:
         self._pid = os.getpid()
         return self._fd
 
-    def _read_from_path(self) -> Entry:
+    def _read_from_path(self) -> bytes:
         if self._path is None:
-            return dataclasses.replace(self._snapshot)
+            return self._snapshot
         try:
             with open(self._path, "rb") as file:
-                return Entry.unpack(file.read(_FORMAT.size))
-        except (FileNotFoundError, struct.error):
+                data = file.read(SIZE)
+        except FileNotFoundError:
             return self._snapshot
+        return data if len(data) == SIZE else self._snapshot
 
     @contextlib.contextmanager
-    def update(self) -> Iterator[Entry]:
-        """The entry, locked against the other processes; changes are written back."""
+    def update(self) -> Iterator[R]:
+        """The record, locked against the other processes; changes are written back."""
         fd = self._handle()
         if fd < 0:  # in memory: this process alone
-            entry = dataclasses.replace(self._snapshot)
-            yield entry
-            self._snapshot = entry
+            record = self._kind.unpack(self._snapshot)
+            yield record
+            self._snapshot = record.pack()
             return
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            entry = Entry.unpack(os.pread(fd, _FORMAT.size, 0))
-            before = dataclasses.replace(entry)
-            yield entry
-            if entry != before:
-                _write(fd, entry)
+            before = os.pread(fd, SIZE, 0)
+            record = self._kind.unpack(before)
+            yield record
+            after = record.pack()
+            if after != before:
+                _write(fd, after)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def read(self) -> Entry:
-        with self.update() as entry:
-            return dataclasses.replace(entry)
+    def read(self) -> R:
+        """A copy of the record."""
+        with self.update() as record:
+            return self._kind.unpack(record.pack())
 
     def close(self) -> None:
         """Remove the file (in the process that created it); idempotent."""
@@ -324,10 +299,11 @@ class Ledger:
         # first: a copy this process never opened moves onto a ledger of its own there,
         # and its spawned workers must share that one, not the file it was copied from.
         # A ledger in memory has no path: a copy starts from its values.
-        snapshot = self.read()
-        return {"path": self._path, "snapshot": snapshot}
+        snapshot = self.read().pack()
+        return {"path": self._path, "snapshot": snapshot, "kind": self._kind}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._kind = state["kind"]
         self._path = state["path"]
         self._snapshot = state["snapshot"]
         self._fd = -1

@@ -15,7 +15,6 @@ import torch.utils.data
 from batchwire.client._delivery import LoaderOptions, Tensors, TransferStats
 from batchwire.client._descriptions import describe_dataset, find_workers
 from batchwire.client._frameworks import refuse_accelerate_wrappers, worker_id
-from batchwire.client._ledger import Entry
 from batchwire.client._mixture import Described, Mixture
 from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._per_source import PerSource
@@ -506,7 +505,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         # the prefetch of a restored iterator before it finds the state was of a finished
         # pass and starts another, and that discarded pass must not count (Position.begin).
         with self._position.ledger.update() as entry:
-            place, spec, plan = self._upcoming(entry, rank)
+            place, spec, plan = self._position.upcoming(entry, rank, self._describe())
             ahead = self._take_ahead()
             if ahead is not None and ahead.spec == spec.to_proto():
                 stream_pass = ahead  # started as the last pass ended: its batches are coming
@@ -523,23 +522,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._pass = stream_pass
         return stream_pass
 
-    def _upcoming(self, entry: Entry, rank: Rank) -> tuple[Place, StreamSpec, Plan]:
-        """Where the next pass of ``rank`` starts, as the ledger's ``entry`` places it,
-        its stream and its plan."""
-        place = self._position.next_place(entry, rank, self.num_samples)
-        spec, plan = self._plan(rank, place)  # validates a loaded cursor
-        if plan.num_batches == 0 or 0 < plan.share_size == place.cursor:
-            # The end of an epoch is the start of the next: frameworks that count
-            # batches by len() (Lightning) never ask past the last one, so their
-            # checkpoint at an epoch's end is this, and the next pass is a new epoch.
-            # So is a rest of an epoch that drop_last leaves no batch of.
-            place = Place(place.epoch + 1)
-            spec, plan = self._plan(rank, place)
-        return place, spec, plan
-
     def _next_plan(self, rank: Rank) -> Plan:
         """The plan of the next pass of ``rank``, as the ledger places it now."""
-        return self._upcoming(self._position.ledger.read(), rank)[2]
+        return self._position.upcoming(self._position.ledger.read(), rank, self._describe())[2]
 
     def _skip_to(self, epoch: int) -> None:
         """The next pass starts ``epoch``: what is left of this one is dropped (a part of a
@@ -635,8 +620,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
         self._passes_ended += 1
-        with self._position.ledger.update() as entry:
-            self._position.end(entry, stream_pass)
+        self._position.end(stream_pass)
 
     # -- iteration ---------------------------------------------------------------------
 

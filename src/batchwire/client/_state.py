@@ -1,7 +1,11 @@
-"""Where a loader stands in its epochs: its :class:`Position`, which
-:class:`~batchwire.client.RemoteLoader` holds and asks to save (``state_dict``), restore
-(``load_state_dict``) and place each pass. The position lives in the loader's ledger,
-which it shares with its own DataLoader workers.
+"""Where a loader stands in its epochs, and how that is kept and saved.
+
+A pass starts at a :class:`Place`: an epoch, the origin of its split and a cursor. A
+loader's :class:`Position`, which :class:`~batchwire.client.RemoteLoader` holds, keeps
+the place its next pass starts at in the :class:`Entry` of its ledger
+(``batchwire.client._ledger``), which it shares with its own DataLoader workers; it
+builds a pass's place from the pass's plan and cursor, and saves (``state_dict``) and
+restores (``load_state_dict``) it.
 
 A state records the job's global position in the epoch besides the rank's cursor. The
 ranks of a job move in lockstep: global step ``k`` is the ``k``-th batch of every rank,
@@ -17,11 +21,12 @@ the order as the contract splits an epoch (``batchwire.common.sampler``).
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchwire.client._frameworks import worker_id
-from batchwire.client._ledger import Entry, Ledger
+from batchwire.client._ledger import Ledger
 from batchwire.client._rank import Rank
 from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
 from batchwire.common.sampler import Plan
@@ -31,7 +36,7 @@ if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
     from batchwire.common.stream import StreamSpec
 
-__all__ = ["Place", "Position"]
+__all__ = ["Entry", "Place", "Position"]
 
 _STATE_VERSION = 3
 # 1: batchwire 0.1, 2: the release after it. Same fields and meaning, without origin (0).
@@ -48,6 +53,10 @@ _DATASET_VERSION = "dataset_version"
 # The rest of that epoch is the same order only where the server serves those versions
 # and the loader plans those counts.
 _SOURCES = "sources"
+# An entry's bytes in the ledger (batchwire.client._ledger.SIZE of them), which a loader's
+# DataLoader workers read: version, epoch, cursor, fresh, pass_id, in_workers, origin,
+# world, batch.
+_ENTRY = struct.Struct("<9q")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +71,54 @@ class Place:
     world: int = 0
     batch: int = 0
 
-    def write(self, entry: Entry, *, directive: bool = True) -> None:
-        """Make this the place the next pass starts at; a ``directive`` (set_epoch,
+
+@dataclasses.dataclass
+class Entry:
+    """What a loader's ledger holds: the place its next pass starts at, and which pass
+    began last.
+
+    ``fresh`` set: the next pass starts exactly at ``place`` (a new loader,
+    ``set_epoch``, ``load_state_dict``, or a pass that ran to its end). ``fresh`` clear:
+    a pass of ``place.epoch`` began; the next one starts the epoch after it. ``pass_id``
+    names the pass that began last (0: none since a directive). ``in_workers``: that pass
+    ran in a DataLoader worker, so this process cannot know how far training got. A
+    place counted in another world or batch size (a loaded state of a job of another
+    shape) starts the next pass at its global position (see the module).
+    """
+
+    place: Place = Place(0)
+    fresh: bool = True
+    pass_id: int = 0
+    in_workers: bool = False
+    version: int = 1
+
+    def start_at(self, place: Place, *, directive: bool = True) -> None:
+        """Make ``place`` the place the next pass starts at; a ``directive`` (set_epoch,
         load_state_dict) also forgets the passes before it."""
-        entry.epoch, entry.origin, entry.cursor = self.epoch, self.origin, self.cursor
-        entry.world, entry.batch, entry.fresh = self.world, self.batch, True
+        self.place, self.fresh = place, True
         if directive:
-            entry.pass_id, entry.in_workers = 0, False
+            self.pass_id, self.in_workers = 0, False
+
+    def pack(self) -> bytes:
+        place = self.place
+        return _ENTRY.pack(
+            self.version,
+            place.epoch,
+            place.cursor,
+            self.fresh,
+            self.pass_id,
+            self.in_workers,
+            place.origin,
+            place.world,
+            place.batch,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Entry:
+        fields = _ENTRY.unpack(data)
+        version, epoch, cursor, fresh, pass_id, in_workers, origin, world, batch = fields
+        place = Place(epoch, origin, cursor, world, batch)
+        return cls(place, bool(fresh), pass_id, bool(in_workers), version)
 
 
 class Position:
@@ -79,7 +129,7 @@ class Position:
     """
 
     def __init__(self, spec: StreamSpec, *, elastic_batch_size: bool = False) -> None:
-        self.ledger = Ledger()
+        self.ledger = Ledger(Entry())
         self._spec = spec
         self._elastic_batch_size = elastic_batch_size
         # load_state_dict ran in this DataLoader worker: see RemoteLoader._begin.
@@ -95,19 +145,32 @@ class Position:
             if current.cursor == plan.share_size:
                 return Place(plan.epoch + 1)  # after the last batch: see RemoteLoader._begin
             return Place(plan.epoch, plan.origin, current.cursor, plan.world_size)
-        if entry.fresh:
-            return Place(entry.epoch, entry.origin, entry.cursor, entry.world, entry.batch)
-        return Place(entry.epoch + 1)
+        return entry.place if entry.fresh else Place(entry.place.epoch + 1)
 
-    def next_place(self, entry: Entry, rank: Rank, num_samples: int) -> Place:
+    def upcoming(self, entry: Entry, rank: Rank, info: Described) -> tuple[Place, StreamSpec, Plan]:
+        """Where the next pass of ``rank`` starts, as the ledger's ``entry`` places it,
+        its stream and its plan (of the dataset or mixture ``info`` describes)."""
+        place = self._next_place(entry, rank, info.num_samples)
+        spec, plan = self.plan(rank, place, info)  # validates a loaded cursor
+        if plan.num_batches == 0 or 0 < plan.share_size == place.cursor:
+            # The end of an epoch is the start of the next: frameworks that count
+            # batches by len() (Lightning) never ask past the last one, so their
+            # checkpoint at an epoch's end is this, and the next pass is a new epoch.
+            # So is a rest of an epoch that drop_last leaves no batch of.
+            place = Place(place.epoch + 1)
+            spec, plan = self.plan(rank, place, info)
+        return place, spec, plan
+
+    def _next_place(self, entry: Entry, rank: Rank, num_samples: int) -> Place:
         """Where the next pass of ``rank`` starts, in its own units: a place counted in
         another world or batch size starts the split at its global position."""
+        at = entry.place
         if not entry.fresh:
-            return Place(entry.epoch + 1)
-        world, batch = entry.world or rank.world_size, entry.batch or self._spec.batch_size
+            return Place(at.epoch + 1)
+        world, batch = at.world or rank.world_size, at.batch or self._spec.batch_size
         if (world, batch) == (rank.world_size, self._spec.batch_size):
-            return Place(entry.epoch, entry.origin, entry.cursor)
-        origin = min(entry.origin, num_samples)
+            return Place(at.epoch, at.origin, at.cursor)
+        origin = min(at.origin, num_samples)
         saved = Plan(
             num_samples=num_samples,
             batch_size=batch,
@@ -115,17 +178,16 @@ class Position:
             drop_last=self._spec.drop_last,
             origin=origin,
         )
-        if entry.cursor >= saved.share_size:
+        if at.cursor >= saved.share_size:
             # The saved job's epoch was over; the tail it dropped stays dropped.
-            return Place(entry.epoch + 1)
-        return Place(entry.epoch, min(origin + entry.cursor * world, num_samples))
+            return Place(at.epoch + 1)
+        return Place(at.epoch, min(origin + at.cursor * world, num_samples))
 
     def begin(self, entry: Entry, pass_id: int, plan: Plan) -> None:
         """Pass ``pass_id`` starts as ``plan`` plans it; unless it only tries a state
         loaded in a DataLoader worker (see RemoteLoader._begin), it uses the place up."""
         if not self.loaded_in_worker:
-            Place(plan.epoch, plan.origin, plan.start).write(entry, directive=False)
-            entry.fresh = False
+            entry.place, entry.fresh = Place(plan.epoch, plan.origin, plan.start), False
         self.loaded_in_worker = False
         entry.pass_id, entry.in_workers = pass_id, worker_id() is not None
         # A server of a release before origins serves the split of the whole epoch instead
@@ -149,10 +211,11 @@ class Position:
                 code=StatusCode.FAILED_PRECONDITION,
             )
 
-    def end(self, entry: Entry, stream_pass: StreamPass) -> None:
+    def end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
-        if entry.pass_id == stream_pass.id:
-            Place(stream_pass.plan.epoch + 1).write(entry, directive=False)
+        with self.ledger.update() as entry:
+            if entry.pass_id == stream_pass.id:
+                entry.start_at(Place(stream_pass.plan.epoch + 1), directive=False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "loaded_in_worker": False, "_probe": None}
@@ -191,8 +254,8 @@ class Position:
         if epoch < 0:
             raise InvalidArgumentError(f"epoch must be >= 0, got {epoch}")
         with self.ledger.update() as entry:
-            if not (entry.fresh and entry.epoch == epoch):
-                Place(epoch).write(entry)
+            if not (entry.fresh and entry.place.epoch == epoch):
+                entry.start_at(Place(epoch))
 
     def state_dict(
         self, current: StreamPass | None, rank: Rank, info: Described | None
@@ -289,7 +352,7 @@ class Position:
             else:
                 _check_dataset_version(self._spec.dataset, state.get(_DATASET_VERSION), describe)
         with self.ledger.update() as entry:
-            place.write(entry)
+            entry.start_at(place)
         self.loaded_in_worker = worker is not None
         return True
 
