@@ -235,7 +235,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._info: Described | None = None
         self._servers = ServerSet(self._addresses)
         self._transport: Transport = GrpcTransport(self._security, on_open=close_at_exit)
-        self._position = Position(self._spec, elastic_batch_size=self._elastic_batch_size)
+        self._position = Position(
+            self._spec,
+            batching=self._mixture.batching if self._mixture is not None else "random",
+            elastic_batch_size=self._elastic_batch_size,
+        )
         self._pass: StreamPass | None = None
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
@@ -465,10 +469,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         don't count), or where the next pass starts. It loads on any rank, also of a job
         of another world size (the client guide: Elastic resume)."""
         if self._parts is not None:
-            return self._parts.state_dict(
-                self._sharing.resolve(),
-                self._position.identity(batching=self._parts.mixture.batching),
-            )
+            return self._position.mixture_state(self._sharing.resolve(), self._parts.state_dicts())
         return self._position.state_dict(self._pass, self._sharing.resolve(), self._info)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -477,16 +478,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         with ``elastic_batch_size=True``, the batch size) changed. Refuses a state of
         another dataset, seed, shuffle or drop_last, or of another version of the dataset
         than the server serves (which it asks, for a state saved mid-epoch)."""
-        batching = self._mixture.batching if self._mixture is not None else "random"
-        if state.get("batching", "random") != batching:
-            raise InvalidArgumentError(
-                f"state was saved by a loader of batching={state.get('batching', 'random')!r} "
-                f"but this loader has batching={batching!r}; create the loader with the same "
-                "mixture to resume"
-            )
         if self._parts is not None:
-            self._position.check_identity(state)
-            self._parts.load_state_dict(state)
+            self._parts.load_state_dicts(self._position.parts_of(state, self._parts.names))
             self.skipped_ids = []
             return
         # The dataset's version as the server serves it now, not as it served it before.

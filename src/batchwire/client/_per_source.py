@@ -45,9 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Part", "PerSource"]
 
-# What a mixture's state holds of its parts, by source name.
-PARTS = "parts"
-
 
 class Part(Protocol):
     """What a part is asked: a :class:`~batchwire.client.RemoteLoader` of one source."""
@@ -135,31 +132,16 @@ class PerSource:
         for part in self.parts:
             part.set_epoch(epoch)
 
-    def state_dict(self, rank: Rank, identity: Mapping[str, Any]) -> dict[str, Any]:
-        states = {
-            name: part.state_dict() for name, part in zip(self.names, self.parts, strict=True)
-        }
-        return {
-            **identity,
-            "epoch": min(state["epoch"] for state in states.values()),
-            "world_size": rank.world_size,
-            "rank": rank.rank,
-            PARTS: states,
-        }
+    def state_dicts(self) -> dict[str, dict[str, Any]]:
+        """Each part's state, by its source's name."""
+        return {name: part.state_dict() for name, part in zip(self.names, self.parts, strict=True)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        parts = state.get(PARTS)
-        names = list(self.names)
-        if not isinstance(parts, Mapping) or sorted(parts) != sorted(names):
-            raise InvalidArgumentError(
-                f"this state of a per-source mixture holds the states of "
-                f"{sorted(parts) if isinstance(parts, Mapping) else parts!r}, not of its "
-                f"sources {names}: it was not saved by a loader of this mixture"
-            )
-        if any(p.get("cursor") or p.get("origin") for p in parts.values()):
+    def load_state_dicts(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Load each part's state of ``states``, by its source's name (one for each)."""
+        if any(state.get("cursor") or state.get("origin") for state in states.values()):
             self.describe()  # each part checks its saved count against what it plans
-        for part, name in zip(self.parts, names, strict=True):
-            part.load_state_dict(parts[name])
+        for part, name in zip(self.parts, self.names, strict=True):
+            part.load_state_dict(states[name])
 
     # -- a pass --------------------------------------------------------------------------
 

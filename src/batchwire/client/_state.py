@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchwire.client._frameworks import worker_id
@@ -53,6 +53,8 @@ _DATASET_VERSION = "dataset_version"
 # The rest of that epoch is the same order only where the server serves those versions
 # and the loader plans those counts.
 _SOURCES = "sources"
+# A mixture's state batched per source or stratified: its parts' states, by source name.
+_PARTS = "parts"
 # An entry's bytes in the ledger (batchwire.client._ledger.SIZE of them), which a loader's
 # DataLoader workers read: version, epoch, cursor, fresh, pass_id, in_workers, origin,
 # world, batch.
@@ -125,12 +127,16 @@ class Position:
     """A loader's position in its epochs (see the module): kept in ``ledger``.
 
     The loader passes in what the position depends on (the pass running, the rank,
-    the dataset's description); ``spec`` gives the loader's settings.
+    the dataset's description); ``spec`` gives the loader's settings, ``batching`` its
+    mixture's batching ("random" for one dataset).
     """
 
-    def __init__(self, spec: StreamSpec, *, elastic_batch_size: bool = False) -> None:
+    def __init__(
+        self, spec: StreamSpec, *, batching: str = "random", elastic_batch_size: bool = False
+    ) -> None:
         self.ledger = Ledger(Entry())
         self._spec = spec
+        self._batching = batching
         self._elastic_batch_size = elastic_batch_size
         # load_state_dict ran in this DataLoader worker: see RemoteLoader._begin.
         self.loaded_in_worker = False
@@ -299,19 +305,45 @@ class Position:
             for key in _IDENTITY
         }
 
-    def identity(self, *, batching: str) -> dict[str, Any]:
-        """What a state of a mixture batched ``batching`` holds of its loader's settings
-        (the state of one batched per source is its parts' states besides)."""
+    def mixture_state(self, rank: Rank, parts: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """The state of RemoteLoader.state_dict of a mixture batched per source or
+        stratified: its settings, ``epoch``, the earliest a part stands in, and ``parts``,
+        each part's state by its source's name."""
         return {
             "version": _STATE_VERSION,
             **self._identity(),
-            "batching": batching,
+            "batching": self._batching,
             "batch_size": self._spec.batch_size,
+            "epoch": min(state["epoch"] for state in parts.values()),
+            "world_size": rank.world_size,
+            "rank": rank.rank,
+            _PARTS: dict(parts),
         }
 
+    def parts_of(self, state: Mapping[str, Any], names: Sequence[str]) -> Mapping[str, Any]:
+        """The parts' states of a mixture's ``state`` (see ``mixture_state``), once
+        ``check_identity`` passed it: one for each of ``names``, its sources' names."""
+        self.check_identity(state)
+        parts = state.get(_PARTS)
+        if not isinstance(parts, Mapping) or sorted(parts) != sorted(names):
+            raise InvalidArgumentError(
+                f"this state of a per-source mixture holds the states of "
+                f"{sorted(parts) if isinstance(parts, Mapping) else parts!r}, not of its "
+                f"sources {list(names)}: it was not saved by a loader of this mixture"
+            )
+        return parts
+
     def check_identity(self, state: Mapping[str, Any]) -> None:
-        """Refuse a state of another version of the format, or of a loader of another
-        dataset, seed, shuffle or drop_last, or (unless elastic) batch size."""
+        """Refuse a state of a loader of another batching, of another version of the
+        format, or of a loader of another dataset, seed, shuffle or drop_last, or (unless
+        elastic) batch size."""
+        saved = state.get("batching", "random")
+        if saved != self._batching:
+            raise InvalidArgumentError(
+                f"state was saved by a loader of batching={saved!r} but this loader has "
+                f"batching={self._batching!r}; create the loader with the same mixture to "
+                "resume"
+            )
         if state.get("version") not in _READABLE_STATES:
             raise InvalidArgumentError(
                 f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
