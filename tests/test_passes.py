@@ -154,6 +154,23 @@ def test_a_pass_other_than_the_one_started_ahead_stops_that_one(
     assert _settled(server, ACTIVE, active) == active
 
 
+def test_a_pass_left_in_a_process_that_imported_accelerate_stops(
+    server: BatchwireServer,
+) -> None:
+    """The check for accelerate's wrappers (made once accelerate.data_loader is imported)
+    looks into accelerate's frames only: a snapshot of the caller's variables would keep
+    the iterator it dropped, and its streams, alive."""
+    pytest.importorskip("accelerate.data_loader")
+    active = _metric(server, ACTIVE)
+    loader = make(server)
+    loader.set_epoch(3)
+    iterator = iter(loader)
+    assert take(iterator, 2) == expected(3)[: 2 * BATCH]
+    del iterator  # left before its end: its stream and the one ahead end
+    assert _settled(server, ACTIVE, active) == active
+    loader.close()
+
+
 def test_a_state_saved_on_one_rank_loads_on_every_rank(server: BatchwireServer) -> None:
     saver = make(server, rank=0, world_size=2)
     saver.set_epoch(1)

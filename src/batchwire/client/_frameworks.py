@@ -66,11 +66,15 @@ def refuse_accelerate_wrappers() -> None:
     for _ in range(_FRAMES):
         if frame is None:
             return
-        owner = frame.f_locals.get("self")
-        for name in ("DataLoaderDispatcher", "IterableDatasetShard"):
-            wrapper = getattr(module, name, None)
-            if wrapper is not None and isinstance(owner, wrapper) and _processes(owner) > 1:
-                raise _refusal(name)
+        # Only accelerate's own frames are looked into: reading a frame's f_locals leaves
+        # a snapshot of its variables on it (before Python 3.13), which would keep the
+        # caller's iterator, and the pass it streams, alive after the caller let it go.
+        if frame.f_globals.get("__name__") == module.__name__:
+            owner = frame.f_locals.get("self")
+            for name in ("DataLoaderDispatcher", "IterableDatasetShard"):
+                wrapper = getattr(module, name, None)
+                if wrapper is not None and isinstance(owner, wrapper) and _processes(owner) > 1:
+                    raise _refusal(name)
         frame = frame.f_back
 
 
