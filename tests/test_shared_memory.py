@@ -5,6 +5,7 @@ left behind once a stream ends, and the socket path whenever memory cannot be sh
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import multiprocessing
@@ -31,7 +32,7 @@ from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.server import BatchwireServer
 from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
-from batchwire.server.serving._shared_memory import RingBudget, SharedRing
+from batchwire.server.serving._shared_memory import RingBroker, RingBudget, SharedRing
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -270,6 +271,30 @@ def images_at(fd: int, encoded_message: bytes) -> np.ndarray:
         ),
     )
     return header.images
+
+
+def test_a_stopping_server_closes_the_rings_whose_streams_never_closed_them() -> None:
+    """A stream whose handler a stopping server cut short never closes its ring itself:
+    the broker that granted it closes it as the server stops, memory, descriptor and
+    budget, so that nothing of it outlives the server."""
+    budget = RingBudget(2**30)
+
+    async def grant_and_stop() -> None:
+        broker = RingBroker(budget)
+        assert broker.start(0)
+        offer = pb.SharedMemoryOffer(buffers=2, pid=os.getpid(), uid=os.geteuid())
+        granted = broker.grant(offer)
+        assert granted is not None
+        ring, _ = granted
+        os.close(ring.descriptor())  # as the claim makes it and sends it
+        ring.claimed()
+        assert ring.encode(batch(0)) is not None  # in the ring: mapped and reserved
+        assert ring_mappings() == 1 and ring_descriptors() > 0 and budget.used > 0
+        await broker.close()  # the stream's own close never runs
+        broker.close_rings()
+
+    asyncio.run(grant_and_stop())
+    assert nothing_held() and budget.used == 0
 
 
 def test_a_full_ring_sends_batches_in_their_messages_until_the_client_releases_one() -> None:

@@ -216,6 +216,8 @@ class BatchwireServer(Listening):
             # Wait for stream threads (each at most one batch away from done)
             # before the datasets they read from are closed.
             self._executor.shutdown(wait=True, cancel_futures=True)
+            if self._broker is not None:
+                self._broker.close_rings()  # those whose streams' closes never ran
             self.engine.close()
             if self._metrics_http is not None:
                 self._metrics_http.stop()

@@ -379,6 +379,10 @@ class RingBroker:
         self._path: pathlib.Path | None = None
         self._address = ""
         self._grants: dict[bytes, SharedRing] = {}
+        # Every ring granted and not yet closed: what a stopping server closes if a
+        # stream's own close never ran (its handler cut short, its close left queued).
+        self._open: set[SharedRing] = set()
+        self._open_lock = threading.Lock()
         self._claiming: set[asyncio.Task[None]] = set()
         self._accepting: asyncio.Task[None] | None = None
 
@@ -425,6 +429,8 @@ class RingBroker:
         ring = SharedRing(min(offer.buffers, MAX_BUFFERS), self.budget, offer)
         key = secrets.token_bytes(KEY_BYTES)
         self._grants[key] = ring
+        with self._open_lock:
+            self._open.add(ring)
         return ring, pb.SharedMemoryGrant(socket=self._address, key=key, uid=os.geteuid())
 
     def revoke(self, ring: SharedRing) -> None:
@@ -432,6 +438,20 @@ class RingBroker:
         for key, granted in list(self._grants.items()):
             if granted is ring:
                 del self._grants[key]
+
+    def close_ring(self, ring: SharedRing) -> None:
+        """Close a ring this broker granted (its stream ended); any thread."""
+        ring.close()
+        with self._open_lock:
+            self._open.discard(ring)
+
+    def close_rings(self) -> None:
+        """Close every ring granted and not closed yet: the server is stopping, and a
+        stream whose handler was cut short never closed its own."""
+        with self._open_lock:
+            rings, self._open = self._open, set()
+        for ring in rings:
+            ring.close()
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
