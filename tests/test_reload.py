@@ -273,7 +273,12 @@ def test_sighup_rescans_a_serving_process(tmp_path: pathlib.Path) -> None:
         _ingest(tmp_path, data, "fresh", NEW, 8)
         serving.process.send_signal(signal.SIGHUP)
         _wait_listed(serving.address, "fresh")
-        assert "dataset 'fresh' added: 24 samples" in (tmp_path / "serve.log").read_text()
+        # The rescan lists the dataset, then logs it: the line may come a moment later.
+        log = tmp_path / "serve.log"
+        deadline = time.monotonic() + DEADLINE
+        while "dataset 'fresh' added: 24 samples" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
 
 
 def _wait_listed(address: str, name: str) -> None:
