@@ -12,7 +12,7 @@ import pathlib
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -275,18 +275,26 @@ def test_sighup_rescans_a_serving_process(tmp_path: pathlib.Path) -> None:
         _wait_listed(serving.address, "fresh")
         # The rescan lists the dataset, then logs it: the line may come a moment later.
         log = tmp_path / "serve.log"
-        deadline = time.monotonic() + DEADLINE
-        while "dataset 'fresh' added: 24 samples" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.05)
+        _wait_until(
+            lambda: "dataset 'fresh' added: 24 samples" in log.read_text(),
+            lambda: log.read_text()[-2000:],
+        )
+
+
+def _wait_until(condition: Callable[[], bool], failure: Callable[[], str]) -> None:
+    """Poll ``condition`` until it holds, or fail with ``failure()`` after DEADLINE seconds."""
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, failure()
+        time.sleep(0.05)
 
 
 def _wait_listed(address: str, name: str) -> None:
     """Poll ListDatasets until it lists ``name``, or fail after DEADLINE seconds."""
-    deadline = time.monotonic() + DEADLINE
-    while name not in _datasets(address):
-        assert time.monotonic() < deadline, f"{name!r} not listed within {DEADLINE:.0f}s"
-        time.sleep(0.05)
+    _wait_until(
+        lambda: name in _datasets(address),
+        lambda: f"{name!r} not listed within {DEADLINE:.0f}s",
+    )
 
 
 def test_a_mixture_follows_its_sources_versions(
