@@ -13,6 +13,7 @@ import os
 import pathlib
 import signal
 import threading
+import types
 from collections.abc import Callable
 
 import grpc
@@ -32,7 +33,9 @@ from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.server import BatchwireServer
 from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
+from batchwire.server.serving import _shared_memory as server_shared_memory
 from batchwire.server.serving._shared_memory import RingBroker, RingBudget, SharedRing
+from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -340,6 +343,74 @@ def test_a_ring_past_the_budget_sends_batches_in_their_messages_and_says_so_once
     os.close(fd)
     assert budget.used == 0  # every reservation given back
     assert nothing_held()
+
+
+def test_a_ring_whose_memfd_other_code_closed_leaves_the_file_there_now_alone(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Code of the server's process closes a ring's memfd by mistake (a double close) and
+    a file opened meanwhile takes its number: the ring neither resizes nor writes that
+    file, nor closes it; its batches go in their messages, and the log says what happened."""
+    monkeypatch.setattr(common_shared_memory, "_warned", set())
+    budget = RingBudget(2**30)
+    ring = SharedRing(2, budget)
+    os.close(ring.descriptor())
+    ring.claimed()
+    victim = tmp_path / "checkpoint.pt"
+    victim.write_bytes(b"weights")
+    opened = os.open(victim, os.O_RDWR)
+    number = ring._fd
+    os.dup2(opened, number)  # the memfd closed, the file at its number
+    os.close(opened)
+    fell_back: list[Batch] = []
+
+    def in_messages(sent: Batch) -> EncodedBatch:
+        fell_back.append(sent)
+        return encode_parts(sent, 2**22)
+
+    with caplog.at_level(logging.WARNING):
+        encoded = ring.encoder(in_messages)(batch(0))
+        ring.close()
+    assert len(fell_back) == 1
+    assert not pb.Batch.FromString(encoded.messages[0]).HasField("shared_images")
+    assert victim.read_bytes() == b"weights"  # neither resized nor written
+    assert os.readlink(f"/proc/self/fd/{number}") == str(victim)  # nor closed
+    os.close(number)
+    assert "is no longer the ring's memfd" in caplog.text
+    assert budget.used == 0
+    assert nothing_held()
+
+
+def test_a_ring_that_fails_in_an_unforeseen_way_sends_the_epoch_in_its_messages(
+    data_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever fails in the server's shared memory (here its mapping, with an error no
+    code expects) the stream goes on with its batches in their messages: the epoch is
+    whole and the same, no INTERNAL reaches the trainer, no pipeline is rebuilt, and the
+    log says it once."""
+    monkeypatch.setattr(common_shared_memory, "_warned", set())
+    served = start_server(data_dir)
+    try:
+        expected = epoch(served.target, shared_memory=False)
+
+        def broken(*args: object, **kwargs: object) -> mmap.mmap:
+            raise RuntimeError("an unforeseen fault")
+
+        monkeypatch.setattr(
+            server_shared_memory,
+            "mmap",
+            types.SimpleNamespace(mmap=broken, MADV_DONTFORK=mmap.MADV_DONTFORK),
+        )
+        with caplog.at_level(logging.WARNING):
+            for _ in range(2):
+                assert_same(epoch(served.target), expected)
+        assert shared_bytes(served, "val") == 0
+    finally:
+        served.stop(grace=1.0)
+    assert caplog.text.count("could not go in a stream's shared memory") == 1  # once
+    assert "an unforeseen fault" in caplog.text  # with what happened
+    assert "INTERNAL" not in caplog.text and "rebuil" not in caplog.text
+    assert eventually(nothing_held)
 
 
 def _reserve_in_child(budget: RingBudget, size: int, results: multiprocessing.Queue) -> None:

@@ -66,18 +66,27 @@ _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
-def warn_once(log: logging.Logger, kind: str, message: str, *args: object) -> None:
+def warn_once(
+    log: logging.Logger, kind: str, message: str, *args: object, exc_info: bool = False
+) -> None:
     """Log ``message`` as a warning, the first time this process meets ``kind`` of
     failure on ``log``'s side only: a transport that falls back says why once, not once
-    a stream."""
-    log_once(log, logging.WARNING, kind, message, *args)
+    a stream. ``exc_info``: with the exception being handled (a fault no code foresaw)."""
+    log_once(log, logging.WARNING, kind, message, *args, exc_info=exc_info)
 
 
-def log_once(log: logging.Logger, level: int, kind: str, message: str, *args: object) -> None:
+def log_once(
+    log: logging.Logger,
+    level: int,
+    kind: str,
+    message: str,
+    *args: object,
+    exc_info: bool = False,
+) -> None:
     """Log ``message`` at ``level``, the first time this process meets ``kind`` on
     ``log``'s side only (see :func:`warn_once`)."""
     with _warned_lock:
         if (log.name, kind) in _warned:
             return
         _warned.add((log.name, kind))
-    log.log(level, message, *args)
+    log.log(level, message, *args, exc_info=exc_info)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -176,6 +177,7 @@ class SharedRing:
         self._backed: set[int] = set()  # buffers whose pages are reserved
         self._memory: mmap.mmap | None = None
         self._fd = -1  # the memfd, from the claim to the close
+        self._identity = (0, 0)  # its (st_dev, st_ino): what self._fd must still be
         self._size = 0  # bytes reserved in the budget
         self._buffer_bytes = 0
         self._claimed = False
@@ -204,6 +206,7 @@ class SharedRing:
             if not self._usable or self._fd >= 0:
                 raise OSError(0, "the stream's shared memory was claimed already, or ended")
             self._fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            self._identity = _identity(self._fd)
             try:
                 # The same memory through a description that cannot write: the client's.
                 return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -221,7 +224,21 @@ class SharedRing:
         """A stream's encode: each batch in a free buffer, else ``fallback(batch)``."""
 
         def encode(batch: Batch) -> EncodedBatch:
-            return self.encode(batch) or fallback(batch)
+            try:
+                encoded = self.encode(batch)
+            except Exception:  # a fault of shared memory never fails the stream
+                with self._lock:
+                    self._usable = False  # unmapped at the close; nothing more goes there
+                warn_once(
+                    log,
+                    "fault",
+                    "a batch could not go in a stream's shared memory, for a reason not "
+                    "foreseen (below): such streams send their batches in their messages; "
+                    "please report it",
+                    exc_info=True,
+                )
+                encoded = None
+            return encoded or fallback(batch)
 
         return encode
 
@@ -283,22 +300,35 @@ class SharedRing:
         if not self._budget.reserve(size):
             self._usable = False
             return False
+        memory = None
         try:
+            if _identity(self._fd) != self._identity:
+                # Some code of this process closed the memfd's number, and something else
+                # was opened there: that file must not be resized or written.
+                raise OSError(
+                    errno.EBADF,
+                    f"descriptor {self._fd} is no longer the ring's memfd (now "
+                    f"{_describe(self._fd)}): some code in this process closed it",
+                )
             os.ftruncate(self._fd, size)
             memory = mmap.mmap(self._fd, size)
             # A process this one forks (a custom pipeline's helper) does not inherit it.
             memory.madvise(mmap.MADV_DONTFORK)
             # This mapping is the only writable one there will ever be.
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as exc:
+        except BaseException as exc:  # nothing reserved or mapped is kept
+            if memory is not None:
+                memory.close()
             self._budget.release(size)
             self._usable = False
+            if not isinstance(exc, (OSError, ValueError)):  # ValueError: resized meanwhile
+                raise
             warn_once(
                 log,
                 "make",
                 "could not make a stream's shared memory (%s): such streams send their "
                 "batches in their messages",
-                exc.strerror or exc,
+                getattr(exc, "strerror", None) or exc,
             )
             return False
         self._memory, self._size, self._buffer_bytes = memory, size, buffer_bytes
@@ -356,7 +386,15 @@ class SharedRing:
             self._budget.release(self._size)
             self._size = 0
         if self._fd >= 0:
-            os.close(self._fd)
+            if _identity(self._fd) == self._identity:
+                os.close(self._fd)
+            else:  # closed by other code already: its number is someone else's now
+                log.error(
+                    "descriptor %d is no longer a ring's memfd (now %s): some code in this "
+                    "process closed it; left open",
+                    self._fd,
+                    _describe(self._fd),
+                )
             self._fd = -1
 
 
@@ -525,6 +563,22 @@ class RingBroker:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    """The file ``fd`` refers to now, as (st_dev, st_ino); (0, 0) where it is closed."""
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return (0, 0)
+    return (status.st_dev, status.st_ino)
+
+
+def _describe(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 _NO_BROKER = (
