@@ -265,3 +265,37 @@ def test_an_entry_keeps_the_ledgers_byte_layout() -> None:
     data = struct.pack("<9q", 1, 2, 4, 0, 7, 1, 3, 5, 6)
     assert len(data) == SIZE
     assert entry.pack() == data and Entry.unpack(data) == entry
+
+
+def ledger_descriptors() -> int:
+    """Descriptors this process holds of ledger files (removed ones included)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += PREFIX in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+    return held
+
+
+def test_a_process_that_makes_loader_after_loader_keeps_no_descriptor_of_theirs(
+    data_dir: pathlib.Path,
+) -> None:
+    """A sweep, a notebook or an evaluation job makes a loader, drops it and makes
+    another: each loader's ledger file, and this process's descriptor of it, goes with
+    it, so that a long process never runs out of descriptors."""
+    import gc
+
+    from batchwire.client import RemoteLoader
+
+    before = ledger_descriptors()
+    for _ in range(50):
+        loader = RemoteLoader("localhost:1", dataset="shapes", pipeline="val", batch_size=8)
+        assert ledger_descriptors() == before + 1
+        del loader
+        gc.collect()
+    assert ledger_descriptors() == before
+    ledger = Ledger(Counts(epoch=1))
+    ledger.close()
+    assert ledger_descriptors() == before
+    assert ledger.read() == Counts(epoch=1)  # a closed ledger reads on in memory

@@ -187,8 +187,23 @@ def _warn_in_memory(failures: list[str]) -> None:
     )
 
 
-def _remove(path: str | None, owner: int) -> None:
-    # Finalizers are inherited by forked children: only the creator removes the file.
+class _Held:
+    """A process's descriptor of a ledger's file: ``fd`` (-1: none yet, or in memory),
+    open in process ``pid``; closed when its ledger goes."""
+
+    __slots__ = ("fd", "pid")
+
+    def __init__(self, fd: int, pid: int) -> None:
+        self.fd, self.pid = fd, pid
+
+
+def _remove(path: str | None, owner: int, held: _Held) -> None:
+    # Finalizers are inherited by forked children: each closes only its own descriptor,
+    # and only the creator removes the file.
+    if held.fd >= 0 and held.pid == os.getpid():
+        with contextlib.suppress(OSError):
+            os.close(held.fd)
+        held.fd = -1
     if path is not None and os.getpid() == owner:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -198,8 +213,8 @@ class Ledger(Generic[R]):
     """A record shared between a loader and its DataLoader workers; see the module.
 
     ``_path`` is the file (None: the record is in memory, ``_snapshot`` itself);
-    ``_snapshot``, the bytes a copy carried; ``_fd``, this process's descriptor of the
-    file (-1: none yet, or in memory); ``_pid``, the process ``_fd`` belongs to.
+    ``_snapshot``, the bytes a copy carried; ``_held``, this process's descriptor of the
+    file, closed with the file's removal when the ledger is collected or closed.
     """
 
     def __init__(self, initial: R) -> None:
@@ -213,46 +228,48 @@ class Ledger(Generic[R]):
     def _create(self, initial: bytes) -> None:
         directories, missing = _directories()
         failures: list[str] = []
-        self._fd, self._path = -1, None
+        fd, self._path = -1, None
         for directory in directories:
             if directory not in _swept:
                 _swept.add(directory)
                 with contextlib.suppress(OSError):
                     _sweep(directory)
             try:
-                self._fd, self._path = _make_file(directory, initial)
+                fd, self._path = _make_file(directory, initial)
                 break
             except OSError as exc:
                 failures.append(f"{directory}: {exc.strerror or exc}")
         else:
             _warn_in_memory(failures + missing)
         self._snapshot = initial
-        self._pid = self._owner = os.getpid()
-        self._finalizer = weakref.finalize(self, _remove, self._path, self._owner)
+        self._owner = os.getpid()
+        self._held = _Held(fd, self._owner)
+        self._finalizer = weakref.finalize(self, _remove, self._path, self._owner, self._held)
 
     def _handle(self) -> int:
         """This process's descriptor (flock needs one per process: fork shares them),
         or -1 for a ledger in memory."""
-        if self._pid == os.getpid():
-            return self._fd
+        held = self._held
+        if held.pid == os.getpid():
+            return held.fd
         if torch.utils.data.get_worker_info() is None:
             # Not a DataLoader worker of the owner: continue on a ledger of our own.
             self._create(self._read_from_path())
-            return self._fd
+            return self._held.fd
         if self._path is None:
             # A worker of a loader whose ledger is in memory runs on its own copy, the
             # values it forked with or was pickled with; nobody else sees it.
-            self._fd, self._pid = -1, os.getpid()
-            return self._fd
+            held.fd, held.pid = -1, os.getpid()
+            return held.fd
         try:
-            self._fd = os.open(self._path, os.O_RDWR)
+            held.fd = os.open(self._path, os.O_RDWR)
         except FileNotFoundError:
             raise RuntimeError(
                 "the RemoteLoader this DataLoader worker copied was closed in the training "
                 "process; close() the loader only after its DataLoader is done"
             ) from None
-        self._pid = os.getpid()
-        return self._fd
+        held.pid = os.getpid()
+        return held.fd
 
     def _read_from_path(self) -> bytes:
         if self._path is None:
@@ -306,7 +323,8 @@ class Ledger(Generic[R]):
         self._kind = state["kind"]
         self._path = state["path"]
         self._snapshot = state["snapshot"]
-        self._fd = -1
-        self._pid = self._owner = -1
-        self._finalizer = weakref.finalize(self, _remove, self._path, -1)  # not ours: no-op
+        self._owner = -1
+        self._held = _Held(-1, -1)
+        # Not ours to remove; the descriptor this process opens for it is closed.
+        self._finalizer = weakref.finalize(self, _remove, self._path, -1, self._held)
         _ledgers.add(self)
