@@ -2,9 +2,11 @@
 sent in parts of several sizes vs whole.
 
 First the raw gRPC ceiling (run (e) of ``batchwire bench --compare``) for messages of 1 to
-32 MB: GB/s and the client's CPU seconds per GB. Then batchwire's transport (run (d): batches
-already in memory, no decoding) for a batch of at least 512 images, cut into parts of 1 to
-16 MiB or sent whole.
+32 MB: GB/s and the client's and the server's CPU seconds per GB, beside the same bytes over
+a plain TCP connection (sent from the payload's memory, received into one buffer: the
+kernel's copies only), the ceiling under gRPC's. Then batchwire's transport (run (d):
+batches already in memory, no decoding) for a batch of at least 512 images, cut into parts
+of 1 to 16 MiB or sent whole.
 """
 
 from __future__ import annotations
@@ -37,18 +39,38 @@ def run_messages(args: argparse.Namespace) -> int:
 
 
 def _raw_by_size() -> list[dict[str, Any]]:
-    from batchwire.bench import raw_server, run_raw
+    from batchwire.bench import plain_server, raw_server, run_plain, run_raw
 
-    print(f"{'message':>10} {'GB/s':>7} {'client CPU-s/GB':>16}")
+    print(
+        f"{'message':>10} {'gRPC GB/s':>10} {'CPU-s/GB client':>16} {'server':>7}   "
+        f"{'plain TCP GB/s':>14} {'CPU-s/GB client':>16} {'server':>7}"
+    )
     rows: list[dict[str, Any]] = []
     for mb in _MESSAGE_MB:
         size = mb * 2**20
+        count = max(8, 4 * 2**30 // size)
         with raw_server(size) as (address, pid):
-            result = run_raw(address, pid, size, 1.0, max(8, 4 * 2**30 // size))
-        gigabytes = result.images * size / 1e9
-        rate, cpu = gigabytes / result.seconds, result.trainer_cpu / gigabytes
-        rows.append({"message_mb": mb, "gb_per_s": rate, "cpu_s_per_gb": cpu})
-        print(f"{mb:>8} MB {rate:7.2f} {cpu:16.2f}")
+            grpc_run = run_raw(address, pid, size, 1.0, count)
+        with plain_server(size) as (address, pid):
+            plain_run = run_plain(address, pid, size, count)
+        row: dict[str, Any] = {"message_mb": mb}
+        cells = []
+        for name, result in (("grpc", grpc_run), ("plain", plain_run)):
+            gigabytes = result.images * size / 1e9
+            figures = (
+                gigabytes / result.seconds,
+                result.trainer_cpu / gigabytes,
+                (result.server_cpu or 0.0) / gigabytes,  # both runs measure it
+            )
+            row |= dict(zip((f"{name}_gb_per_s", f"{name}_client_cpu_s_per_gb",
+                             f"{name}_server_cpu_s_per_gb"), figures, strict=True))  # fmt: skip
+            cells.append(figures)
+        rows.append(row)
+        (g_rate, g_client, g_server), (p_rate, p_client, p_server) = cells
+        print(
+            f"{mb:>7} MB {g_rate:>10.2f} {g_client:>16.2f} {g_server:>7.2f}   "
+            f"{p_rate:>14.2f} {p_client:>16.2f} {p_server:>7.2f}"
+        )
     return rows
 
 

@@ -416,3 +416,17 @@ def test_host_trainers_refuses_a_server_setting_it_does_not_know(
     assert benchmarks.main(["--host-trainers", "1", "--host-servers", "workers2,workers9"]) == 2
     error = capsys.readouterr().err
     assert "unknown workers9" in error and "defaults,no-shared-memory,workers1,workers2" in error
+
+
+def test_the_plain_tcp_ceiling_receives_every_message_whole() -> None:
+    """`--messages`'s row under gRPC's: the same bytes over plain TCP, every message
+    received whole (a short one would raise), the server's CPU measured."""
+    from batchwire.bench import plain_server, run_plain
+
+    with plain_server(3 * 65536 + 5) as (address, pid):
+        result = run_plain(address, pid, 3 * 65536 + 5, 40)
+        again = run_plain(
+            address, pid, 3 * 65536 + 5, 3
+        )  # the server takes connection after connection
+    assert (result.images, again.images) == (40, 3)
+    assert result.seconds > 0 and result.server_cpu is not None

@@ -51,7 +51,13 @@ from batchwire.bench._runs import (
     run_inprocess,
     run_remote,
 )
-from batchwire.bench._transport import raw_server, run_raw, transport_server
+from batchwire.bench._transport import (
+    plain_server,
+    raw_server,
+    run_plain,
+    run_raw,
+    transport_server,
+)
 
 __all__ = [
     "IMAGE_BYTES",
@@ -72,6 +78,7 @@ __all__ = [
     "no_decode",
     "pil_train_sample",
     "pipeline_spec",
+    "plain_server",
     "process_cpu_seconds",
     "process_tree",
     "progress",
@@ -81,6 +88,7 @@ __all__ = [
     "run_dali",
     "run_inprocess",
     "run_pil",
+    "run_plain",
     "run_raw",
     "run_remote",
     "summarize",

@@ -2,6 +2,9 @@
 
 (d) ``transport``  batchwire's streaming path with batches already in memory
 (e) ``raw``        the gRPC ceiling: plain messages of the same sizes
+
+and, for ``python -m benchmarks --messages``, the ceiling under gRPC's: the same bytes
+over a plain TCP connection (:func:`plain_server`, :func:`run_plain`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import contextlib
 import math
 import multiprocessing
 import os
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -19,7 +24,14 @@ from typing import Any
 from batchwire.bench._probe import CpuClock, RssSampler
 from batchwire.bench._runs import IMAGE_BYTES, RunResult
 
-__all__ = ["IN_MEMORY_BYTES", "raw_server", "run_raw", "transport_server"]
+__all__ = [
+    "IN_MEMORY_BYTES",
+    "plain_server",
+    "raw_server",
+    "run_plain",
+    "run_raw",
+    "transport_server",
+]
 
 # What the transport (d) and raw (e) servers hold in memory and cycle through: far
 # more than a CPU cache, as a real stream's data is.
@@ -226,4 +238,71 @@ def run_raw(
     done = round(messages * images_per_message)
     return RunResult(
         "raw", done, seconds, cpu.seconds(), server_cpu.seconds(), rss.peaks[0], rss.peaks[1]
+    )
+
+
+# -- the ceiling under gRPC: a plain TCP connection -------------------------------------
+
+_COUNT = struct.Struct("<Q")
+
+
+def _plain_server(port_queue: Any, message_bytes: int) -> None:
+    """Per connection: a count, then that many ``message_bytes`` messages, each sent from
+    the payload's own memory (``sendall`` of a memoryview: no copy in this process, the
+    interpreter lock let go while the kernel copies)."""
+    payloads = [
+        memoryview(os.urandom(message_bytes))
+        for _ in range(max(1, -(-IN_MEMORY_BYTES // message_bytes)))
+    ]
+    listener = socket.create_server(("localhost", 0))
+    port_queue.put(listener.getsockname()[1])
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            (count,) = _COUNT.unpack(_receive_exactly(connection, _COUNT.size))
+            for i in range(count):
+                connection.sendall(payloads[i % len(payloads)])
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+    data = bytearray(size)
+    _receive_into(connection, memoryview(data))
+    return bytes(data)
+
+
+def _receive_into(connection: socket.socket, buffer: memoryview) -> None:
+    got = 0
+    while got < len(buffer):
+        more = connection.recv_into(buffer[got:])
+        if not more:
+            raise ConnectionError("the plain TCP server closed the connection")
+        got += more
+
+
+@contextlib.contextmanager
+def plain_server(message_bytes: int) -> Iterator[tuple[str, int]]:
+    """A server streaming ``message_bytes``-byte messages over plain TCP; (address, pid)."""
+    with _child(_plain_server, message_bytes) as served:
+        yield served
+
+
+def run_plain(address: str, server_pid: int, message_bytes: int, messages: int) -> RunResult:
+    """``messages`` messages from a :func:`plain_server`, each received into one buffer
+    (``recv_into``: the kernel's copy only), as a client that reuses its batch memory."""
+    host, port = address.rsplit(":", 1)
+    buffer = memoryview(bytearray(message_bytes))
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(_COUNT.pack(1))  # connect and warm up, as run_raw does
+        _receive_into(connection, buffer)
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        server_cpu = CpuClock(server_pid)
+        cpu = CpuClock()
+        with RssSampler(os.getpid(), server_pid) as rss:
+            started = time.perf_counter()
+            connection.sendall(_COUNT.pack(messages))
+            for _ in range(messages):
+                _receive_into(connection, buffer)
+            seconds = time.perf_counter() - started
+    return RunResult(
+        "plain", messages, seconds, cpu.seconds(), server_cpu.seconds(), rss.peaks[0], rss.peaks[1]
     )
