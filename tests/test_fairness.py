@@ -38,8 +38,8 @@ class Requests:
         self.fair = fair
 
     def request(self, ticket: Ticket, room: int, *, more: int = 0) -> None:
-        if not ticket.closed and ticket.next_requests(room, more):
-            self.fair.add(ticket)
+        if not ticket.closed:
+            self.fair.ask(ticket, room, more)
 
     def forget(self, ticket: Ticket) -> None:
         self.fair.close(ticket)

@@ -12,9 +12,9 @@ here (each line a call, with the thread it runs in and what it hands on)::
     BatchwireServicer._read_wants     the event loop: a PullRequest's batch indices
       BatchStream.want                  the share's PlannedBatches, appended in order
         Ticket.extend                   the stream has more batches
-          Scheduler.request             under the scheduler's lock, which asks back
-            Ticket.next_requests          the batch numbers the window allows, pending
-            FairQueue.add                 the ticket waits; the slots are woken
+          Scheduler.request             under the scheduler's lock
+            FairQueue.ask                 the batch numbers the window allows join the
+                                          ticket's pending; it waits; the slots are woken
     Scheduler._run_key                a slot's thread (batchwire-pipeline-N), one key
       Runner.run(jobs)                  the slot's pipeline runs the jobs of any stream
         _Source (DALI's input)          called by DALI in pipe.run, on the slot's thread
@@ -46,9 +46,9 @@ DALI's output, Result, Batch, EncodedBatch, the message bytes. A batch keeps one
 its ``seq`` in the stream, from its request to its result. Three calls go up a layer,
 each to a function handed down at construction (the seams of docs/development.md): DALI's
 input reads through the stream's reader, the runner finishes through the stream's
-encoder, the read-ahead guesses through the stream. Inside scheduling, the scheduler asks
-the ticket back for its next requests (``Ticket.next_requests``), under its lock, which
-guards the ticket's count of requests. At its open the stream takes its ticket from the
+encoder, the read-ahead guesses through the stream. Inside scheduling, a ticket only asks:
+what it has asked for and been served is the fair queue's to keep, under the scheduler's
+lock. At its open the stream takes its ticket from the
 scheduler (``StreamSetup.schedule``) and hands its reader down to it, and its guess of the
 next ids to its read-ahead.
 """

@@ -88,7 +88,22 @@ class FairQueue:
         if state.tickets <= 0:
             del self._keys[ticket.key]
 
-    def add(self, ticket: Ticket) -> None:
+    def ask(self, ticket: Ticket, room: int, more: int = 0) -> bool:
+        """``ticket`` may ask for ``room`` more batches, and its stream has ``more``
+        batches more: those now allowed join its pending requests, and it is queued if it
+        is not already. Whether any joined (a slot may have something new to run)."""
+        ticket.count += more
+        ticket.allowed += room
+        end = min(ticket.allowed, ticket.count)
+        if ticket.requested >= end:
+            return False
+        now = time.monotonic()
+        ticket.pending.extend((seq, now) for seq in range(ticket.requested, end))
+        ticket.requested = end
+        self._add(ticket)
+        return True
+
+    def _add(self, ticket: Ticket) -> None:
         """``ticket`` has pending requests: queue it if it is not queued already."""
         state = self._keys.get(ticket.key)
         if state is None or ticket.queued is not None or not ticket.pending:

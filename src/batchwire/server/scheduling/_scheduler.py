@@ -129,11 +129,12 @@ class Scheduler:
     # -- the streams' side ---------------------------------------------------------
 
     def request(self, ticket: Ticket, room: int, *, more: int = 0) -> None:
+        """``ticket``'s window moved by ``room`` batches and its stream grew by ``more``
+        (see ``FairQueue.ask``); a slot is woken if it has something new to run."""
         with self._lock:
             if ticket.closed:
                 return
-            if ticket.next_requests(room, more):
-                self._fair.add(ticket)
+            if self._fair.ask(ticket, room, more):
                 self._lock.notify_all()
 
     def forget(self, ticket: Ticket) -> None:

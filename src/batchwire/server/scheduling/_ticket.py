@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,9 +34,12 @@ class Ticket:
     come back through :meth:`future`, each batch's once (:meth:`deliver` hands them in).
     A ticket is not a pipeline: the scheduler's slots run its requests on theirs.
 
-    The fairness policy's state lives here too, guarded by the scheduler's lock:
-    ``pending`` holds the batches asked for and not yet taken by a pipeline, with when each
-    was asked, and ``served`` counts those taken (see ``batchwire.server.scheduling._fair``).
+    The fairness policy's state lives here too, kept by the fair queue under the
+    scheduler's lock (see ``batchwire.server.scheduling._fair``): ``allowed`` and
+    ``requested`` (batches before these may be, and have been, asked of the pipelines),
+    ``pending``, the batches asked for and not yet taken by a pipeline, with when each was
+    asked, and ``served``, those taken. The ticket itself only moves its window, through
+    the scheduler (:meth:`start`, :meth:`extend`, :meth:`more`).
     """
 
     def __init__(
@@ -53,21 +55,21 @@ class Ticket:
         self.read = read
         self._window = window
         self._scheduler = scheduler
+        self.allowed = 0
+        self.requested = 0
         self.pending: collections.deque[tuple[int, float]] = collections.deque()
         self.served = 0
         self.queued: int | None = None  # the fair queue's entry for this ticket, if any
         self._results: dict[int, Result | BaseException] = {}
         # Results someone awaits (``future``): set on delivery instead of kept.
         self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
-        self._requested = 0  # batches before this one have been asked of the pipelines
-        self._allowed = 0  # ... and those before this one may be
         self._lock = threading.Lock()
         self._started = False
         self.closed = False
 
     def start(self, first: int) -> None:
         """Ask for batches ``first``, ``first + 1``, … (``window`` of them to begin with)."""
-        self._requested = self._allowed = first
+        self.requested = self.allowed = first
         self._started = True
         self._scheduler.request(self, self._window)
 
@@ -75,17 +77,6 @@ class Ticket:
         """The stream has ``count`` more batches (a pulling client asked for them); they are
         asked of the pipelines as the window allows."""
         self._scheduler.request(self, 0, more=count)
-
-    def next_requests(self, room: int, more: int = 0) -> list[int]:
-        """Further batch numbers to ask for, ``room`` more allowed and ``more`` batches more
-        in the stream (called under the scheduler's lock); they join ``pending``."""
-        self.count += more
-        self._allowed += room
-        seqs = list(range(self._requested, min(self._allowed, self.count)))
-        self._requested += len(seqs)
-        now = time.monotonic()
-        self.pending.extend((seq, now) for seq in seqs)
-        return seqs
 
     def deliver(self, seq: int, result: Result | BaseException) -> None:
         with self._lock:
