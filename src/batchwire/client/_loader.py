@@ -20,7 +20,7 @@ from batchwire.client._pass import StreamPass, close_at_exit
 from batchwire.client._per_source import PerSource
 from batchwire.client._rank import Rank, Sharing
 from batchwire.client._servers import ServerSet
-from batchwire.client._state import Place, Position
+from batchwire.client._state import LoaderState, Place
 from batchwire.client._transport import (
     BatchwireError,
     ChannelSecurity,
@@ -235,7 +235,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._info: Described | None = None
         self._servers = ServerSet(self._addresses)
         self._transport: Transport = GrpcTransport(self._security, on_open=close_at_exit)
-        self._position = Position(
+        self._state = LoaderState(
             self._spec,
             batching=self._mixture.batching if self._mixture is not None else "random",
             elastic_batch_size=self._elastic_batch_size,
@@ -428,7 +428,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _plan(self, rank: Rank, place: Place) -> tuple[StreamSpec, Plan]:
         """The stream of ``rank`` from ``place`` (in this loader's units), and its plan."""
-        return self._position.plan(rank, place, self._describe())
+        return self._state.plan(rank, place, self._describe())
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (equal on every rank)."""
@@ -453,7 +453,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         """The epoch of the pass in progress, or of the next pass if none is."""
         if self._parts is not None:
             return self._parts.epoch
-        return self._position.place(self._pass).epoch
+        return self._state.place(self._pass).epoch
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass starts ``epoch`` (at the loaded position if a loaded state is
@@ -462,15 +462,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         if self._parts is not None:
             self._parts.set_epoch(epoch)
             return
-        self._position.set_epoch(epoch)
+        self._state.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: after the last batch handed out (prefetched ones
         don't count), or where the next pass starts. It loads on any rank, also of a job
         of another world size (the client guide: Elastic resume)."""
         if self._parts is not None:
-            return self._position.mixture_state(self._sharing.resolve(), self._parts.state_dicts())
-        return self._position.state_dict(self._pass, self._sharing.resolve(), self._info)
+            return self._state.mixture_state(self._sharing.resolve(), self._parts.state_dicts())
+        return self._state.state_dict(self._pass, self._sharing.resolve(), self._info)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The next pass continues from ``state``: exactly the rest of its epoch, split
@@ -479,11 +479,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         another dataset, seed, shuffle or drop_last, or of another version of the dataset
         than the server serves (which it asks, for a state saved mid-epoch)."""
         if self._parts is not None:
-            self._parts.load_state_dicts(self._position.parts_of(state, self._parts.names))
+            self._parts.load_state_dicts(self._state.parts_of(state, self._parts.names))
             self.skipped_ids = []
             return
         # The dataset's version as the server serves it now, not as it served it before.
-        if self._position.load_state_dict(state, lambda: self._describe(again=True)):
+        if self._state.load_state_dict(state, lambda: self._describe(again=True)):
             self.skipped_ids = []
 
     # -- passes -------------------------------------------------------------------------
@@ -496,9 +496,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         # A state that StatefulDataLoader loaded in this worker is for the pass made right
         # after it here, which uses it up only by running to its end: torchdata primes
         # the prefetch of a restored iterator before it finds the state was of a finished
-        # pass and starts another, and that discarded pass must not count (Position.begin).
-        with self._position.ledger.update() as entry:
-            place, spec, plan = self._position.upcoming(entry, rank, self._describe())
+        # pass and starts another, and that discarded pass must not count (LoaderState.begin).
+        with self._state.ledger.update() as entry:
+            place, spec, plan = self._state.upcoming(entry, rank, self._describe())
             ahead = self._take_ahead()
             if ahead is not None and ahead.spec == spec.to_proto():
                 stream_pass = ahead  # started as the last pass ended: its batches are coming
@@ -508,7 +508,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                     ahead.stop()
                 stream_pass = self._new_pass(spec, plan, tensors, self._window())
                 stream_pass.start_readers()
-            self._position.begin(entry, stream_pass.id, plan)
+            self._state.begin(entry, stream_pass.id, plan)
         self._say_what_is_left_out(plan)
         if place.cursor == 0:
             self.skipped_ids = []
@@ -517,12 +517,12 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def _next_plan(self, rank: Rank) -> Plan:
         """The plan of the next pass of ``rank``, as the ledger places it now."""
-        return self._position.upcoming(self._position.ledger.read(), rank, self._describe())[2]
+        return self._state.upcoming(self._state.ledger.read(), rank, self._describe())[2]
 
     def _skip_to(self, epoch: int) -> None:
         """The next pass starts ``epoch``: what is left of this one is dropped (a part of a
         stratified mixture whose epoch ended with another part's)."""
-        self._position.set_epoch(epoch)
+        self._state.set_epoch(epoch)
 
     def _say_what_is_left_out(self, plan: Plan) -> None:
         """Once a loader: the samples of an epoch that drop_last leaves out, or that
@@ -613,7 +613,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     def _end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
         self._passes_ended += 1
-        self._position.end(stream_pass)
+        self._state.end(stream_pass)
 
     # -- iteration ---------------------------------------------------------------------
 
@@ -665,8 +665,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                         # The dataset was replaced: the next pass describes it again.
                         self._info = None
                     raise
-                if index == stream_pass.first:  # see Position.begin
-                    self._position.check_served(stream_pass.id, index, delivery.ids)
+                if index == stream_pass.first:  # see LoaderState.begin
+                    self._state.check_served(stream_pass.id, index, delivery.ids)
                 stream_pass.cursor = delivery.cursor
                 self.skipped_ids.extend(delivery.skipped_ids)
                 # Also a batch whose every sample was unreadable (empty): every rank takes

@@ -1,7 +1,7 @@
 """Where a loader stands in its epochs, and how that is kept and saved.
 
 A pass starts at a :class:`Place`: an epoch, the origin of its split and a cursor. A
-loader's :class:`Position`, which :class:`~batchwire.client.RemoteLoader` holds, keeps
+loader's :class:`LoaderState`, which :class:`~batchwire.client.RemoteLoader` holds, keeps
 the place its next pass starts at in the :class:`Entry` of its ledger
 (``batchwire.client._ledger``), which it shares with its own DataLoader workers; it
 builds a pass's place from the pass's plan and cursor, and saves (``state_dict``) and
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
     from batchwire.common.stream import StreamSpec
 
-__all__ = ["Entry", "Place", "Position"]
+__all__ = ["Entry", "LoaderState", "Place"]
 
 _STATE_VERSION = 3
 # 1: batchwire 0.1, 2: the release after it. Same fields and meaning, without origin (0).
@@ -123,10 +123,11 @@ class Entry:
         return cls(place, bool(fresh), pass_id, bool(in_workers), version)
 
 
-class Position:
-    """A loader's position in its epochs (see the module): kept in ``ledger``.
+class LoaderState:
+    """Where a loader stands in its epochs (see the module): kept in ``ledger``; its
+    ``state_dict``'s ``position`` is the job's global position in an epoch.
 
-    The loader passes in what the position depends on (the pass running, the rank,
+    The loader passes in what that depends on (the pass running, the rank,
     the dataset's description); ``spec`` gives the loader's settings, ``batching`` its
     mixture's batching ("random" for one dataset).
     """
