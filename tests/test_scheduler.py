@@ -11,7 +11,6 @@ import logging
 import pathlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import numpy as np
@@ -73,7 +72,7 @@ def held() -> Iterator[tuple[threading.Event, Scheduler]]:
     scheduler.close()
 
 
-def take(ticket: Ticket, seq: int) -> Result[Any] | None:
+def take(ticket: Ticket, seq: int) -> Result | None:
     """Batch ``seq`` of the ticket, once run; asks for one more, as a stream does."""
     result = ticket.future(seq).result(timeout=30)
     ticket.more()

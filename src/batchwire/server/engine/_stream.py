@@ -28,8 +28,8 @@ here (each line a call, with the thread it runs in and what it hands on)::
           Job.finish                    back up into this stream: BatchStream._finish
             encode                      a Batch, through StageTimes "encode", to serving's
                                         encoder: encode_parts or SharedRing.encode, the
-                                        one copy of the pixels: an EncodedBatch
-          Result                        images[:0], the EncodedBatch as its payload
+                                        one copy of the pixels: the EncodedBatch the
+                                        runner yields
       Ticket.deliver                    the next in flight: the future of its seq set
     serve_stream                      the event loop again
       BatchStream.next_async            the future awaited: the EncodedBatch
@@ -187,7 +187,7 @@ class BatchStream(Generic[P]):
         job.finish = functools.partial(self._finish, seq)
         return job
 
-    def _finish(self, seq: int, result: Result[P]) -> P:
+    def _finish(self, seq: int, result: Result) -> P:
         planned = self._planned[seq]
         plan = self._setup.plan
         source_counts: tuple[int, ...] = ()
@@ -269,13 +269,13 @@ class BatchStream(Generic[P]):
             raise Draining("the server is shutting down; resume the stream on another server")
         return not done
 
-    def _took(self, result: Result[P] | None) -> P | None:
-        if result is None:  # closed
+    def _took(self, encoded: P | None) -> P | None:
+        if encoded is None:  # closed
             return None
         self._next_seq += 1
         self.produced += 1
         self._ticket.more()
-        return result.payload
+        return encoded
 
     async def next_async(self) -> P | None:
         """The next batch, awaited on the event loop; None at the end or once closed."""

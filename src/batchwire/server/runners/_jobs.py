@@ -1,4 +1,5 @@
-"""What a pipeline runs and what comes out: a :class:`Job` and its :class:`Result`.
+"""What a pipeline runs and what comes out: a :class:`Job`, its :class:`Result`, and what
+the job's ``finish`` makes of that result.
 
 :func:`read_job` makes a batch's job from the record path's output
 (:meth:`Dataset.read_screened`: its records read from LMDB, parsed and screened).
@@ -14,7 +15,7 @@ import numpy as np
 
 from batchwire.server.data.records import Records
 
-__all__ = ["Job", "Result", "empty_result", "read_job"]
+__all__ = ["Job", "Result", "empty_result", "keep", "read_job"]
 
 P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's message)
 
@@ -29,11 +30,12 @@ class Job(Generic[P]):
     labels: np.ndarray
     skipped: list[int] = dataclasses.field(default_factory=list)
     attempts: int = 0
-    # Called with the job's Result while its images are still a view of DALI's output
-    # buffer (valid only until the pipeline's next run); what it returns becomes
-    # ``Result.payload`` and the images are not kept. This is how a stream's messages are
-    # built with the images copied once, from DALI's buffer into the message.
-    finish: Callable[[Result[P]], P] | None = None
+    # Called with the job's Result while its images are a view of DALI's output buffer
+    # (valid only until the pipeline's next run): what it returns is what the runner
+    # yields for the job. This is how a stream's messages are built with the images
+    # copied once, from DALI's buffer into the message. None: :func:`keep`, a Result
+    # that owns its images.
+    finish: Callable[[Result], P] | None = None
 
     def inputs(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         """What ``fn.external_source`` hands DALI for this job: the encoded images (which
@@ -44,21 +46,28 @@ class Job(Generic[P]):
 
 
 @dataclasses.dataclass(frozen=True)
-class Result(Generic[P]):
-    """A job's output; ``images`` and ``labels`` own their memory (``images`` is empty when
-    the job had a ``finish``, whose return value is ``payload``)."""
+class Result:
+    """A job's output as its ``finish`` sees it: ``images`` may be a view of DALI's output
+    buffer, valid only during the call (:func:`keep` copies it); ``labels`` own their
+    memory."""
 
     seq: int
     ids: np.ndarray
     images: np.ndarray
     labels: np.ndarray
     skipped: tuple[int, ...]
-    payload: P | None = None
+
+
+def keep(result: Result) -> Result:
+    """``result`` with images that own their memory: a job's ``finish`` by default."""
+    if result.images.flags.owndata:
+        return result
+    return dataclasses.replace(result, images=np.array(result.images))
 
 
 def empty_result(
-    job: Job[P], sample_shape: tuple[int, ...] = (), dtype: np.dtype | type = np.uint8
-) -> Result[P]:
+    job: Job[Any], sample_shape: tuple[int, ...] = (), dtype: np.dtype | type = np.uint8
+) -> Result:
     """The result of a job none of whose samples is left to run: no images, of shape
     ``(0, *sample_shape)``."""
     return Result(

@@ -40,7 +40,7 @@ from batchwire.server.runners._dali import (
     view,
 )
 from batchwire.server.runners._health import PipelineHealth
-from batchwire.server.runners._jobs import Job, Result, empty_result
+from batchwire.server.runners._jobs import Job, Result, empty_result, keep
 from batchwire.server.runners._keys import RunnerKey
 from batchwire.server.runners._stages import StageTimes
 
@@ -128,9 +128,10 @@ class Runner:
             synchronous=synchronous,
         )
 
-    def run(self, jobs: Iterator[Job[Any]]) -> Generator[Result[Any], None, None]:
-        """Run ``jobs`` (of any streams: their ``seq`` is kept, not used) and yield their
-        results in the order of the jobs.
+    def run(self, jobs: Iterator[Job[Any]]) -> Generator[Any, None, None]:
+        """Run ``jobs`` (of any streams: their ``seq`` is kept, not used) and yield what
+        each job's ``finish`` makes of its :class:`Result` (by default, the result itself,
+        :func:`keep`), in the order of the jobs.
 
         Closing the generator early drains what DALI still has in flight, so the
         runner can run the next jobs clean. One run at a time. Raises PipelineFault
@@ -146,7 +147,7 @@ class Runner:
         source.empty.clear()
         finished = False
         try:
-            done: dict[int, Result] = {}  # by place in the run
+            done: dict[int, Any] = {}  # what finish made, by place in the run
             place = 0  # the next result to yield
             while True:
                 for taken, job in source.empty:
@@ -193,33 +194,30 @@ class Runner:
             ran = time.perf_counter() - started - (source.seconds - fed)
             self._stages.add("pipeline", max(ran, 0.0))
 
-    def _result(self, job: Job[Any], outputs: Any) -> Result[Any]:
-        images = to_numpy(outputs[0]) if job.finish is None else view(outputs[0])
+    def _result(self, job: Job[Any], outputs: Any) -> Any:
+        """What ``job.finish`` makes of the job's result, before the next run, while
+        DALI's buffer holds its images."""
+        images = view(outputs[0])
         labels, meta = to_numpy(outputs[1]), to_numpy(outputs[2])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
         self._health.ran(self.key, images, job.images[0], int(job.labels[0]))
-        result: Result[Any] = Result(
+        result = Result(
             seq=job.seq,
             ids=job.ids,
             images=images,
             labels=labels.reshape(-1).astype(np.int64, copy=False),
             skipped=tuple(job.skipped),
         )
-        if job.finish is None:
-            return result
-        # Before the next run, while DALI's buffer holds these images.
-        return dataclasses.replace(result, images=images[:0].copy(), payload=job.finish(result))
+        return (job.finish or keep)(result)
 
-    def _empty(self, job: Job[Any]) -> Result[Any]:
-        """The result of a job none of whose samples is left: no images, shaped as this
-        configuration's batches are once one has run (``(0,)`` before)."""
+    def _empty(self, job: Job[Any]) -> Any:
+        """What ``job.finish`` makes of the result of a job none of whose samples is left:
+        no images, shaped as this configuration's batches are once one has run (``(0,)``
+        before)."""
         known = self._health.output_shape(self.key)
         shape, dtype = known if known is not None else ((), np.dtype(self.key.dtype))
-        result = empty_result(job, shape, dtype)
-        if job.finish is None:
-            return result
-        return dataclasses.replace(result, payload=job.finish(result))
+        return (job.finish or keep)(empty_result(job, shape, dtype))
 
     def _repair(self, exc: Exception) -> None:
         """The oldest batch in flight failed with ``exc``: find its bad samples and queue

@@ -12,9 +12,9 @@ import collections
 import concurrent.futures
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
-from batchwire.server.runners import Job, Result, RunnerKey
+from batchwire.server.runners import Job, RunnerKey
 
 __all__ = ["Ticket"]
 
@@ -60,9 +60,9 @@ class Ticket:
         self.pending: collections.deque[tuple[int, float]] = collections.deque()
         self.served = 0
         self.queued: int | None = None  # the fair queue's entry for this ticket, if any
-        self._results: dict[int, Result | BaseException] = {}
+        self._results: dict[int, Any] = {}
         # Results someone awaits (``future``): set on delivery instead of kept.
-        self._futures: dict[int, concurrent.futures.Future[Result | None]] = {}
+        self._futures: dict[int, concurrent.futures.Future[Any]] = {}
         self._lock = threading.Lock()
         self._started = False
         self.closed = False
@@ -78,7 +78,9 @@ class Ticket:
         asked of the pipelines as the window allows."""
         self._scheduler.request(self, 0, more=count)
 
-    def deliver(self, seq: int, result: Result | BaseException) -> None:
+    def deliver(self, seq: int, result: Any) -> None:
+        """Batch ``seq`` ran: ``result`` is what its job's ``finish`` made, or the
+        exception that failed it."""
         with self._lock:
             if self.closed:
                 return
@@ -88,11 +90,11 @@ class Ticket:
         if future is not None:
             _settle(future, result)
 
-    def future(self, seq: int) -> concurrent.futures.Future[Result | None]:
+    def future(self, seq: int) -> concurrent.futures.Future[Any]:
         """Batch ``seq``'s result as a future (None once the ticket is closed); for a
         caller that awaits it instead of holding a thread. Ask for the next batch with
         :meth:`more` once it is taken."""
-        future: concurrent.futures.Future[Result | None] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self.closed:
                 _settle(future, None)
@@ -121,9 +123,7 @@ class Ticket:
         self._scheduler.forget(self)
 
 
-def _settle(
-    future: concurrent.futures.Future[Result | None], result: Result | BaseException | None
-) -> None:
+def _settle(future: concurrent.futures.Future[Any], result: Any) -> None:
     """Set ``future``, unless its awaiter gave up on it (the stream's handler was cancelled,
     which cancels the future)."""
     try:
