@@ -32,7 +32,7 @@ from batchwire.server.data.records import (
 from batchwire.server.engine._catalog import Catalog, Change, DatasetDescription, check_version
 from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
 from batchwire.server.engine._devices import DevicePlan
-from batchwire.server.engine._preprocess import QUEUE_WINDOW, PreprocessBatcher, PreprocessLimits
+from batchwire.server.engine._preprocess import PreprocessBatcher, PreprocessLimits
 from batchwire.server.engine._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.engine._stats import EngineStats
 from batchwire.server.engine._stream import Batch, BatchStream, StreamSetup, own, share_batches
@@ -43,7 +43,6 @@ from batchwire.server.errors import (
 )
 from batchwire.server.pipelines import BuildContext, OutputSpec, PipelineSpec
 from batchwire.server.runners import (
-    Job,
     PipelineHealth,
     Runner,
     RunnerKey,
@@ -51,7 +50,7 @@ from batchwire.server.runners import (
     pipeline_named,
     runner_key,
 )
-from batchwire.server.scheduling import Scheduler, Ticket
+from batchwire.server.scheduling import Scheduler
 
 __all__ = ["DatasetDescription", "Engine"]
 
@@ -100,7 +99,8 @@ class Engine:
         self._drain = threading.Event()  # set by drain(); streams poll it between batches
         self.preprocessing = PreprocessBatcher(
             pipelines=config.pipelines,
-            schedule=functools.partial(self._ticket, window=QUEUE_WINDOW),
+            scheduler=self.scheduler,
+            stages=self.stages,
             device=self.devices.kind,
             next_device=lambda: next(self._device_cycle),
             draining=self._drain.is_set,
@@ -275,9 +275,6 @@ class Engine:
             stages=self.stages,
             health=self._pipeline_health,
         )
-
-    def _ticket(self, key: RunnerKey, read: Callable[[int], Job[Any]], *, window: int) -> Ticket:
-        return self.scheduler.ticket(key, 0, self.stages.timed("read", read), window)
 
     def _reserve_stream(self) -> None:
         """Count a new stream, or refuse it at the limit (``_uncount`` uncounts it)."""

@@ -45,8 +45,15 @@ from batchwire.server.engine._preprocess_request import (
 )
 from batchwire.server.errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.pipelines import PipelineSpec
-from batchwire.server.runners import Job, Result, RunnerKey, pipeline_named, runner_key
-from batchwire.server.scheduling import Ticket
+from batchwire.server.runners import (
+    Job,
+    Result,
+    RunnerKey,
+    StageTimes,
+    pipeline_named,
+    runner_key,
+)
+from batchwire.server.scheduling import Scheduler, Ticket
 
 __all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]
 
@@ -116,8 +123,8 @@ class PreprocessLimits:
 class PreprocessBatcher:
     """Batches concurrent preprocessing requests into DALI runs; see the module docstring.
 
-    ``schedule(key, read)`` opens a ticket with the server's scheduler;
-    ``device``/``next_device`` say where its pipelines run; ``draining`` is polled at
+    Each queue opens a ticket with the server's ``scheduler``, its reads timed in
+    ``stages``; ``device``/``next_device`` say where its pipelines run; ``draining`` is polled at
     submit; ``limits`` bound its batches and requests.
     """
 
@@ -125,14 +132,16 @@ class PreprocessBatcher:
         self,
         *,
         pipelines: Mapping[str, PipelineSpec],
-        schedule: Callable[[RunnerKey, Callable[[int], Job]], Ticket],
+        scheduler: Scheduler,
+        stages: StageTimes,
         device: str,
         next_device: Callable[[], int | None],
         draining: Callable[[], bool],
         limits: PreprocessLimits,
     ) -> None:
         self._pipelines = pipelines
-        self._schedule = schedule
+        self._scheduler = scheduler
+        self._stages = stages
         self._device = device
         self._next_device = next_device
         self._draining = draining
@@ -237,7 +246,8 @@ class PreprocessBatcher:
     def _start_queue(self, queue_id: tuple[object, ...], key: RunnerKey) -> _Queue:
         key = dataclasses.replace(key, device_id=self._next_device())
         jobs: dict[int, Job] = {}
-        queue = _Queue(key, self._lock, self._schedule(key, jobs.pop))
+        read = self._stages.timed("read", jobs.pop)
+        queue = _Queue(key, self._lock, self._scheduler.ticket(key, 0, read, QUEUE_WINDOW))
         queue.jobs = jobs
         queue.ticket.start(0)
         self._serial += 1
