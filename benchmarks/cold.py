@@ -157,7 +157,7 @@ class _Run:
 def _serve(
     args: argparse.Namespace, data_dir: pathlib.Path, dataset: str, streams: int, state: str
 ) -> StreamsResult:
-    from batchwire.bench import LocalServer
+    from batchwire.bench import NO_DECODE_TOML, LocalServer
 
     directory = data_dir / dataset
     if state == "warm":
@@ -170,6 +170,7 @@ def _serve(
         device=args.device,
         metrics=True,
         read_ahead_reads=0 if state.endswith("one at a time") else None,
+        pipelines=NO_DECODE_TOML,  # --pipeline nodecode: the record path without decoding
     ) as server:
         assert server.metrics_port is not None  # metrics=True
         probe = ServerProbe(server.pid, server.metrics_port)
@@ -305,14 +306,18 @@ def _mixture_dir(data_dir: pathlib.Path, dataset: str) -> pathlib.Path:
 def _serve_mixture(
     args: argparse.Namespace, root: pathlib.Path, size: int, streams: int, state: str, kind: str
 ) -> StreamsResult:
-    from batchwire.bench import LocalServer
+    from batchwire.bench import NO_DECODE_TOML, LocalServer
     from batchwire.v1 import batchwire_pb2
 
     for name in _MIXED:
         (prewarm if state == "warm" else evict)(root / name)
     sources = [batchwire_pb2.Source(dataset=name, count=size // 2) for name in _MIXED]
     with LocalServer(
-        root, max_streams=max(64, streams + 8), device=args.device, metrics=True
+        root,
+        max_streams=max(64, streams + 8),
+        device=args.device,
+        metrics=True,
+        pipelines=NO_DECODE_TOML,
     ) as server:
         assert server.metrics_port is not None  # metrics=True
         return measure_streams(

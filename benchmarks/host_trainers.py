@@ -41,7 +41,7 @@ SERVERS: dict[str, tuple[str, dict[str, object]]] = {
 
 
 def run_host_trainers(args: argparse.Namespace) -> int:
-    from batchwire.bench import LocalServer, bench_dataset, run_dali
+    from batchwire.bench import NO_DECODE_TOML, LocalServer, bench_dataset, run_dali
     from batchwire.server import ServerConfig
     from batchwire.server.engine import visible_gpu_count
     from benchmarks._server_probe import ServerProbe
@@ -77,7 +77,9 @@ def run_host_trainers(args: argparse.Namespace) -> int:
         per_image = 1000 * dali.trainer_cpu / dali.images
         print(f"{name:<44} {dali.images_per_second:9.0f} {'':>11} {per_image:10.3f} {'':>6}")
     for label, settings in (SERVERS[name] for name in chosen):
-        with LocalServer(data_dir, device=args.device, settings=settings, metrics=True) as server:
+        with LocalServer(
+            data_dir, device=args.device, settings=settings, metrics=True, pipelines=NO_DECODE_TOML
+        ) as server:
             assert server.metrics_port is not None  # metrics=True
             probe = ServerProbe(server.pid, server.metrics_port)
             for count in counts:
