@@ -97,14 +97,17 @@ def test_a_server_open_to_every_interface_in_plaintext_says_so(
     data_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The quick start's server, on every interface with no TLS and no token, warns and
-    names --host; one on localhost does not."""
-    said = {}
+    names --host; one on localhost does not. Either names the port it got for --port 0."""
+    said, listening = {}, {}
     for host in ("[::]", "localhost"):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="batchwire.server"):
+        with caplog.at_level(logging.INFO, logger="batchwire.server"):
             server = start_server(data_dir, host=host)
             server.stop(grace=0)
-        said[host] = [r.getMessage() for r in caplog.records if "every interface" in r.getMessage()]
+        messages = [r.getMessage() for r in caplog.records]
+        said[host] = [m for m in messages if "every interface" in m]
+        listening[host] = [m for m in messages if m.startswith("listening on")]
+        assert listening[host][0].startswith(f"listening on {host}:{server.port} ("), messages
     (warning,) = said["[::]"]
     assert "--host localhost" in warning and "--token-file" in warning
     assert said["localhost"] == []

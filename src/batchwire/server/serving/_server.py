@@ -313,7 +313,7 @@ class BatchwireServer(Listening):
             if where is address:
                 self._port = port
         await server.start()
-        log.info("listening on %s (port %d; %s)", address, self._port, self.security.describe())
+        log.info("listening on %s:%d (%s)", self.config.host, self._port, self.security.describe())
         if own is not None:
             log.info("and on %s, this worker's own port", own)
         if self._metrics_http is not None:
