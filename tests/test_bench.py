@@ -430,3 +430,20 @@ def test_the_plain_tcp_ceiling_receives_every_message_whole() -> None:
         )  # the server takes connection after connection
     assert (result.images, again.images) == (40, 3)
     assert result.seconds > 0 and result.server_cpu is not None
+
+
+def test_the_generated_dataset_says_it_is_being_made_once_even_without_a_terminal(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Generating the benchmark's photos takes minutes at their default count: a run whose
+    stderr is a log file (no progress bar) still says what it is doing, and only the first
+    time."""
+    from batchwire.bench import bench_dataset
+
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    first = bench_dataset(None, None, 6, (16, 16))
+    said = capsys.readouterr().err
+    assert "generating 6 photos of 16x16" in said and "once" in said, said
+    assert bench_dataset(None, None, 6, (16, 16)) == first
+    assert "generating" not in capsys.readouterr().err
+    assert (first[0] / first[1] / "manifest.json").is_file()

@@ -131,6 +131,13 @@ def bench_dataset(
     root = cache_dir() / "datasets"
     if not (root / name / "manifest.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
+        # Said whether or not a bar shows (a log file gets no bar): this takes minutes.
+        print(
+            f"generating {photos} photos of {size[0]}x{size[1]} into {root / name}, once "
+            "(later runs reuse them)",
+            file=sys.stderr,
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(prefix="batchwire-bench-", dir=root.parent) as tmp:
             source = pathlib.Path(tmp) / "images"
             show = None if progress else True  # None: off where stderr is no terminal
