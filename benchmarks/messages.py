@@ -54,22 +54,17 @@ def _raw_by_size() -> list[dict[str, Any]]:
         with plain_server(size) as (address, pid):
             plain_run = run_plain(address, pid, size, count)
         row: dict[str, Any] = {"message_mb": mb}
-        cells = []
         for name, result in (("grpc", grpc_run), ("plain", plain_run)):
             gigabytes = result.images * size / 1e9
-            figures = (
-                gigabytes / result.seconds,
-                result.trainer_cpu / gigabytes,
-                (result.server_cpu or 0.0) / gigabytes,  # both runs measure it
-            )
-            row |= dict(zip((f"{name}_gb_per_s", f"{name}_client_cpu_s_per_gb",
-                             f"{name}_server_cpu_s_per_gb"), figures, strict=True))  # fmt: skip
-            cells.append(figures)
+            row[f"{name}_gb_per_s"] = gigabytes / result.seconds
+            row[f"{name}_client_cpu_s_per_gb"] = result.trainer_cpu / gigabytes
+            # Both runs measure the server's CPU.
+            row[f"{name}_server_cpu_s_per_gb"] = (result.server_cpu or 0.0) / gigabytes
         rows.append(row)
-        (g_rate, g_client, g_server), (p_rate, p_client, p_server) = cells
         print(
-            f"{mb:>7} MB {g_rate:>10.2f} {g_client:>16.2f} {g_server:>7.2f}   "
-            f"{p_rate:>14.2f} {p_client:>16.2f} {p_server:>7.2f}"
+            f"{mb:>7} MB {row['grpc_gb_per_s']:>10.2f} {row['grpc_client_cpu_s_per_gb']:>16.2f} "
+            f"{row['grpc_server_cpu_s_per_gb']:>7.2f}   {row['plain_gb_per_s']:>14.2f} "
+            f"{row['plain_client_cpu_s_per_gb']:>16.2f} {row['plain_server_cpu_s_per_gb']:>7.2f}"
         )
     return rows
 
