@@ -98,7 +98,7 @@ def test_a_server_open_to_every_interface_in_plaintext_says_so(
 ) -> None:
     """The quick start's server, on every interface with no TLS and no token, warns and
     names --host; one on localhost does not. Either names the port it got for --port 0."""
-    said, listening = {}, {}
+    said = {}
     for host in ("[::]", "localhost"):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="batchwire.server"):
@@ -106,8 +106,8 @@ def test_a_server_open_to_every_interface_in_plaintext_says_so(
             server.stop(grace=0)
         messages = [r.getMessage() for r in caplog.records]
         said[host] = [m for m in messages if "every interface" in m]
-        listening[host] = [m for m in messages if m.startswith("listening on")]
-        assert listening[host][0].startswith(f"listening on {host}:{server.port} ("), messages
+        listening = [m for m in messages if m.startswith("listening on")]
+        assert listening[0].startswith(f"listening on {host}:{server.port} ("), messages
     (warning,) = said["[::]"]
     assert "--host localhost" in warning and "--token-file" in warning
     assert said["localhost"] == []
