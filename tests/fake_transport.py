@@ -115,6 +115,9 @@ class FakeCall:
     def grant(self) -> pb.SharedMemoryGrant | None:
         return None  # a server on another host: no shared memory
 
+    def bulk_grant(self) -> pb.BulkGrant | None:
+        return None  # a server that keeps images in the call's messages
+
     def cancel(self) -> None:
         self.cancelled_while_open = self.cancelled_while_open or not self.ended.is_set()
         self.cancelled.set()
@@ -147,6 +150,7 @@ class FakeTransport:
         self.datasets = datasets or {}
         self.calls: list[FakeCall] = []
         self.shares_memory: dict[Server, bool] = {}
+        self.reaches_bulk: dict[Server, bool] = {}
         self._lock = threading.Lock()
 
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> FakeCall:

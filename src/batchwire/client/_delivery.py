@@ -6,7 +6,8 @@ to the tensors the loop yields, all of it here::
                                       the message, or of shared memory (a server on
                                       this host; the buffer is released once copied)
       assemble                        a batch's parts joined: the one copy of the images,
-                                      into pinned memory when bound for a GPU
+                                      into pinned memory when bound for a GPU (images on
+                                      the call's bulk connection are read into it there)
       Tensors._finish                 CPU images normalized here, off the training loop
     Book                              the Delivery waits, in order, for the loop
     Tensors.output(delivery)          the loop: to the device, GPU images normalized there
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from batchwire.client._bulk import BulkReader
 from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import BatchwireError, StatusCode
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
@@ -57,6 +59,7 @@ class LoaderOptions:
     retry_timeout: float = 60.0
     resolve_every: float = 5.0
     shared_memory: bool = True
+    bulk: bool = True
 
     def __post_init__(self) -> None:
         checks = (
@@ -127,17 +130,27 @@ def assemble(
     parts: list[DecodedBatch],
     allocate: Allocator = _numpy_memory,
     stats: TransferStats | None = None,
+    bulk: BulkReader | None = None,
 ) -> Delivery:
     """One Delivery from a batch's parts: image data copied once, into ``allocate``'d
-    memory, so that the one copy from the received bytes is also the last."""
+    memory, so that the one copy from the received bytes is also the last (images on
+    the call's ``bulk`` connection are read into it from there)."""
     first, last = parts[0].header, parts[-1].header
     views = [p.images for p in parts]
     samples = sum(len(v) for v in views)
     images, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
-    position = 0
-    for view in views:
-        out[position : position + len(view)] = view
-        position += len(view)
+    if first.HasField("bulk_images"):
+        if bulk is None:
+            raise BatchwireError(
+                "the server sent a batch on a bulk connection this call did not offer",
+                code=StatusCode.INTERNAL,
+            )
+        bulk.read_into(out)  # the one copy: from the kernel, into the tensor
+    else:
+        position = 0
+        for view in views:
+            out[position : position + len(view)] = view
+            position += len(view)
     if stats is not None:
         stats.add(sum(v.nbytes for v in views), out.nbytes)
     labels = [from_proto(p.header.labels) for p in parts]
@@ -190,12 +203,15 @@ class Tensors:
         self._stats = stats
 
     def deliveries(
-        self, messages: Iterable[bytes], ring: RingReader | None = None
+        self,
+        messages: Iterable[bytes],
+        ring: RingReader | None = None,
+        bulk: BulkReader | None = None,
     ) -> Iterator[Delivery]:
         """Runs in a puller thread: each batch of one call's ``messages`` (Batch message
         bytes, a batch in one or more parts) once its last part arrived; a batch in the
         server's shared memory is copied out of the call's ``ring`` and its buffer
-        released."""
+        released, one on the call's ``bulk`` connection read from there."""
         parts: list[DecodedBatch] = []
         view = None if ring is None else ring.view
         for raw in messages:
@@ -208,7 +224,7 @@ class Tensors:
                 )
             parts.append(part)
             if len(parts) == (part.header.parts or 1):
-                delivery = assemble(parts, self._allocate, self._stats)
+                delivery = assemble(parts, self._allocate, self._stats, bulk)
                 if ring is not None and part.header.HasField("shared_images"):
                     ring.copied(part.header.shared_images.buffer)
                 # Let go of the views before yielding: a view of shared memory keeps the

@@ -130,7 +130,9 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     without any batch, or one batch slower than ``timeout``, raise ``UnavailableError``;
     every error is a ``BatchwireError`` with a ``code``. A server on this host sends the
     images through shared memory (a sealed memfd it hands to this process alone)
-    rather than the socket, unless ``shared_memory=False``. ``token`` and ``tls_*`` (PEM
+    rather than the socket, unless ``shared_memory=False``; a server on another host sends
+    them on a TCP connection of their own beside the call (read straight into the tensor),
+    unless ``bulk=False`` or the server's bulk port cannot be reached. ``token`` and ``tls_*`` (PEM
     paths or bytes) authenticate to secured servers. The settings are read-only
     (``spec``, ``options``); see the client guide for the whole contract.
     """
@@ -159,6 +161,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         retry_timeout: float = 60.0,
         resolve_every: float = 5.0,
         shared_memory: bool = True,
+        bulk: bool = True,
         token: str | None = None,
         tls_ca: PemSource | None = None,
         tls_cert: PemSource | None = None,
@@ -199,6 +202,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 retry_timeout=retry_timeout,
                 resolve_every=resolve_every,
                 shared_memory=shared_memory,
+                bulk=bulk,
             )
         except (ValueError, RuntimeError) as exc:
             raise InvalidArgumentError(str(exc)) from exc
@@ -352,6 +356,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """Seconds between resolutions of a dns:/// name."""
     shared_memory: bool = _setting("_options")
     """Whether servers on this host may send batches through shared memory."""
+    bulk: bool = _setting("_options")
+    """Whether servers on other hosts may send images on a bulk connection."""
 
     # -- dataset facts -----------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from batchwire.client._book import Book, Held
+from batchwire.client._bulk import BulkReader
 from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._servers import RETRIABLE, ServerSet, backoff
 from batchwire.client._shared_memory import RingReader, SharedMemoryFailed
@@ -249,6 +250,7 @@ class ServerPuller(threading.Thread):
         self._pass_stop = stop  # the pass's (not _stop: Thread has one)
         self._cancelled = threading.Event()  # this puller's: set before the pass's stop
         self._call: PullCall | None = None
+        self._bulk: BulkReader | None = None  # the call's bulk connection, if it has one
         self._lock = threading.Lock()
         self.delivered = 0  # batches this server delivered in this pass
         # Off for this pass once the server's shared memory could not be read.
@@ -291,6 +293,14 @@ class ServerPuller(threading.Thread):
             before = self.delivered
             # Each call offers shared memory anew: a server on this host grants it.
             ring = RingReader.offer(self._credit + 1) if self._shared_memory else None
+            # And a bulk connection, to a server named by its host that this process reaches.
+            bulk = None
+            if (
+                self._tensors.options.bulk
+                and BulkReader.offered(self.server.address)
+                and self._transport.reaches_bulk.get(self.server, True)
+            ):
+                bulk = BulkReader(self._tensors.options.timeout)
             # Where the server may be on this host (its shared memory was taken before, or
             # this is the first call to it), the first batches are asked for once the ring
             # is claimed, so that they go there too; else (a server on another host) with
@@ -302,18 +312,22 @@ class ServerPuller(threading.Thread):
                 with self._lock:
                     if self._halted():
                         return
+                    self._bulk = bulk
                     call = self._call = self._transport.open_pull(
-                        self.server, self._requests(held, over, accepted, ring)
+                        self.server, self._requests(held, over, accepted, ring, bulk is not None)
                     )
                 with call:  # what the call raises comes out of it as a BatchwireError
                     grant = call.grant()  # sent once it opened
+                    # Batches the server finishes before a claim is done come in their
+                    # messages.
                     if ring is not None:
-                        # Batches the server finishes before the claim is done come in
-                        # their messages.
                         ring.claim(grant, self.server.address)
                         self._transport.shares_memory[self.server] = ring.claimed
+                    if bulk is not None and not (ring is not None and ring.claimed):
+                        reached = bulk.claim(call.bulk_grant(), self.server.address)
+                        self._transport.reaches_bulk[self.server] = reached
                     accepted.set()
-                    self._receive(call, held, ring, recovering=attempt > 0)
+                    self._receive(call, held, ring, bulk, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished
             except SharedMemoryFailed as exc:
                 if self._halted():
@@ -344,6 +358,10 @@ class ServerPuller(threading.Thread):
                 returned = self._book.give_back(held, failure)
                 if ring is not None:
                     ring.close()
+                if bulk is not None:
+                    with self._lock:
+                        self._bulk = None
+                    bulk.close()
             if failure is None:
                 continue  # shared memory failed: again at once, over the socket
             self._servers.mark_failed(self.server)
@@ -364,11 +382,14 @@ class ServerPuller(threading.Thread):
         call: Iterable[bytes],
         held: Held,
         ring: RingReader | None,
+        bulk: BulkReader | None,
         *,
         recovering: bool,
     ) -> None:
         """Hand the call's batches to the book as their last parts arrive, until it ends."""
-        for delivery in self._tensors.deliveries(call, ring):
+        for delivery in self._tensors.deliveries(
+            call, ring, bulk if bulk and bulk.claimed else None
+        ):
             self._book.deliver(held, delivery)
             self.delivered += 1
             if recovering:
@@ -381,9 +402,10 @@ class ServerPuller(threading.Thread):
         over: threading.Event,
         accepted: threading.Event,
         ring: RingReader | None,
+        bulk: bool,
     ) -> Iterator[pb.PullRequest]:
-        """The call's request stream (read by gRPC's own thread): the stream (and an offer
-        of shared memory), with the first batches it has room for unless a ring is awaited
+        """The call's request stream (read by gRPC's own thread): the stream (and offers
+        of shared memory and of a bulk connection), with the first batches it has room for unless a ring is awaited
         (``accepted`` not set), so that the server starts on them without waiting a round
         trip for the call to open; then batches as the server has room, each request
         releasing the shared memory buffers copied out since the last. Ends (half-closes)
@@ -394,7 +416,7 @@ class ServerPuller(threading.Thread):
 
         offer = None if ring is None else ring.message()
         first = self._book.claim(held, self._credit, ended, wait=False) if accepted.is_set() else []
-        yield pb.PullRequest(stream=self._spec, shared_memory=offer, batches=first or ())
+        yield pb.PullRequest(stream=self._spec, shared_memory=offer, bulk=bulk, batches=first or ())
         # Set once the ring is claimed (where one is awaited), or the call is over (every
         # way out of _pull sets it; the pass's stop cancels the call first).
         accepted.wait()
@@ -415,3 +437,5 @@ class ServerPuller(threading.Thread):
             self._cancelled.set()
             if self._call is not None:
                 self._call.cancel()
+            if self._bulk is not None:
+                self._bulk.shut()  # a read of images waiting on it ends too

@@ -15,6 +15,9 @@ serialized. For a 77 MB batch those copies cost more CPU than the network.
 * A batch sent through shared memory (to a client on the server's host) has
   ``shared_images`` set and no ``images.data``: ``decode_batch`` views its
   images where ``shared_images`` says they lie, and the caller copies them out.
+* A batch whose images follow on the call's bulk connection has ``bulk_images``
+  set and no ``images.data``: ``decode_batch`` gives their dtype and shape (a
+  view of no memory), and the caller reads them from the connection.
 """
 
 from __future__ import annotations
@@ -183,6 +186,15 @@ def decode_batch(raw: bytes, shared: SharedView | None = None) -> DecodedBatch:
         raise ValueError(f"unknown images dtype {tensor.dtype}")
     shape = tuple(tensor.shape)
     count = int(np.prod(shape, dtype=np.int64))
+    if header.HasField("bulk_images"):
+        if data_span is not None or header.HasField("shared_images"):
+            raise ValueError("a batch on the bulk connection that also carries its images")
+        if header.bulk_images.length != count * dtype.itemsize:
+            raise ValueError(
+                f"images: {header.bulk_images.length} bytes do not hold shape {shape} of {dtype}"
+            )
+        placeholder = np.broadcast_to(np.zeros((), dtype), shape)  # shape and dtype only
+        return DecodedBatch(header, placeholder, tensor.layout or "NCHW")
     if header.HasField("shared_images"):
         where = header.shared_images
         if shared is None or data_span is not None:

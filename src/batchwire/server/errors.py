@@ -9,8 +9,9 @@ import grpc.
     ├── OverCapacity       a server limit (streams, batch size) is reached
     ├── Draining           the server is shutting down; retry elsewhere
     ├── VersionMismatch    a stream expects another version of its dataset (replaced)
-    └── PipelineFault      a pipeline failed for a reason that is not a sample (out of
-                           memory, CUDA, a build, a batch that fails whole); retry elsewhere
+    ├── PipelineFault      a pipeline failed for a reason that is not a sample (out of
+    │                      memory, CUDA, a build, a batch that fails whole); retry elsewhere
+    └── ConnectionLost     a stream's bulk connection broke; the client resumes
     DatasetError           a dataset or the data directory is missing, unreadable or not
                            in batchwire's format (DATA_LOSS to a client; ``batchwire
                            inspect`` and ``serve`` say it and exit)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "FAULT_KINDS",
+    "ConnectionLost",
     "DatasetError",
     "Draining",
     "InvalidRequest",
@@ -99,3 +101,8 @@ class DatasetError(Exception):
 class ServerError(RuntimeError):
     """The server could not start (port in use, bad data directory, ...), or is not
     running."""
+
+
+class ConnectionLost(ServiceError):
+    """A stream's bulk connection (its images' own TCP connection) broke: the client went
+    away, or its connection did; a client still there resumes from its cursor."""

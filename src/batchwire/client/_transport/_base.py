@@ -64,6 +64,11 @@ class PullCall(Protocol):
         until the call opened); None where it granted none."""
         ...
 
+    def bulk_grant(self) -> pb.BulkGrant | None:
+        """The server's grant of a bulk connection, from the call's initial metadata
+        (waits until the call opened); None where it granted none."""
+        ...
+
     def cancel(self) -> None:
         """End the call now (from any thread): the server sees it cancelled, and what
         receives its messages gets a CANCELLED error."""
@@ -76,6 +81,9 @@ class Transport(Protocol):
     # Whether a server's last call gave this process its shared memory (it is on this
     # host): a call to one that did not asks for batches without waiting for a ring.
     shares_memory: dict[Server, bool]
+    # Whether this process could reach a server's bulk port (unknown: yes): a call to one
+    # it could not reach offers no bulk connection.
+    reaches_bulk: dict[Server, bool]
 
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> PullCall:
         """A ``PullBatches`` call on ``server`` that sends ``requests`` (read by a thread

@@ -25,6 +25,7 @@ from batchwire.client._transport._exceptions import (
     error_for,
 )
 from batchwire.client._transport._security import ChannelSecurity
+from batchwire.common.bulk import GRANT_METADATA as BULK_GRANT_METADATA
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc
@@ -134,11 +135,22 @@ def host_of(address: str) -> str | None:
 
 def read_grant(metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.SharedMemoryGrant | None:
     """The grant of shared memory in a call's initial ``metadata``, if there is one."""
-    grant = None
+    value = _metadata_value(metadata, GRANT_METADATA)
+    return None if value is None else pb.SharedMemoryGrant.FromString(value)
+
+
+def read_bulk_grant(metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.BulkGrant | None:
+    """The grant of a bulk connection in a call's initial ``metadata``, if there is one."""
+    value = _metadata_value(metadata, BULK_GRANT_METADATA)
+    return None if value is None else pb.BulkGrant.FromString(value)
+
+
+def _metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, name: str) -> bytes | None:
+    found = None
     for key, value in metadata or ():
-        if key == GRANT_METADATA and isinstance(value, bytes):
-            grant = pb.SharedMemoryGrant.FromString(value)
-    return grant
+        if key == name and isinstance(value, bytes):
+            found = value
+    return found
 
 
 def open_channel(
@@ -211,6 +223,9 @@ class _PullCall:
     def grant(self) -> pb.SharedMemoryGrant | None:
         return read_grant(self._call.initial_metadata())
 
+    def bulk_grant(self) -> pb.BulkGrant | None:
+        return read_bulk_grant(self._call.initial_metadata())
+
     def cancel(self) -> None:
         self._call.cancel()
 
@@ -231,6 +246,7 @@ class GrpcTransport:
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = os.getpid()
         self.shares_memory: dict[Server, bool] = {}
+        self.reaches_bulk: dict[Server, bool] = {}
 
     @property
     def metadata(self) -> Sequence[tuple[str, str]]:
@@ -280,7 +296,8 @@ class GrpcTransport:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._channels, self._pid, self.shares_memory = {}, os.getpid(), {}
+        self._channels, self._pid = {}, os.getpid()
+        self.shares_memory, self.reaches_bulk = {}, {}
 
     def close(self) -> None:
         """Close this process's channels (a parent's are left to the parent)."""

@@ -251,6 +251,21 @@ class ServerConfig:
         _path,
         metavar="DIR",
     )
+    bulk: bool = _setting(
+        True,
+        "send each stream's images to trainers on other hosts on a TCP connection of its own "
+        "beside the gRPC call, claimed with a one-time key (default on; --no-bulk: in the "
+        "call's messages, slower; a server with TLS always sends them in the messages)",
+        boolean,
+    )
+    bulk_port: int = _setting(
+        0,
+        "the port of the bulk connections (with --workers N: worker i's is PORT+i); "
+        "trainers must reach it, else their images come in the messages (default 0: any "
+        "free port, announced in each call)",
+        metavar="PORT",
+        bounds=(0, 65535),
+    )
     grace: float = _setting(
         30.0,
         "seconds in-flight streams get on SIGTERM or SIGINT (default 30)",
@@ -326,6 +341,12 @@ class ServerConfig:
             ),
             (isinstance(self.health_open, bool), "health_open must be true or false"),
             (isinstance(self.shared_memory, bool), "shared_memory must be true or false"),
+            (isinstance(self.bulk, bool), "bulk must be true or false"),
+            (
+                not self.bulk_port or self.bulk_port + (self.workers or 1) - 1 <= 65535,
+                f"with {self.workers} workers, the last bulk port would be "
+                f"{self.bulk_port + (self.workers or 1) - 1}: pick a lower --bulk-port",
+            ),
         )
         for ok, message in checks:
             if not ok:

@@ -20,6 +20,7 @@ from batchwire.common.stream import check_name as check_spec_name
 from batchwire.common.tensors import to_proto
 from batchwire.server.engine import PreprocessRequest, PreprocessResult, share_batches
 from batchwire.server.errors import (
+    ConnectionLost,
     DatasetError,
     Draining,
     InvalidRequest,
@@ -55,6 +56,7 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     Draining: grpc.StatusCode.UNAVAILABLE,
     VersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     PipelineFault: grpc.StatusCode.UNAVAILABLE,
+    ConnectionLost: grpc.StatusCode.UNAVAILABLE,
     DatasetError: grpc.StatusCode.DATA_LOSS,
 }
 

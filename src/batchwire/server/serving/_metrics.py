@@ -18,6 +18,10 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
 ``batchwire_shared_memory_bytes_total``           counter    image bytes of those batches sent
                                                              through shared memory (clients on
                                                              this host), not in their messages
+``batchwire_bulk_bytes_total``                    counter    image bytes of those batches sent on
+                                                             their streams' bulk connections
+                                                             (clients on other hosts), not in
+                                                             their messages
 ``batchwire_skipped_samples_total``               counter    undecodable samples left out
 ``batchwire_batches_with_skipped_samples_total``  counter    batches sent with a sample left out
                                                              (empty when all were)
@@ -125,6 +129,11 @@ class ServerMetrics:
             "batchwire_shared_memory_bytes",
             "Image bytes of the batches sent through shared memory to clients on this host "
             "(not in their messages).",
+        )
+        self.bulk_bytes = counter(
+            "batchwire_bulk_bytes",
+            "Image bytes of the batches sent on their streams' bulk connections (TCP, beside "
+            "the call; not in their messages).",
         )
         self.skipped_samples = counter(
             "batchwire_skipped_samples",

@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from batchwire.server.config import ServerConfig
 from batchwire.server.engine import Change, Engine, wait_event
 from batchwire.server.errors import ServerError
+from batchwire.server.serving._bulk import BulkBroker
 from batchwire.server.serving._event_loop import finish_tasks, new_loop
 from batchwire.server.serving._health import UnitHealthServicer
 from batchwire.server.serving._listening import Listening, check_port_free
@@ -97,6 +98,10 @@ class BatchwireServer(Listening):
             self._broker = RingBroker(budget, config.shared_memory_socket_dir, worker)
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
+        # The bulk connection is plaintext: a server with TLS keeps images in the call.
+        self._bulk: BulkBroker | None = None
+        if config.bulk and not self.security.tls:
+            self._bulk = BulkBroker(config.max_streams)
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
@@ -218,6 +223,8 @@ class BatchwireServer(Listening):
             self._executor.shutdown(wait=True, cancel_futures=True)
             if self._broker is not None:
                 self._broker.close_rings()  # those whose streams' closes never ran
+            if self._bulk is not None:
+                self._bulk.shutdown()
             self.engine.close()
             if self._metrics_http is not None:
                 self._metrics_http.stop()
@@ -244,6 +251,11 @@ class BatchwireServer(Listening):
         await self._listen(server)
         if self._broker is not None:
             self._broker.start(self._port)  # else it grants nothing, and has said why
+        if self._bulk is not None:
+            port = self.config.bulk_port
+            if port and self._member is not None:
+                port += self._member.index
+            self._bulk.start(self.config.host, port)  # else it grants nothing, as above
         self._listening.set()
         warm = asyncio.ensure_future(self._warm_up())
         rescans = asyncio.ensure_future(self._rescans.run())
@@ -259,6 +271,8 @@ class BatchwireServer(Listening):
         await self._drain(server)
         if self._broker is not None:
             await self._broker.close()
+        if self._bulk is not None:
+            await self._bulk.close()
 
     def _grpc_server(self) -> grpc.aio.Server:
         """The gRPC server with its services (batchwire, health, reflection), not started."""
@@ -279,6 +293,7 @@ class BatchwireServer(Listening):
             self.metrics,
             max_message_bytes=self.config.max_message_bytes,
             broker=self._broker,
+            bulk=self._bulk,
             worker_ports=self._worker_ports,
         )
         add_to_server(servicer, server)

@@ -23,11 +23,13 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+from batchwire.common import bulk as bulk_rules
 from batchwire.common.sampler import Plan
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.common.stream import StreamSpec
 from batchwire.server.engine import Batch, BatchStream, DatasetDescription, Engine
 from batchwire.server.errors import InvalidRequest, OverCapacity, ServiceError
+from batchwire.server.serving._bulk import BulkBroker, BulkLink
 from batchwire.server.serving._messages import (
     Malformed,
     check_message,
@@ -145,16 +147,19 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         *,
         max_message_bytes: int,
         broker: RingBroker | None = None,
+        bulk: BulkBroker | None = None,
         worker_ports: Sequence[int] = (),
     ) -> None:
         """``broker``: grants shared memory to the pulled streams that offer it (None:
-        shared memory off). ``worker_ports``: where this server is a worker of a unit,
-        every worker's own port, announced in each ``DatasetInfo``."""
+        shared memory off); ``bulk``: bulk connections, likewise. ``worker_ports``: where
+        this server is a worker of a unit, every worker's own port, announced in each
+        ``DatasetInfo``."""
         self._engine = engine
         self._executor = executor
         self._metrics = metrics or ServerMetrics()
         self._encode = functools.partial(encode_parts, max_message_bytes=max_message_bytes)
         self._broker = broker
+        self._bulk = bulk
         self._worker_ports = tuple(worker_ports)
 
     def _info(self, summary: DatasetDescription) -> pb.DatasetInfo:
@@ -241,14 +246,23 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         if first.released_buffers:
             raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
         ring: SharedRing | None = None
-        metadata: tuple[tuple[str, bytes], ...] = ()
+        link: BulkLink | None = None
+        metadata: list[tuple[str, bytes]] = []
         if self._broker is not None and first.HasField("shared_memory"):
             granted = self._broker.grant(first.shared_memory)
             if granted is not None:
                 ring, grant = granted
-                metadata = ((GRANT_METADATA, grant.SerializeToString()),)
+                metadata.append((GRANT_METADATA, grant.SerializeToString()))
+        if self._bulk is not None and first.bulk:
+            offered = self._bulk.grant()
+            if offered is not None:
+                link, bulk_grant = offered
+                metadata.append((bulk_rules.GRANT_METADATA, bulk_grant.SerializeToString()))
         try:
-            encode = self._encode if ring is None else ring.encoder(self._encode)
+            # A batch goes in the ring if the client claimed it (on this host), else on the
+            # bulk connection if it claimed that, else in its messages.
+            encode = self._encode if link is None else link.encoder(self._encode)
+            encode = encode if ring is None else ring.encoder(encode)
             stream = await self._open(spec, None, encode)
             reading = asyncio.create_task(self._read_wants(first, requests, stream, ring))
             try:
@@ -260,11 +274,15 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                     self._metrics,
                     None,
                     shared_memory=ring is not None,
+                    bulk=None if link is None else link.send,
                     metadata=metadata,
                 )
             finally:
                 reading.cancel()
         finally:
+            if link is not None:
+                assert self._bulk is not None
+                self._bulk.revoke(link)
             if ring is not None:
                 assert self._broker is not None
                 self._broker.revoke(ring)

@@ -20,10 +20,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from batchwire.common.batch_codec import encode_batch
 from batchwire.common.stream import StreamSpec
@@ -51,6 +52,8 @@ class EncodedBatch:
     nbytes: int
     skipped: int = 0  # samples left out of the batch (undecodable)
     shared: int = 0  # bytes of images in shared memory, not in the messages
+    # The images, flat, to send on the stream's bulk connection after the messages.
+    bulk: np.ndarray | None = None
     source_counts: tuple[int, ...] = ()  # a mixture's: samples of each source
 
 
@@ -142,6 +145,7 @@ class StreamMetrics:
         self._samples = metrics.samples_sent.labels(**labels)
         self._bytes = metrics.bytes_sent.labels(**labels)
         self._shared = metrics.shared_memory_bytes.labels(**labels)
+        self._bulk = metrics.bulk_bytes.labels(**labels)
         self._skipped = metrics.skipped_samples.labels(**labels)
         self._skipped_batches = metrics.batches_with_skipped.labels(**labels)
         self._pipeline = metrics.pipeline_seconds.labels(**labels)
@@ -163,17 +167,18 @@ class StreamMetrics:
             self._skipped.inc(skipped)
             self._skipped_batches.inc()
 
-    def sent(
-        self, samples: int, nbytes: int, shared: int = 0, source_counts: Sequence[int] = ()
-    ) -> None:
-        """A batch of ``samples`` in ``nbytes`` of messages was handed to gRPC, its
-        images in ``shared`` bytes of shared memory if not in the messages; a mixture's
-        holding ``source_counts`` samples of each source."""
+    def sent(self, encoded: EncodedBatch) -> None:
+        """A batch was handed to gRPC: its samples, its messages' bytes, its images'
+        bytes in shared memory or on the bulk connection if not in the messages, and a
+        mixture's samples of each source."""
         self._batches.inc()
-        self._samples.inc(samples)
-        self._bytes.inc(nbytes)
-        if shared:
-            self._shared.inc(shared)
+        self._samples.inc(encoded.samples)
+        self._bytes.inc(encoded.nbytes)
+        if encoded.shared:
+            self._shared.inc(encoded.shared)
+        if encoded.bulk is not None:
+            self._bulk.inc(len(encoded.bulk))
+        source_counts = encoded.source_counts
         for count, source_samples, source_batches in zip(
             source_counts, self._source_samples, self._source_batches, strict=False
         ):
@@ -195,6 +200,7 @@ async def serve_stream(
     lane: Lane | None,
     *,
     shared_memory: bool = False,
+    bulk: Callable[[np.ndarray], Awaitable[None]] | None = None,
     metadata: Sequence[tuple[str, str | bytes]] = (),
 ) -> None:
     """Write the stream's batches until its end, and close it: the batches of ``lane``
@@ -204,11 +210,12 @@ async def serve_stream(
     hang-up then reaches this handler (as CancelledError, see write) instead of gRPC's
     write loop, and this handler's cleanup runs in its own task rather than when an
     abandoned generator is garbage-collected. A pulled stream's initial metadata is
-    ``metadata`` (a grant of shared memory, with ``shared_memory``)."""
+    ``metadata`` (grants of shared memory, with ``shared_memory``, and of a bulk
+    connection, whose ``bulk`` sends a batch's images there once its message is written)."""
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
-    fields = _log_start(spec, context.peer(), lane, shared_memory)
+    fields = _log_start(spec, context.peer(), lane, shared_memory, bulk is not None)
     sources = [source.dataset for source in spec.sources]
     metrics = StreamMetrics(server_metrics, spec.name, spec.pipeline, sources)
     metrics.opened()
@@ -221,7 +228,7 @@ async def serve_stream(
             # only now: a server that is down or refuses never holds any. Inside the
             # try: a client gone by now still gets its stream closed below.
             await context.send_initial_metadata(metadata)
-        await _write_batches(stream, context, metrics, expected, progress)
+        await _write_batches(stream, context, metrics, expected, progress, bulk)
         status = "OK"
     except Exception as exc:  # the handler's decorator ends the call with its status
         status = status_for(exc).name
@@ -243,8 +250,10 @@ async def _write_batches(
     metrics: StreamMetrics,
     expected: int | None,
     progress: _Progress,
+    bulk: Callable[[np.ndarray], Awaitable[None]] | None,
 ) -> None:
-    """Compute and write the stream's batches until it has no more."""
+    """Compute and write the stream's batches until it has no more (a batch's images
+    that go on the bulk connection, there after its message)."""
     while True:
         computing = time.perf_counter()
         # The stream hands out its batches encoded (encode_parts, given when it was
@@ -257,14 +266,20 @@ async def _write_batches(
         # before this handler resumes after its last write.
         progress.sent += encoded.samples
         progress.batches += 1
-        metrics.sent(encoded.samples, encoded.nbytes, encoded.shared, encoded.source_counts)
+        metrics.sent(encoded)
         waited = 0.0  # each write returns once gRPC has taken the message
         try:
             for part, message in enumerate(encoded.messages):
                 writing = time.perf_counter()
-                last_part = part == len(encoded.messages) - 1
+                last_part = part == len(encoded.messages) - 1 and encoded.bulk is None
                 progress.last_write = progress.batches == expected and last_part
                 await write(context, message)
+                waited += time.perf_counter() - writing
+            if encoded.bulk is not None:
+                assert bulk is not None  # only a stream with a bulk link encodes for one
+                writing = time.perf_counter()
+                progress.last_write = progress.batches == expected
+                await bulk(encoded.bulk)
                 waited += time.perf_counter() - writing
         finally:
             # Also when the client hangs up before this handler resumes after
@@ -273,7 +288,7 @@ async def _write_batches(
 
 
 def _log_start(
-    spec: StreamSpec, peer: str, lane: Lane | None, shared_memory: bool
+    spec: StreamSpec, peer: str, lane: Lane | None, shared_memory: bool, bulk: bool
 ) -> dict[str, Any]:
     """Log the stream's start line; returns the fields its start and end lines share."""
     # Structured copies of the start and end lines (JSON logs: --log-format json).
@@ -287,6 +302,7 @@ def _log_start(
         "lanes": 1 if lane is None else lane.lanes,
         "pull": lane is None,
         "shared_memory": shared_memory,
+        "bulk": bulk,
         "epoch": spec.epoch,
         "start": spec.start,
     }
@@ -297,7 +313,9 @@ def _log_start(
         spec.pipeline,
         spec.rank,
         spec.world_size,
-        ("pull shared-memory" if shared_memory else "pull")
+        " ".join(
+            ("pull", *(["shared-memory"] if shared_memory else []), *(["bulk"] if bulk else []))
+        )
         if lane is None
         else f"lane={lane.lane}/{lane.lanes}",
         spec.epoch,
