@@ -5,8 +5,9 @@ process on that host.
 DALI's own pipeline (``run_dali``: its caffe reader, the served pipeline's graph, its
 PyTorch iterator) runs first, at the server's ``hw_decoder_load`` and, on a GPU, at DALI's
 default 0.65 too. Then, for each server setting (its defaults; ``--no-shared-memory``, which
-serves the trainers as it would serve another host's; ``--workers 1``; ``--workers 2``; or
-those ``--host-servers`` names, e.g. ``--host-servers workers2``) and
+serves the trainers as it would serve another host's, their images on bulk connections;
+``--workers 1``; ``--workers 2``; or those ``--host-servers`` names, e.g. ``--host-servers
+workers2,no-bulk``, ``no-bulk`` keeping the images in the call's messages) and
 each K, K processes of ``batchwire bench --address`` stream for ``--duration`` seconds
 (default 20) at once: their images/s summed, against DALI's best, with the server's CPU per
 image and cores busy (its process tree) over the same window, the slowest and fastest
@@ -34,7 +35,12 @@ _RATE = re.compile(r"(\d+) images in ([\d.]+)s: (\d+) images/s")
 # The server settings compared, by the name --host-servers gives them: (row label, settings).
 SERVERS: dict[str, tuple[str, dict[str, object]]] = {
     "defaults": ("serve (defaults)", {}),
+    # A trainer on another host's path: images on the bulk connection, or in the messages.
     "no-shared-memory": ("serve --no-shared-memory", {"shared_memory": False}),
+    "no-bulk": (
+        "serve --no-shared-memory --no-bulk",
+        {"shared_memory": False, "bulk": False},
+    ),
     "workers1": ("serve --workers 1", {"workers": 1}),
     "workers2": ("serve --workers 2", {"workers": 2}),
 }

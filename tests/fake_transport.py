@@ -150,7 +150,6 @@ class FakeTransport:
         self.datasets = datasets or {}
         self.calls: list[FakeCall] = []
         self.shares_memory: dict[Server, bool] = {}
-        self.reaches_bulk: dict[Server, bool] = {}
         self._lock = threading.Lock()
 
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> FakeCall:

@@ -51,6 +51,8 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "shared_memory": ("0", False),
     "shared_memory_mib": ("64", 64),
     "shared_memory_socket_dir": ("/run/batchwire", pathlib.Path("/run/batchwire")),
+    "bulk": ("0", False),
+    "bulk_port": ("50200", 50200),
 }
 
 
@@ -170,3 +172,9 @@ def test_read_workers_is_ignored_with_a_warning() -> None:
     )
     assert "--read-workers" not in serve.format_help()
     assert "--read-ahead-reads" in serve.format_help()
+
+
+def test_bulk_ports_past_the_last_port_are_refused_before_anything_listens() -> None:
+    with pytest.raises(ConfigError, match="the last bulk port would be 65536: pick a lower"):
+        ServerConfig(data_dir="/d", workers=4, bulk_port=65533)
+    assert ServerConfig(data_dir="/d", workers=4, bulk_port=65532).bulk_port == 65532

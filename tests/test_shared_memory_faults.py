@@ -6,6 +6,7 @@ outlives the stream."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
 import namespaces
 import numpy as np
@@ -244,28 +246,34 @@ if n == 2:
     assert_saved_same(tmp_path / "epoch.npz", over_the_socket)
 
 
-def test_a_killed_trainer_leaves_the_server_holding_no_ring(
-    server: BatchwireServer, tmp_path: pathlib.Path
-) -> None:
+@contextlib.contextmanager
+def stalled_trainer(target: str, out: pathlib.Path) -> Iterator[subprocess.Popen[str]]:
+    """A trainer process that holds its pass after 3 batches; yields it then, and kills
+    it (SIGKILL) at the end of the block if it still runs."""
     stall = "if n == 2:\n    print('reading', flush=True)\n    threading.Event().wait(120)"
     script = TRAINER.format(on_batch=_indent(stall))
     trainer = subprocess.Popen(
-        [sys.executable, "-c", script, server.target, str(tmp_path / "never.npz")],
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", script, target, str(out)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert trainer.stdout is not None
         assert trainer.stdout.readline().strip() == "reading"
-        assert ring_mappings() >= 1  # the server's side of the trainer's ring
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(30)
+        yield trainer
     finally:
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait(30)
         if trainer.stdout is not None:
             trainer.stdout.close()
+
+
+def test_a_killed_trainer_leaves_the_server_holding_no_ring(
+    server: BatchwireServer, tmp_path: pathlib.Path
+) -> None:
+    with stalled_trainer(server.target, tmp_path / "never.npz") as trainer:
+        assert ring_mappings() >= 1  # the server's side of the trainer's ring
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
     assert eventually(nothing_held, 30)
 
 

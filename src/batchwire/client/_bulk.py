@@ -10,7 +10,7 @@ tensor the user gets (:meth:`BulkReader.read_into`): one copy, from the kernel, 
 interpreter lock let go.
 
 A port this process cannot reach (a firewall, a proxy in front of the server) costs one
-try: the call goes on with its images in its messages, said once a process, and later
+try: the call goes on with its images in its messages, said once, and this process's later
 calls to that server do not offer. A connection that breaks under a call fails the call as
 the server's failure (UNAVAILABLE): the loader resumes from its cursor. Nothing of a
 connection passes to a forked child: a child never shuts its parent's connection down.
@@ -35,6 +35,10 @@ __all__ = ["BulkReader"]
 
 log = logging.getLogger(__name__)
 
+# Servers whose bulk port this process could not reach: its calls to them offer none.
+_unreachable: set[str] = set()
+_unreachable_lock = threading.Lock()
+
 
 class BulkReader:
     """One call's bulk connection: claimed once the call opened, read by the puller,
@@ -49,18 +53,20 @@ class BulkReader:
 
     @staticmethod
     def offered(address: str) -> bool:
-        """Whether a call to ``address`` can offer one: a ``host:port``, which names the
-        host to connect to (not a ``unix:`` or ``dns:///`` target)."""
-        return host_of(address) is not None
+        """Whether a call to ``address`` offers one: a ``host:port`` (which names the host
+        to connect to, unlike a ``unix:`` or ``dns:///`` target) whose bulk port this
+        process has not failed to reach."""
+        with _unreachable_lock:
+            return host_of(address) is not None and address not in _unreachable
 
     @property
     def claimed(self) -> bool:
         return self._socket is not None
 
-    def claim(self, grant: pb.BulkGrant | None, server: str) -> bool:
+    def claim(self, grant: pb.BulkGrant | None, server: str) -> None:
         """Claim the connection of the server's ``grant`` (from the call's initial
-        metadata), if it granted one. False where the server's port could not be reached
-        (said once a process): later calls to it need not offer again."""
+        metadata), if it granted one. Where the server's port cannot be reached, this
+        process's later calls to it offer none (said once)."""
         host = host_of(server)
         if grant is None or not grant.port or not grant.key or host is None:
             log_once(
@@ -71,7 +77,7 @@ class BulkReader:
                 "the call's messages",
                 server,
             )
-            return True
+            return
         self._server = server
         where = (host.strip("[]"), grant.port)
         try:
@@ -89,7 +95,9 @@ class BulkReader:
                 server,
                 exc.strerror or exc,
             )
-            return False
+            with _unreachable_lock:
+                _unreachable.add(server)
+            return
         try:
             sock.settimeout(CLAIM_TIMEOUT_S)
             sock.sendall(grant.key)
@@ -106,10 +114,9 @@ class BulkReader:
                 server,
                 exc.strerror or exc,
             )
-            return True
+            return
         with self._lock:
             self._socket = sock
-        return True
 
     def read_into(self, out: np.ndarray) -> None:
         """The next batch's images, read into ``out`` (C-contiguous, of the batch's dtype

@@ -293,13 +293,9 @@ class ServerPuller(threading.Thread):
             before = self.delivered
             # Each call offers shared memory anew: a server on this host grants it.
             ring = RingReader.offer(self._credit + 1) if self._shared_memory else None
-            # And a bulk connection, to a server named by its host that this process reaches.
+            # And a bulk connection, to a server named by its host, if it can be reached.
             bulk = None
-            if (
-                self._tensors.options.bulk
-                and BulkReader.offered(self.server.address)
-                and self._transport.reaches_bulk.get(self.server, True)
-            ):
+            if self._tensors.options.bulk and BulkReader.offered(self.server.address):
                 bulk = BulkReader(self._tensors.options.timeout)
             # Where the server may be on this host (its shared memory was taken before, or
             # this is the first call to it), the first batches are asked for once the ring
@@ -324,8 +320,7 @@ class ServerPuller(threading.Thread):
                         ring.claim(grant, self.server.address)
                         self._transport.shares_memory[self.server] = ring.claimed
                     if bulk is not None and not (ring is not None and ring.claimed):
-                        reached = bulk.claim(call.bulk_grant(), self.server.address)
-                        self._transport.reaches_bulk[self.server] = reached
+                        bulk.claim(call.bulk_grant(), self.server.address)
                     accepted.set()
                     self._receive(call, held, ring, bulk, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished

@@ -36,6 +36,7 @@ from batchwire.client._transport._grpc import (
     check_target,
     host_of,
     list_datasets,
+    read_bulk_grant,
     read_grant,
     rpc_details,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "error_for",
     "host_of",
     "list_datasets",
+    "read_bulk_grant",
     "read_grant",
     "rpc_details",
 ]

@@ -81,9 +81,6 @@ class Transport(Protocol):
     # Whether a server's last call gave this process its shared memory (it is on this
     # host): a call to one that did not asks for batches without waiting for a ring.
     shares_memory: dict[Server, bool]
-    # Whether this process could reach a server's bulk port (unknown: yes): a call to one
-    # it could not reach offers no bulk connection.
-    reaches_bulk: dict[Server, bool]
 
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> PullCall:
         """A ``PullBatches`` call on ``server`` that sends ``requests`` (read by a thread

@@ -39,6 +39,7 @@ __all__ = [
     "list_datasets",
     "map_rpc_errors",
     "open_channel",
+    "read_bulk_grant",
     "read_grant",
     "rpc_details",
 ]
@@ -246,7 +247,6 @@ class GrpcTransport:
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = os.getpid()
         self.shares_memory: dict[Server, bool] = {}
-        self.reaches_bulk: dict[Server, bool] = {}
 
     @property
     def metadata(self) -> Sequence[tuple[str, str]]:
@@ -296,8 +296,7 @@ class GrpcTransport:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        self._channels, self._pid = {}, os.getpid()
-        self.shares_memory, self.reaches_bulk = {}, {}
+        self._channels, self._pid, self.shares_memory = {}, os.getpid(), {}
 
     def close(self) -> None:
         """Close this process's channels (a parent's are left to the parent)."""

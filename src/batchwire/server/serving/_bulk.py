@@ -34,19 +34,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from batchwire.common.batch_codec import images_head
 from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, KEY_BYTES
 from batchwire.common.shared_memory import warn_once
 from batchwire.server.engine import Batch
 from batchwire.server.errors import ConnectionLost
-from batchwire.server.serving._streaming import EncodedBatch, batch_header
+from batchwire.server.serving._claims import MAX_CLAIMING, accept_claims, receive
+from batchwire.server.serving._streaming import EncodedBatch, encode_elsewhere
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["BulkBroker", "BulkLink"]
 
 log = logging.getLogger(__name__)
 
-_MAX_CLAIMING = 64  # claims a broker serves at once; more connections are closed
 _SPARE_BUFFERS = 2  # sent buffers a link keeps for its next batches
 # A client host that vanished (no reset, no FIN) with images unacknowledged: the send
 # fails after this long, as gRPC's keepalive would end the call.
@@ -99,18 +98,7 @@ class BulkLink:
             return None
         data = self._buffer(images.nbytes)
         np.copyto(data.view(images.dtype).reshape(images.shape), images)
-        header = batch_header(batch, slice(None), 0, 1)
-        header.images.CopyFrom(images_head(images, batch.layout))
-        header.bulk_images.length = images.nbytes
-        message = header.SerializeToString()
-        return EncodedBatch(
-            [message],
-            len(batch.ids),
-            len(message),
-            skipped=len(batch.skipped_ids),
-            bulk=data,
-            source_counts=batch.source_counts,
-        )
+        return encode_elsewhere(batch, bulk=data)
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """A flat uint8 buffer of ``nbytes``: a sent one of that size, or a new one."""
@@ -197,7 +185,7 @@ class BulkBroker:
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 sock.bind((address[0], self.port or port, *address[2:]))
-                sock.listen(_MAX_CLAIMING)
+                sock.listen(MAX_CLAIMING)
                 sock.setblocking(False)
             except OSError as exc:
                 sock.close()
@@ -208,7 +196,10 @@ class BulkBroker:
             self._sockets.append(sock)
             self.port = sock.getsockname()[1]
         loop = asyncio.get_running_loop()
-        self._accepting = [loop.create_task(self._accept(sock)) for sock in self._sockets]
+        self._accepting = [
+            loop.create_task(accept_claims(sock, self._claim, self._claiming, log, _WHAT))
+            for sock in self._sockets
+        ]
         log.debug("trainers claim bulk connections on port %d", self.port)
         return bool(self._sockets)
 
@@ -230,22 +221,6 @@ class BulkBroker:
                 del self._grants[key]
         link.close()
 
-    async def _accept(self, listening: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                connection, _ = await loop.sock_accept(listening)
-            except OSError as exc:  # no descriptors left, say: try again shortly
-                warn_once(log, "accept", "could not accept a bulk connection (%s)", exc)
-                await asyncio.sleep(0.1)
-                continue
-            if len(self._claiming) >= _MAX_CLAIMING:
-                connection.close()
-                continue
-            task = loop.create_task(self._claim(connection))
-            self._claiming.add(task)
-            task.add_done_callback(self._claiming.discard)
-
     async def _claim(self, connection: socket.socket) -> None:
         """One client's claim: its key within CLAIM_TIMEOUT_S, then ACK and the connection
         handed to the stream's link; any other connection is closed."""
@@ -253,7 +228,7 @@ class BulkBroker:
         attached = False
         try:
             connection.setblocking(False)
-            key = await asyncio.wait_for(_receive(loop, connection, KEY_BYTES), CLAIM_TIMEOUT_S)
+            key = await asyncio.wait_for(receive(loop, connection, KEY_BYTES), CLAIM_TIMEOUT_S)
             link = self._grant_for(key)
             if link is None:
                 return  # no such grant (claimed, ended, or never made)
@@ -296,17 +271,8 @@ def _tune(connection: socket.socket) -> None:
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _USER_TIMEOUT_MS)
 
 
+_WHAT = "bulk connection"
 _NO_BULK = (
     "cannot listen for bulk connections on %s port %s (%s): trainers on other hosts get "
     "their images in the call's messages (slower; see --bulk-port)"
 )
-
-
-async def _receive(loop: asyncio.AbstractEventLoop, connection: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        more = await loop.sock_recv(connection, size - len(data))
-        if not more:
-            raise EOFError("the client closed the connection")
-        data += more
-    return data

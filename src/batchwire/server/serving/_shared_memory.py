@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.common.batch_codec import images_head
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
@@ -58,7 +57,8 @@ from batchwire.common.shared_memory import (
 )
 from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
-from batchwire.server.serving._streaming import EncodedBatch, batch_header
+from batchwire.server.serving._claims import MAX_CLAIMING, accept_claims, receive
+from batchwire.server.serving._streaming import EncodedBatch, encode_elsewhere
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["MAX_BUFFERS", "RingBroker", "RingBudget", "SharedRing"]
@@ -66,7 +66,6 @@ __all__ = ["MAX_BUFFERS", "RingBroker", "RingBudget", "SharedRing"]
 log = logging.getLogger(__name__)
 
 MAX_BUFFERS = 16  # batches one stream may hold in shared memory
-_MAX_CLAIMING = 64  # claims a broker serves at once; more connections are closed
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
@@ -257,20 +256,8 @@ class SharedRing:
             del target
         finally:
             self._written()
-        header = batch_header(batch, slice(None), 0, 1)
-        header.images.CopyFrom(images_head(images, batch.layout))
-        header.shared_images.buffer = buffer
-        header.shared_images.offset = offset
-        header.shared_images.length = images.nbytes
-        message = header.SerializeToString()
-        return EncodedBatch(
-            [message],
-            len(batch.ids),
-            len(message),
-            skipped=len(batch.skipped_ids),
-            shared=images.nbytes,
-            source_counts=batch.source_counts,
-        )
+        where = pb.SharedImages(buffer=buffer, offset=offset, length=images.nbytes)
+        return encode_elsewhere(batch, shared=where)
 
     def _acquire(self, nbytes: int) -> int | None:
         with self._lock:
@@ -448,14 +435,16 @@ class RingBroker:
             sock.bind(socket_address(address))
             if self._path is not None:
                 os.chmod(self._path, 0o666)  # any user may connect: the key is the credential
-            sock.listen(_MAX_CLAIMING)
+            sock.listen(MAX_CLAIMING)
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
             warn_once(log, "broker", _NO_BROKER, address, exc.strerror or exc)
             return False
         self._socket, self._address = sock, address
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        self._accepting = asyncio.get_running_loop().create_task(
+            accept_claims(sock, self._claim, self._claiming, log, "shared memory claim")
+        )
         log.debug("trainers on this host claim shared memory at %s", address)
         return True
 
@@ -491,23 +480,6 @@ class RingBroker:
         for ring in rings:
             ring.close()
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._socket is not None
-        while True:
-            try:
-                connection, _ = await loop.sock_accept(self._socket)
-            except OSError as exc:  # no descriptors left, say: try again shortly
-                warn_once(log, "accept", "could not accept a shared memory claim (%s)", exc)
-                await asyncio.sleep(0.1)
-                continue
-            if len(self._claiming) >= _MAX_CLAIMING:
-                connection.close()
-                continue
-            task = loop.create_task(self._claim(connection))
-            self._claiming.add(task)
-            task.add_done_callback(self._claiming.discard)
-
     async def _claim(self, connection: socket.socket) -> None:
         """One client's claim: its key, then its credentials checked, the memfd sent, and
         its acknowledgement awaited (each step within CLAIM_TIMEOUT_S)."""
@@ -515,7 +487,7 @@ class RingBroker:
         ring = None
         try:
             connection.setblocking(False)
-            key = await asyncio.wait_for(_receive(loop, connection, KEY_BYTES), CLAIM_TIMEOUT_S)
+            key = await asyncio.wait_for(receive(loop, connection, KEY_BYTES), CLAIM_TIMEOUT_S)
             ring = self._grants.pop(key, None)
             if ring is None:
                 return  # no such grant (claimed, ended, or never made): the client goes on
@@ -543,7 +515,7 @@ class RingBroker:
                 )
             finally:
                 os.close(fd)
-            if await asyncio.wait_for(_receive(loop, connection, 1), CLAIM_TIMEOUT_S) == ACK:
+            if await asyncio.wait_for(receive(loop, connection, 1), CLAIM_TIMEOUT_S) == ACK:
                 ring.claimed()
         except (OSError, TimeoutError, EOFError) as exc:
             log.debug("a shared memory claim ended early: %r", exc)
@@ -585,13 +557,3 @@ _NO_BROKER = (
     "cannot listen for shared memory claims at %s (%s): trainers on this host get their "
     "batches in their messages, as over the network"
 )
-
-
-async def _receive(loop: asyncio.AbstractEventLoop, connection: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        more = await loop.sock_recv(connection, size - len(data))
-        if not more:
-            raise EOFError("the client closed the connection")
-        data += more
-    return data

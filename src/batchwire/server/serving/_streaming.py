@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from batchwire.common.batch_codec import encode_batch
+from batchwire.common.batch_codec import encode_batch, images_head
 from batchwire.common.stream import StreamSpec
 from batchwire.common.tensors import to_proto
 from batchwire.server.engine import Batch, BatchStream
@@ -34,7 +34,15 @@ from batchwire.server.serving._messages import Lane, status_for
 from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["EncodedBatch", "StreamMetrics", "batch_header", "encode_parts", "serve_stream", "write"]
+__all__ = [
+    "EncodedBatch",
+    "StreamMetrics",
+    "batch_header",
+    "encode_elsewhere",
+    "encode_parts",
+    "serve_stream",
+    "write",
+]
 
 # The servicer's logger, not this module's: see the module docstring.
 log = logging.getLogger("batchwire.server.serving._servicer")
@@ -74,6 +82,30 @@ def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
         total,
         sum(len(m) for m in messages),
         skipped=len(batch.skipped_ids),
+        source_counts=batch.source_counts,
+    )
+
+
+def encode_elsewhere(
+    batch: Batch, shared: pb.SharedImages | None = None, bulk: np.ndarray | None = None
+) -> EncodedBatch:
+    """``batch`` as one message whose images are not in it: in shared memory where
+    ``shared`` says, or next on the stream's bulk connection (``bulk``, copied there)."""
+    images = batch.images
+    header = batch_header(batch, slice(None), 0, 1)
+    header.images.CopyFrom(images_head(images, batch.layout))
+    if shared is not None:
+        header.shared_images.CopyFrom(shared)
+    if bulk is not None:
+        header.bulk_images.length = images.nbytes
+    message = header.SerializeToString()
+    return EncodedBatch(
+        [message],
+        len(batch.ids),
+        len(message),
+        skipped=len(batch.skipped_ids),
+        shared=images.nbytes if shared is not None else 0,
+        bulk=bulk,
         source_counts=batch.source_counts,
     )
 
