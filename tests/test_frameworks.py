@@ -32,12 +32,13 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.data
+from conftest import start_server
 from processes import Target, in_trainer_process
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -348,6 +349,8 @@ LIGHTNING_VARIANTS = {
     "dataloader-2": ["--wrap", "dataloader", "--workers", "2"],
     "stateful-0": ["--wrap", "stateful", "--workers", "0"],
     "stateful-2": ["--wrap", "stateful", "--workers", "2"],
+    # Ranks that take a trainer on another host's path: images on bulk connections.
+    "stateful-2-bulk": ["--wrap", "stateful", "--workers", "2"],
 }
 # The same every epoch; every sample, the last batch short (the loader's default).
 VAL = [plan_batches(0, rank, shuffle=False, drop_last=False) for rank in range(WORLD)]
@@ -364,13 +367,25 @@ def check_validation(checks: Checks, run: str, rank: int, seen: list[Pass]) -> N
             checks.batches(f"{run} rank {rank} validation in epoch {p.epoch}", p.batches, VAL[rank])
 
 
+@pytest.fixture(scope="module")
+def remote_server(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
+    """A server whose trainers here take a trainer on another host's path (no shared
+    memory): their images come on bulk connections."""
+    server = start_server(data_dir, shared_memory=False)
+    yield server
+    server.stop(grace=1.0)
+
+
 @pytest.mark.parametrize("variant", list(LIGHTNING_VARIANTS))
 def test_lightning_epochs_follow_the_plan(
-    server: BatchwireServer, tmp_path: pathlib.Path, variant: str
+    server: BatchwireServer, tmp_path: pathlib.Path, variant: str, request: pytest.FixtureRequest
 ) -> None:
     """Two epochs of DDP with the loader made before torch.distributed: train epoch t is
     data epoch t of the rank's share, the sanity check takes 2 val batches and every
     validation after it the whole val share."""
+    bulk = variant.endswith("-bulk")
+    if bulk:
+        server = request.getfixturevalue("remote_server")
     launch = torchrun(
         "lightning_job.py", tmp_path, *common_args(server), *LIGHTNING_VARIANTS[variant]
     )
@@ -393,6 +408,10 @@ def test_lightning_epochs_follow_the_plan(
         )
     for epoch in (0, 1):
         checks.disjoint(f"train epoch {epoch}", trained[epoch])
+    if bulk:
+        labels = {"dataset": "shapes", "pipeline": "train"}
+        moved = server.metrics.registry.get_sample_value("batchwire_bulk_bytes_total", labels)
+        checks.true(bool(moved), "the ranks' images did not come on bulk connections")
     checks.verify()
 
 

@@ -187,6 +187,21 @@ def test_a_token_from_the_file_over_tls_streams(
     assert labels.shape == (8,)
 
 
+def test_a_server_with_tls_keeps_images_in_the_encrypted_call(
+    tls_server: BatchwireServer, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The bulk connection is plaintext: a trainer on another host (no shared memory) gets
+    # every image inside the call.
+    secured = loader(tls_server, token=TOKEN, tls_ca=pki.ca.cert, shared_memory=False)
+    with caplog.at_level(logging.INFO, logger="batchwire.client"), secured as tls:
+        samples = sum(len(labels) for _, labels in tls)
+    assert samples == 520
+    labels = {"dataset": "shapes", "pipeline": "val"}
+    registry = tls_server.metrics.registry
+    assert not registry.get_sample_value("batchwire_bulk_bytes_total", labels)
+    assert "offers no bulk connection" in caplog.text
+
+
 def test_reflection_works_with_the_token(tls_server: BatchwireServer, pki: Pki) -> None:
     with secure_channel(tls_server, pki.ca.cert) as channel:
         replies = list(

@@ -11,6 +11,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -153,8 +154,22 @@ def unit(
     data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServeProcess]:
     log = tmp_path_factory.mktemp("unit") / "serve.log"
-    with _serve(data_dir, log, "--metrics-port", "0") as served:
+    with _serve(data_dir, log, "--metrics-port", "0", "--bulk-port", str(_free_pair())) as served:
         yield served
+
+
+def _free_pair() -> int:
+    """A port P such that P and P+1 are free now."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("localhost", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("localhost", port + 1))
+                except OSError:
+                    continue
+        return port
 
 
 def test_the_start_line_says_how_many_workers(unit: ServeProcess) -> None:
@@ -198,6 +213,42 @@ def test_one_loader_pulls_an_exact_epoch_from_every_worker(unit: ServeProcess) -
     after = _batches_by_worker(port)
     sent = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in ("0", "1")}
     assert sum(sent.values()) == -(-SAMPLES // 16), sent  # each batch once, by one worker
+    assert sent["0"] > 0 and sent["1"] > 0, sent
+
+
+def test_a_trainer_on_another_host_gets_its_images_from_every_workers_bulk_port(
+    unit: ServeProcess,
+) -> None:
+    # --bulk-port P: worker i's bulk connections on P+i.
+    args = list(unit.process.args)  # type: ignore[arg-type]
+    first = int(args[args.index("--bulk-port") + 1])
+    for port in (first, first + 1):
+        socket.create_connection(("localhost", port), timeout=10).close()
+    metrics = _metrics_port(unit)
+
+    def bulk_by_worker() -> dict[str, float]:
+        sent: dict[str, float] = {}
+        for (name, labels), count in _scrape(metrics).items():
+            if name == "batchwire_bulk_bytes_total":
+                worker = dict(labels)["worker"]
+                sent[worker] = sent.get(worker, 0.0) + count
+        return sent
+
+    before = bulk_by_worker()
+    with RemoteLoader(
+        unit.address,
+        dataset="shapes",
+        batch_size=16,
+        seed=7,
+        params={"size": 32},
+        return_ids=True,
+        shared_memory=False,  # as a trainer on another host
+    ) as loader:
+        ids = [int(i) for _, _, batch in loader for i in batch]
+    assert sorted(ids) == list(range(SAMPLES))
+    after = bulk_by_worker()
+    sent = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in ("0", "1")}
+    assert sum(sent.values()) == SAMPLES * 3 * 32 * 32, sent  # every image byte
     assert sent["0"] > 0 and sent["1"] > 0, sent
 
 
