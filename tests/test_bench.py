@@ -70,6 +70,9 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "d/e images/s",
         "no-decode remote/DALI images/s",
         "no-decode server/DALI CPU",
+        "no-decode: as to another host",
+        "no-decode socket/DALI images/s",
+        "no-decode socket server/DALI CPU",
         "small remote/DALI images/s",
         "no-decode: a mixture -> RemoteLoader",
         "mixture/one dataset images/s",
@@ -89,6 +92,7 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "engine",
         "dali-nodecode",
         "remote-nodecode",
+        "remote-socket",
         "dali-small",
         "remote-small",
         "remote-one",
@@ -415,7 +419,7 @@ def test_host_trainers_refuses_a_server_setting_it_does_not_know(
 ) -> None:
     assert benchmarks.main(["--host-trainers", "1", "--host-servers", "workers2,workers9"]) == 2
     error = capsys.readouterr().err
-    assert "unknown workers9" in error and "defaults,no-shared-memory,workers1,workers2" in error
+    assert "unknown workers9" in error and "defaults,no-shared-memory,no-bulk,workers1,workers2" in error
 
 
 def test_the_plain_tcp_ceiling_receives_every_message_whole() -> None:

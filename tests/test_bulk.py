@@ -85,6 +85,29 @@ def test_a_trainer_on_another_host_gets_the_same_batches_on_a_bulk_connection(
     assert bulk_bytes(server) == messages_again  # bulk=False: none
 
 
+def test_batches_larger_than_the_connections_buffers_come_whole(server: BatchwireServer) -> None:
+    # 512 x 64 x 64 x 3 float32: 25 MB a batch, more than the connection's buffers hold:
+    # each send waits for the trainer to read.
+    def read(bulk: bool) -> list[tuple[torch.Tensor, ...]]:
+        with RemoteLoader(
+            server.target,
+            dataset="shapes",
+            pipeline="val",
+            batch_size=512,
+            dtype="float32",
+            params={"size": 64},
+            return_ids=True,
+            seed=7,
+            bulk=bulk,
+        ) as loader:
+            return list(loader)
+
+    before = bulk_bytes(server)
+    large = read(True)
+    assert bulk_bytes(server) - before == 520 * 3 * 64 * 64 * 4
+    assert_same(large, read(False))
+
+
 def test_two_pipelines_with_other_dtypes_and_layouts_come_whole_on_their_connections(
     server: BatchwireServer,
 ) -> None:

@@ -103,7 +103,7 @@ def test_image_is_cuda_12_runs_batchwire_serve_as_a_non_root_user(image: Dockerf
     uid = re.search(r"useradd .*--uid (\d+) .*batchwire", " ".join(image.values("RUN")))
     assert uid and int(uid.group(1)) >= 1000
     exposed = {int(p) for rest in image.values("EXPOSE") for p in rest.split()}
-    assert exposed == {50051, 9405}
+    assert exposed == {50051, 50100, 9405}  # gRPC, worker 0's bulk port, metrics
 
 
 def test_image_installs_the_server_extra_before_copying_the_source(image: Dockerfile) -> None:
@@ -154,9 +154,11 @@ def test_compose_command_ports_and_healthcheck_agree_with_the_code(
     assert str(config.data_dir) == "/data"
     assert config.metrics_port is not None, "compose must serve /metrics"
     published = {(p["target"], p["published"], p["protocol"]) for p in service["ports"]}
+    bulk = {(config.bulk_port + i, str(config.bulk_port + i), "tcp") for i in range(4)}
     assert published == {
         (config.port, str(config.port), "tcp"),
         (config.metrics_port, str(config.metrics_port), "tcp"),
+        *bulk,  # one bulk port a worker: a GPU's default of up to 4
     }
     test = service["healthcheck"]["test"]
     assert test[:3] == ["CMD", "batchwire", "health"]
@@ -406,7 +408,11 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(
         assert container[probe]["grpc"]["port"] == config.port, probe
         assert container[probe]["grpc"].get("service", "") == "", probe
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+    assert ports == {
+        "grpc": config.port,
+        "metrics": config.metrics_port,
+        "bulk": config.bulk_port,
+    }
     # The exec probe the comments offer for TLS uses real flags too.
     for line in (K8S / "deployment.yaml").read_text().splitlines():
         if line.strip().startswith("#") and "exec:" in line:

@@ -21,6 +21,7 @@ LABELS = {
     "engine": "batchwire's engine in-process",
     "dali-nodecode": "no-decode: DALI's own in-process",
     "remote-nodecode": "no-decode: server -> RemoteLoader",
+    "remote-socket": "no-decode: as to another host",
     "dali-small": "small images: DALI's own in-process",
     "remote-small": "small images: server -> RemoteLoader",
     "remote-one": "no-decode: one dataset -> RemoteLoader",
@@ -57,6 +58,20 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
             m["remote-nodecode"]["server_cpu_per_1000"] / m["dali-nodecode"]["trainer_cpu_per_1000"]
         ),
         1.2,
+        False,
+    ),
+    (
+        "no-decode socket/DALI images/s",
+        lambda m: _rate(m, "remote-socket") / _rate(m, "dali-nodecode"),
+        0.6,
+        True,
+    ),
+    (
+        "no-decode socket server/DALI CPU",
+        lambda m: (
+            m["remote-socket"]["server_cpu_per_1000"] / m["dali-nodecode"]["trainer_cpu_per_1000"]
+        ),
+        1.3,
         False,
     ),
     (

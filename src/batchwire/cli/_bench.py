@@ -15,7 +15,8 @@
   (d) transport  batchwire's streaming path over batches already in memory, no decoding
   (e) raw        plain gRPC with messages of the same sizes: the ceiling
   and engine (batchwire's engine in this process, no gRPC) and the stand-ins nodecode
-  (records cut to one image, no decoding) and small (48-pixel JPEGs), each beside DALI's
+  (records cut to one image, no decoding), socket (the same from a server without shared
+  memory: a trainer on another host's path) and small (48-pixel JPEGs), each beside DALI's
   own pipeline, and mixture: a mixture of two datasets (the same records under two names)
   beside one of them, both without decoding, so that what mixing costs shows. It prints
   the ratios against their targets. Without --data-dir it builds
@@ -222,12 +223,24 @@ def _no_batch_error(dataset: str, samples: int, batch_size: int) -> str:
     )
 
 
-_RUNS = ("dali", "remote", "pil", "transport", "raw", "engine", "nodecode", "small", "mixture")
+_RUNS = (
+    "dali",
+    "remote",
+    "pil",
+    "transport",
+    "raw",
+    "engine",
+    "nodecode",
+    "socket",
+    "small",
+    "mixture",
+)
 # A stand-in is two measured runs: DALI's own pipeline in-process and the server's; the
 # mixture, one dataset and a mixture (batched at random, stratified and per source) through
 # the same server.
 _PAIRS = {
     "nodecode": ("dali-nodecode", "remote-nodecode"),
+    "socket": ("dali-nodecode", "remote-socket"),
     "small": ("dali-small", "remote-small"),
     "mixture": ("remote-one", "remote-mixture", "remote-stratified", "remote-per-source"),
 }
@@ -273,6 +286,13 @@ def _compare(args: argparse.Namespace) -> int:
             "": (server.address, server.pid),
             "small": (small_server.address, small_server.pid),
         }
+        if "socket" in wanted:
+            # No shared memory: the path of a trainer on another host, over loopback.
+            remote_only = {"shared_memory": False}
+            socket_server = stack.enter_context(
+                LocalServer(data_dir, work, pipelines=NO_DECODE_TOML, settings=remote_only)
+            )
+            servers["socket"] = (socket_server.address, socket_server.pid)
         if "mixture" in wanted:
             # The dataset under two names: a mixture's records are then the same bytes as
             # one dataset's, and only mixing differs.
@@ -345,6 +365,9 @@ def _compare_runs(
         "dali-nodecode": lambda: run_dali("dali-nodecode", dataset_dir, "nodecode", batch, standin),
         "remote-nodecode": lambda: remote(
             "remote-nodecode", servers[""], dataset, "nodecode", standin
+        ),
+        "remote-socket": lambda: remote(
+            "remote-socket", servers["socket"], dataset, "nodecode", standin
         ),
         "dali-small": lambda: run_dali(
             "dali-small", small_dir, "train", batch, standin, params=small_params
