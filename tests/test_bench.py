@@ -419,7 +419,10 @@ def test_host_trainers_refuses_a_server_setting_it_does_not_know(
 ) -> None:
     assert benchmarks.main(["--host-trainers", "1", "--host-servers", "workers2,workers9"]) == 2
     error = capsys.readouterr().err
-    assert "unknown workers9" in error and "defaults,no-shared-memory,no-bulk,workers1,workers2" in error
+    assert (
+        "unknown workers9" in error
+        and "defaults,no-shared-memory,no-bulk,workers1,workers2" in error
+    )
 
 
 def test_the_plain_tcp_ceiling_receives_every_message_whole() -> None:
