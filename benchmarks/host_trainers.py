@@ -70,7 +70,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
     loads = (ServerConfig.hw_decoder_load, 0.65) if gpu else (None,)
     best = 0.0
     print(
-        f"{'run':<44} {'images/s':>9} {'/ DALI best':>11} {'CPU-ms/img':>10} {'cores':>6} "
+        f"{'run':<52} {'images/s':>9} {'/ DALI best':>11} {'CPU-ms/img':>10} {'cores':>6} "
         "trainers (slowest-fastest)  workers' shares of the batches"
     )
     for load in loads:
@@ -81,7 +81,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
         best = max(best, dali.images_per_second)
         name = "DALI's own in-process" + (f" (hw_decoder_load {load})" if gpu else "")
         per_image = 1000 * dali.trainer_cpu / dali.images
-        print(f"{name:<44} {dali.images_per_second:9.0f} {'':>11} {per_image:10.3f} {'':>6}")
+        print(f"{name:<52} {dali.images_per_second:9.0f} {'':>11} {per_image:10.3f} {'':>6}")
     for label, settings in (SERVERS[name] for name in chosen):
         with LocalServer(
             data_dir, device=args.device, settings=settings, metrics=True, pipelines=NO_DECODE_TOML
@@ -97,7 +97,7 @@ def run_host_trainers(args: argparse.Namespace) -> int:
                 rate = sum(rates)
                 name = f"{label} -> {count} trainer{'s' if count > 1 else ''}"
                 print(
-                    f"{name:<44} {rate:9.0f} {rate / best:11.2f} {cpu_ms:10.3f} {cores:6.2f} "
+                    f"{name:<52} {rate:9.0f} {rate / best:11.2f} {cpu_ms:10.3f} {cores:6.2f} "
                     f"{min(rates):.0f}-{max(rates):.0f} (x{min(rates) / max(rates):.2f})  "
                     f"{shares}"
                 )

@@ -396,7 +396,7 @@ def test_host_trainers_measures_a_server_and_its_trainer_processes_against_dali(
     args += ["--pipeline", "val", "--batch-size", "8", "--images", "64", "--duration", "2"]
     assert benchmarks.main(args) == 0
     rows = {
-        line[:44].strip(): line[44:].split()
+        line[:52].strip(): line[52:].split()
         for line in capsys.readouterr().out.splitlines()[1:]
         if line.strip()
     }
@@ -404,6 +404,7 @@ def test_host_trainers_measures_a_server_and_its_trainer_processes_against_dali(
         "DALI's own in-process",
         "serve (defaults) -> 1 trainer",
         "serve --no-shared-memory -> 1 trainer",
+        "serve --no-shared-memory --no-bulk -> 1 trainer",
         "serve --workers 1 -> 1 trainer",
         "serve --workers 2 -> 1 trainer",
     }

@@ -193,10 +193,11 @@ def _epoch(address: str, epoch: int) -> list[int]:
         return [int(i) for _, _, batch in loader for i in batch]
 
 
-def _batches_by_worker(port: int) -> dict[str, float]:
+def _by_worker(port: int, metric: str = "batchwire_batches_sent_total") -> dict[str, float]:
+    """``metric`` summed by worker, as the unit's metrics endpoint on ``port`` says now."""
     sent: dict[str, float] = {}
     for (name, labels), count in _scrape(port).items():
-        if name == "batchwire_batches_sent_total":
+        if name == metric:
             worker = dict(labels)["worker"]
             sent[worker] = sent.get(worker, 0.0) + count
     return sent
@@ -207,10 +208,10 @@ def test_one_loader_pulls_an_exact_epoch_from_every_worker(unit: ServeProcess) -
     ports, which the unit announces, let one trainer process pull from both."""
     assert re.search(r"each also on its own port: \d+, \d+", unit.log.read_text())
     port = _metrics_port(unit)
-    before = _batches_by_worker(port)
+    before = _by_worker(port)
     ids = _epoch(unit.address, 0)
     assert sorted(ids) == list(range(SAMPLES))
-    after = _batches_by_worker(port)
+    after = _by_worker(port)
     sent = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in ("0", "1")}
     assert sum(sent.values()) == -(-SAMPLES // 16), sent  # each batch once, by one worker
     assert sent["0"] > 0 and sent["1"] > 0, sent
@@ -225,16 +226,7 @@ def test_a_trainer_on_another_host_gets_its_images_from_every_workers_bulk_port(
     for port in (first, first + 1):
         socket.create_connection(("localhost", port), timeout=10).close()
     metrics = _metrics_port(unit)
-
-    def bulk_by_worker() -> dict[str, float]:
-        sent: dict[str, float] = {}
-        for (name, labels), count in _scrape(metrics).items():
-            if name == "batchwire_bulk_bytes_total":
-                worker = dict(labels)["worker"]
-                sent[worker] = sent.get(worker, 0.0) + count
-        return sent
-
-    before = bulk_by_worker()
+    before = _by_worker(metrics, "batchwire_bulk_bytes_total")
     with RemoteLoader(
         unit.address,
         dataset="shapes",
@@ -246,7 +238,7 @@ def test_a_trainer_on_another_host_gets_its_images_from_every_workers_bulk_port(
     ) as loader:
         ids = [int(i) for _, _, batch in loader for i in batch]
     assert sorted(ids) == list(range(SAMPLES))
-    after = bulk_by_worker()
+    after = _by_worker(metrics, "batchwire_bulk_bytes_total")
     sent = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in ("0", "1")}
     assert sum(sent.values()) == SAMPLES * 3 * 32 * 32, sent  # every image byte
     assert sent["0"] > 0 and sent["1"] > 0, sent
