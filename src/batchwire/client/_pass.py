@@ -400,9 +400,9 @@ class ServerPuller(threading.Thread):
         bulk: bool,
     ) -> Iterator[pb.PullRequest]:
         """The call's request stream (read by gRPC's own thread): the stream (and offers
-        of shared memory and of a bulk connection), with the first batches it has room for unless a ring is awaited
-        (``accepted`` not set), so that the server starts on them without waiting a round
-        trip for the call to open; then batches as the server has room, each request
+        of shared memory and of a bulk connection), with the first batches it has room
+        for unless a ring is awaited (``accepted`` not set), so that the server starts on
+        them without waiting a round trip for the call to open; then batches as the server has room, each request
         releasing the shared memory buffers copied out since the last. Ends (half-closes)
         once the pass is finished or the call is over."""
 
