@@ -152,6 +152,9 @@ class FakeTransport:
         self.shares_memory: dict[Server, bool] = {}
         self._lock = threading.Lock()
 
+    def tls_context(self) -> None:
+        return None
+
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> FakeCall:
         call = FakeCall(server, requests, self.handler)
         with self._lock:

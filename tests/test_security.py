@@ -6,13 +6,17 @@ certificate; a second, unrelated CA stands for "trusting the wrong authority".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
+import socket
 from collections.abc import Iterator
+from unittest import mock
 
 import grpc
 import pytest
+import torch
 from certs import Authority, Issued, make_authority
 from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +25,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from batchwire.cli import build_parser, main
 from batchwire.cli._serve import resolve_config
 from batchwire.client import AuthenticationError, RemoteLoader, UnavailableError
+from batchwire.client._transport import GrpcTransport, read_bulk_grant
+from batchwire.common.tls import tls_context
 from batchwire.server import BatchwireServer
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -187,19 +193,72 @@ def test_a_token_from_the_file_over_tls_streams(
     assert labels.shape == (8,)
 
 
-def test_a_server_with_tls_keeps_images_in_the_encrypted_call(
+def bulk_bytes(server: BatchwireServer) -> float:
+    labels = {"dataset": "shapes", "pipeline": "val"}
+    return server.metrics.registry.get_sample_value("batchwire_bulk_bytes_total", labels) or 0.0
+
+
+def test_a_trainer_on_another_host_gets_its_images_on_a_tls_bulk_connection(
+    tls_server: BatchwireServer, pki: Pki
+) -> None:
+    # A trainer on another host (no shared memory): its images on the stream's bulk
+    # connection, which speaks TLS as the call does; the same batches as in the messages.
+    def epoch(bulk: bool) -> list[tuple[torch.Tensor, ...]]:
+        secured = loader(
+            tls_server, token=TOKEN, tls_ca=pki.ca.cert, shared_memory=False, bulk=bulk
+        )
+        with secured as tls:
+            return list(tls)
+
+    before = bulk_bytes(tls_server)
+    on_bulk = epoch(True)
+    # Most of them: the first batches, asked for with the call's first message, may be
+    # made before the handshake and come in their messages.
+    assert bulk_bytes(tls_server) - before > 0
+    in_messages = epoch(False)
+    assert len(on_bulk) == len(in_messages) == 65
+    for (images, labels), (want_images, want_labels) in zip(on_bulk, in_messages, strict=True):
+        assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+
+
+def test_a_bulk_port_with_tls_refuses_a_plaintext_claim_and_a_wrong_certificate(
     tls_server: BatchwireServer, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The bulk connection is plaintext: a trainer on another host (no shared memory) gets
-    # every image inside the call.
+    # A raw claim in plaintext, with a live key: the server's handshake fails, nothing is
+    # answered, and the key cannot have been read.
+    credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.cert.read_bytes())
+    with grpc.secure_channel(tls_server.target, credentials) as channel:
+        pull = channel.stream_stream(
+            "/batchwire.v1.Batchwire/PullBatches",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        stream = pb.StreamBatchesRequest(
+            dataset="shapes", pipeline="val", batch_size=8, params={"size": 32}
+        )
+        asks = [pb.PullRequest(stream=stream, bulk=True)]
+        call = pull(iter(asks), metadata=(("authorization", f"Bearer {TOKEN}"),))
+        grant = read_bulk_grant(call.initial_metadata())
+        assert grant is not None
+        with socket.create_connection(("localhost", grant.port), timeout=10) as plain:
+            plain.sendall(grant.key)
+            with contextlib.suppress(ConnectionResetError):
+                assert plain.recv(1) == b""  # closed (or reset) without an answer
+        call.cancel()
+    # A trainer that trusts another CA refuses the bulk connection's certificate, as it
+    # would the call's: here it trusts the server's CA for the call and another for the
+    # connection, and its images come in the messages, said once.
+    elsewhere = tls_context(server=False, ca=pki.other_ca.cert.read_bytes())
     secured = loader(tls_server, token=TOKEN, tls_ca=pki.ca.cert, shared_memory=False)
-    with caplog.at_level(logging.INFO, logger="batchwire.client"), secured as tls:
-        samples = sum(len(labels) for _, labels in tls)
-    assert samples == 520
-    labels = {"dataset": "shapes", "pipeline": "val"}
-    registry = tls_server.metrics.registry
-    assert not registry.get_sample_value("batchwire_bulk_bytes_total", labels)
-    assert "offers no bulk connection" in caplog.text
+    before = bulk_bytes(tls_server)
+    with (
+        mock.patch.object(GrpcTransport, "tls_context", return_value=elsewhere),
+        caplog.at_level(logging.WARNING, logger="batchwire.client"),
+        secured as tls,
+    ):
+        assert sum(len(labels) for _, labels in tls) == 520
+    assert bulk_bytes(tls_server) == before
+    assert caplog.text.count("could not claim a bulk connection") == 1, caplog.text
 
 
 def test_reflection_works_with_the_token(tls_server: BatchwireServer, pki: Pki) -> None:
@@ -272,15 +331,15 @@ def test_mutual_tls_refuses_a_certificate_from_another_ca(
 def test_mutual_tls_with_the_client_certificate_streams(
     mtls_server: BatchwireServer, pki: Pki
 ) -> None:
-    with loader(
-        mtls_server,
-        token=TOKEN,
-        tls_ca=pki.ca.cert,
-        tls_cert=pki.client.cert,
-        tls_key=pki.client.key,
-    ) as accepted:
+    mutual = {"tls_ca": pki.ca.cert, "tls_cert": pki.client.cert, "tls_key": pki.client.key}
+    with loader(mtls_server, token=TOKEN, **mutual) as accepted:
         images, _ = next(iter(accepted))
     assert images.shape == (8, 3, 32, 32)
+    # A trainer on another host: its images on a bulk connection with its certificate.
+    before = bulk_bytes(mtls_server)
+    with loader(mtls_server, token=TOKEN, shared_memory=False, **mutual) as remote:
+        assert sum(len(labels) for _, labels in remote) == 520
+    assert bulk_bytes(mtls_server) - before > 0
     # The certificate alone is not enough: the token is still required.
     with (
         loader(

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import threading
 
 import numpy as np
@@ -44,8 +45,10 @@ class BulkReader:
     """One call's bulk connection: claimed once the call opened, read by the puller,
     shut down by whoever stops the call (thread-safe for that)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the calls' TLS, which the connection then speaks too."""
         self._timeout = timeout  # for each read of a batch's images
+        self._tls = tls
         self._socket: socket.socket | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -63,18 +66,19 @@ class BulkReader:
     def claimed(self) -> bool:
         return self._socket is not None
 
-    def claim(self, grant: pb.BulkGrant | None, server: str) -> None:
+    def claim(self, grant: pb.BulkGrant | None, server: str, tls_name: str | None = None) -> None:
         """Claim the connection of the server's ``grant`` (from the call's initial
-        metadata), if it granted one. Where the server's port cannot be reached, this
-        process's later calls to it offer none (said once)."""
+        metadata), if it granted one; with TLS, the server's certificate must name
+        ``tls_name`` (default: the host called), as for the call. Where the server's port
+        cannot be reached, this process's later calls to it offer none (said once)."""
         host = host_of(server)
         if grant is None or not grant.port or not grant.key or host is None:
             log_once(
                 log,
                 logging.INFO,
                 f"no bulk grant from {server}",
-                "%s offers no bulk connection (--no-bulk there, or TLS): its images come in "
-                "the call's messages",
+                "%s offers no bulk connection (--no-bulk there): its images come in the "
+                "call's messages",
                 server,
             )
             return
@@ -100,11 +104,13 @@ class BulkReader:
             return
         try:
             sock.settimeout(CLAIM_TIMEOUT_S)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=tls_name or where[0])
             sock.sendall(grant.key)
             if sock.recv(1) != ACK:
                 raise OSError(0, "the server closed it (the key was refused, or the call ended)")
             sock.settimeout(self._timeout)
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError too: a certificate the call would refuse
             sock.close()
             warn_once(
                 log,
@@ -142,9 +148,9 @@ class BulkReader:
                 "seconds (the loader's timeout)",
                 code=StatusCode.UNAVAILABLE,
             ) from None
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a TLS connection shut under it
             raise BatchwireError(
-                f"{self._server}'s bulk connection broke ({exc.strerror or exc})",
+                f"{self._server}'s bulk connection broke ({getattr(exc, 'strerror', None) or exc})",
                 code=StatusCode.UNAVAILABLE,
             ) from None
 

@@ -296,7 +296,7 @@ class ServerPuller(threading.Thread):
             # And a bulk connection, to a server named by its host, if it can be reached.
             bulk = None
             if self._tensors.options.bulk and BulkReader.offered(self.server.address):
-                bulk = BulkReader(self._tensors.options.timeout)
+                bulk = BulkReader(self._tensors.options.timeout, self._transport.tls_context())
             # Where the server may be on this host (its shared memory was taken before, or
             # this is the first call to it), the first batches are asked for once the ring
             # is claimed, so that they go there too; else (a server on another host) with
@@ -320,7 +320,7 @@ class ServerPuller(threading.Thread):
                         ring.claim(grant, self.server.address)
                         self._transport.shares_memory[self.server] = ring.claimed
                     if bulk is not None and not (ring is not None and ring.claimed):
-                        bulk.claim(call.bulk_grant(), self.server.address)
+                        bulk.claim(call.bulk_grant(), self.server.address, self.server.tls_name)
                     accepted.set()
                     self._receive(call, held, ring, bulk, recovering=attempt > 0)
                 return  # the stream ended: the pass is finished

@@ -16,7 +16,9 @@ on the host the client called, and a one-time key of :data:`KEY_BYTES`). The cli
 connects, sends the key and reads :data:`ACK`; from then on a batch whose message has
 ``bulk_images`` has its ``length`` bytes of images next on the connection, in the order
 of the messages. Each step of a claim takes at most :data:`CLAIM_TIMEOUT_S`. A client
-that cannot claim (a firewall, a refusal) reads every batch from its message.
+that cannot claim (a firewall, a refusal) reads every batch from its message. A server with
+TLS speaks TLS on the connection too, from its first byte (``batchwire.common.tls``): the
+client's handshake, checked as the call's, comes before the key.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ data), and errors as ``BatchwireError`` and its kinds.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Protocol, TypeVar
@@ -81,6 +82,11 @@ class Transport(Protocol):
     # Whether a server's last call gave this process its shared memory (it is on this
     # host): a call to one that did not asks for batches without waiting for a ring.
     shares_memory: dict[Server, bool]
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """TLS for a call's bulk connection, from the calls' own credentials; None where
+        the calls are plaintext."""
+        ...
 
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> PullCall:
         """A ``PullBatches`` call on ``server`` that sends ``requests`` (read by a thread

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import ssl
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Generic, TypeVar
@@ -27,6 +28,7 @@ from batchwire.client._transport._exceptions import (
 from batchwire.client._transport._security import ChannelSecurity
 from batchwire.common.bulk import GRANT_METADATA as BULK_GRANT_METADATA
 from batchwire.common.shared_memory import GRANT_METADATA
+from batchwire.common.tls import tls_context
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc
 
@@ -247,6 +249,7 @@ class GrpcTransport:
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = os.getpid()
         self.shares_memory: dict[Server, bool] = {}
+        self._tls: ssl.SSLContext | None = None  # for bulk connections, made when first used
 
     @property
     def metadata(self) -> Sequence[tuple[str, str]]:
@@ -262,6 +265,16 @@ class GrpcTransport:
                 self._on_open(channel)
             self._channels[server] = channel
         return channel
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if self._security is None or not self._security.tls:
+            return None
+        if self._tls is None:
+            security = self._security
+            self._tls = tls_context(
+                server=False, cert=security.tls_cert, key=security.tls_key, ca=security.tls_ca
+            )
+        return self._tls
 
     def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> _PullCall:
         """A ``PullBatches`` call on ``server`` sending ``requests``. It yields each batch
@@ -297,6 +310,7 @@ class GrpcTransport:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._channels, self._pid, self.shares_memory = {}, os.getpid(), {}
+        self._tls = None
 
     def close(self) -> None:
         """Close this process's channels (a parent's are left to the parent)."""

@@ -254,8 +254,8 @@ class ServerConfig:
     bulk: bool = _setting(
         True,
         "send each stream's images to trainers on other hosts on a TCP connection of its own "
-        "beside the gRPC call, claimed with a one-time key (default on; --no-bulk: in the "
-        "call's messages, slower; a server with TLS always sends them in the messages)",
+        "beside the gRPC call, claimed with a one-time key, over TLS where the server has it "
+        "(default on; --no-bulk: in the call's messages, slower)",
         boolean,
     )
     bulk_port: int = _setting(

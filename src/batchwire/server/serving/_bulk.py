@@ -14,6 +14,9 @@ on the call, then the images on the connection, from a thread of the broker's
 next batch's message: the images of one batch at a time are waiting to be sent, whatever
 the client asked for.
 
+A server with TLS speaks TLS on its bulk connections too (its certificate, and its
+clients' CA for mutual TLS): the images are as private as the call.
+
 A bulk connection never fails a stream by being missing: until it is claimed, or where
 it never is (a firewall between the client and the port), batches go in their messages.
 One that breaks under a stream (the client died, or a network reset it) ends the stream
@@ -29,6 +32,7 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 
@@ -123,9 +127,9 @@ class BulkLink:
             sock, self._sending = self._socket, True
         try:
             sock.sendall(memoryview(data))  # type: ignore[arg-type]  # a buffer
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a TLS connection shut under it
             raise ConnectionLost(
-                f"the stream's bulk connection broke ({exc.strerror or exc}): the client "
+                f"the stream's bulk connection broke ({getattr(exc, 'strerror', None) or exc}): the client "
                 "went away, or the network between them reset it"
             ) from None
         finally:
@@ -155,12 +159,16 @@ class BulkBroker:
     """The TCP port on which a server's clients claim the bulk connections granted to
     their streams; runs on the server's event loop, sends from threads of its own."""
 
-    def __init__(self, max_streams: int) -> None:
+    def __init__(self, max_streams: int, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the server's TLS, which every bulk connection then uses too (the
+        handshake, then the key, in a thread of the broker's)."""
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, max_streams), thread_name_prefix="batchwire-bulk"
         )
+        self._tls = tls
         self._sockets: list[socket.socket] = []
         self._grants: dict[bytes, BulkLink] = {}
+        self._grants_lock = threading.Lock()  # the event loop's, and TLS claims' threads
         self._claiming: set[asyncio.Task[None]] = set()
         self._accepting: list[asyncio.Task[None]] = []
         self.port = 0
@@ -210,21 +218,26 @@ class BulkBroker:
             return None
         link = BulkLink(self._executor)
         key = secrets.token_bytes(KEY_BYTES)
-        self._grants[key] = link
+        with self._grants_lock:
+            self._grants[key] = link
         return link, pb.BulkGrant(port=self.port, key=key)
 
     def revoke(self, link: BulkLink) -> None:
         """The stream ended: its grant, if not claimed, can be claimed no more, and its
         connection is closed."""
-        for key, granted in list(self._grants.items()):
-            if granted is link:
-                del self._grants[key]
+        with self._grants_lock:
+            for key, granted in list(self._grants.items()):
+                if granted is link:
+                    del self._grants[key]
         link.close()
 
     async def _claim(self, connection: socket.socket) -> None:
         """One client's claim: its key within CLAIM_TIMEOUT_S, then ACK and the connection
         handed to the stream's link; any other connection is closed."""
         loop = asyncio.get_running_loop()
+        if self._tls is not None:
+            await loop.run_in_executor(self._executor, self._claim_tls, connection, self._tls)
+            return
         attached = False
         try:
             connection.setblocking(False)
@@ -241,11 +254,39 @@ class BulkBroker:
             if not attached:
                 connection.close()
 
+    def _claim_tls(self, connection: socket.socket, tls: ssl.SSLContext) -> None:
+        """A claim over TLS (a thread of the broker's): the handshake, the key and the
+        answer, each within CLAIM_TIMEOUT_S; any other connection is closed."""
+        secured: socket.socket = connection
+        attached = False
+        try:
+            connection.settimeout(CLAIM_TIMEOUT_S)
+            secured = tls.wrap_socket(connection, server_side=True)
+            key = b""
+            while len(key) < KEY_BYTES:
+                more = secured.recv(KEY_BYTES - len(key))
+                if not more:
+                    raise EOFError("the client closed the connection")
+                key += more
+            link = self._grant_for(key)
+            if link is None:
+                return
+            _tune(secured)
+            secured.sendall(ACK)
+            attached = link.attach(secured)
+        except (OSError, EOFError, ValueError) as exc:  # ssl.SSLError is an OSError
+            log.debug("a bulk connection's TLS claim ended early: %r", exc)
+        finally:
+            if not attached:
+                secured.close()
+                connection.close()
+
     def _grant_for(self, key: bytes) -> BulkLink | None:
         """The link granted under ``key`` (compared in constant time), taken: good once."""
-        for granted in list(self._grants):
-            if hmac.compare_digest(granted, key):
-                return self._grants.pop(granted)
+        with self._grants_lock:
+            for granted in list(self._grants):
+                if hmac.compare_digest(granted, key):
+                    return self._grants.pop(granted)
         return None
 
     async def close(self) -> None:
@@ -254,7 +295,8 @@ class BulkBroker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._grants.clear()
+        with self._grants_lock:
+            self._grants.clear()
         for sock in self._sockets:
             sock.close()
         self._sockets = []

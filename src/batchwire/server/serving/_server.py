@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import importlib.metadata
 import logging
+import ssl
 import threading
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from batchwire.common.tls import tls_context
 from batchwire.server.config import ServerConfig
 from batchwire.server.engine import Change, Engine, wait_event
 from batchwire.server.errors import ServerError
@@ -98,10 +100,27 @@ class BatchwireServer(Listening):
             self._broker = RingBroker(budget, config.shared_memory_socket_dir, worker)
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
-        # The bulk connection is plaintext: a server with TLS keeps images in the call.
         self._bulk: BulkBroker | None = None
-        if config.bulk and not self.security.tls:
-            self._bulk = BulkBroker(config.max_streams)
+        if config.bulk:
+            security = self.security
+            tls = None
+            if security.tls:  # the bulk connections are as private as the calls
+                try:
+                    tls = tls_context(
+                        server=True,
+                        cert=security.tls_cert,
+                        key=security.tls_key,
+                        ca=security.tls_client_ca,
+                    )
+                except (ssl.SSLError, ValueError) as exc:
+                    log.warning(
+                        "no bulk connections: Python's ssl refuses the TLS certificate or key "
+                        "that gRPC takes (%s); trainers on other hosts get their images in the "
+                        "call's messages",
+                        exc,
+                    )
+            if tls is not None or not security.tls:
+                self._bulk = BulkBroker(config.max_streams, tls)
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
         self.metrics.info.info(_server_info(self.engine))
