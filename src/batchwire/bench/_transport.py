@@ -23,6 +23,7 @@ from typing import Any
 
 from batchwire.bench._probe import CpuClock, RssSampler
 from batchwire.bench._runs import IMAGE_BYTES, RunResult
+from batchwire.common.bulk import receive_into
 
 __all__ = [
     "IN_MEMORY_BYTES",
@@ -266,17 +267,8 @@ def _plain_server(port_queue: Any, message_bytes: int) -> None:
 
 def _receive_exactly(connection: socket.socket, size: int) -> bytes:
     data = bytearray(size)
-    _receive_into(connection, memoryview(data))
+    receive_into(connection, memoryview(data))
     return bytes(data)
-
-
-def _receive_into(connection: socket.socket, buffer: memoryview) -> None:
-    got = 0
-    while got < len(buffer):
-        more = connection.recv_into(buffer[got:])
-        if not more:
-            raise ConnectionError("the plain TCP server closed the connection")
-        got += more
 
 
 @contextlib.contextmanager
@@ -293,7 +285,7 @@ def run_plain(address: str, server_pid: int, message_bytes: int, messages: int) 
     buffer = memoryview(bytearray(message_bytes))
     with socket.create_connection((host, int(port)), timeout=60) as connection:
         connection.sendall(_COUNT.pack(1))  # connect and warm up, as run_raw does
-        _receive_into(connection, buffer)
+        receive_into(connection, buffer)
     with socket.create_connection((host, int(port)), timeout=60) as connection:
         server_cpu = CpuClock(server_pid)
         cpu = CpuClock()
@@ -301,7 +293,7 @@ def run_plain(address: str, server_pid: int, message_bytes: int, messages: int) 
             started = time.perf_counter()
             connection.sendall(_COUNT.pack(messages))
             for _ in range(messages):
-                _receive_into(connection, buffer)
+                receive_into(connection, buffer)
             seconds = time.perf_counter() - started
     return RunResult(
         "plain", messages, seconds, cpu.seconds(), server_cpu.seconds(), rss.peaks[0], rss.peaks[1]

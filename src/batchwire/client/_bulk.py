@@ -28,7 +28,7 @@ import threading
 import numpy as np
 
 from batchwire.client._transport import BatchwireError, StatusCode, host_of
-from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, CONNECT_TIMEOUT_S
+from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, CONNECT_TIMEOUT_S, receive_into
 from batchwire.common.shared_memory import log_once, warn_once
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -135,13 +135,13 @@ class BulkReader:
                 code=StatusCode.INTERNAL,
             )
         view = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # a buffer
-        done = 0
         try:
-            while done < len(view):
-                count = sock.recv_into(view[done:])
-                if not count:
-                    raise OSError(0, "the server closed it mid-batch")
-                done += count
+            receive_into(sock, view)
+        except EOFError:
+            raise BatchwireError(
+                f"{self._server}'s bulk connection broke (the server closed it mid-batch)",
+                code=StatusCode.UNAVAILABLE,
+            ) from None
         except TimeoutError:
             raise BatchwireError(
                 f"{self._server} sent no images on the bulk connection for {self._timeout:g} "

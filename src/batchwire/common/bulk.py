@@ -23,7 +23,16 @@ client's handshake, checked as the call's, comes before the key.
 
 from __future__ import annotations
 
-__all__ = ["ACK", "CLAIM_TIMEOUT_S", "CONNECT_TIMEOUT_S", "GRANT_METADATA", "KEY_BYTES"]
+import socket
+
+__all__ = [
+    "ACK",
+    "CLAIM_TIMEOUT_S",
+    "CONNECT_TIMEOUT_S",
+    "GRANT_METADATA",
+    "KEY_BYTES",
+    "receive_into",
+]
 
 GRANT_METADATA = "batchwire-bulk-bin"  # the initial metadata key of a grant
 KEY_BYTES = 32  # a grant's key, random
@@ -31,3 +40,14 @@ ACK = b"\x01"  # the server's answer to a good key
 CLAIM_TIMEOUT_S = 5.0  # for the key and the answer, on either side
 # For the connection itself: a port a firewall drops costs each call this long once.
 CONNECT_TIMEOUT_S = 3.0
+
+
+def receive_into(connection: socket.socket, buffer: memoryview) -> None:
+    """Fill ``buffer`` from ``connection`` (blocking, within its timeout; ``recv_into``: no
+    copy but the kernel's). EOFError where the peer closes first."""
+    got = 0
+    while got < len(buffer):
+        more = connection.recv_into(buffer[got:])
+        if not more:
+            raise EOFError("the peer closed the connection")
+        got += more

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, KEY_BYTES
+from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, KEY_BYTES, receive_into
 from batchwire.common.shared_memory import warn_once
 from batchwire.server.engine import Batch
 from batchwire.server.errors import ConnectionLost
@@ -161,9 +161,15 @@ class BulkBroker:
 
     def __init__(self, max_streams: int, tls: ssl.SSLContext | None = None) -> None:
         """``tls``: the server's TLS, which every bulk connection then uses too (the
-        handshake, then the key, in a thread of the broker's)."""
+        handshake, then the key, in a claim thread)."""
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, max_streams), thread_name_prefix="batchwire-bulk"
+        )
+        # TLS claims block a thread each (at most MAX_CLAIMING at once) for up to their
+        # timeouts: threads of their own, so that connections that never finish a
+        # handshake hold back no stream's sends.
+        self._claims = concurrent.futures.ThreadPoolExecutor(
+            max_workers=MAX_CLAIMING, thread_name_prefix="batchwire-bulk-claim"
         )
         self._tls = tls
         self._sockets: list[socket.socket] = []
@@ -236,7 +242,7 @@ class BulkBroker:
         handed to the stream's link; any other connection is closed."""
         loop = asyncio.get_running_loop()
         if self._tls is not None:
-            await loop.run_in_executor(self._executor, self._claim_tls, connection, self._tls)
+            await loop.run_in_executor(self._claims, self._claim_tls, connection, self._tls)
             return
         attached = False
         try:
@@ -255,20 +261,16 @@ class BulkBroker:
                 connection.close()
 
     def _claim_tls(self, connection: socket.socket, tls: ssl.SSLContext) -> None:
-        """A claim over TLS (a thread of the broker's): the handshake, the key and the
+        """A claim over TLS (a claim thread of the broker's): the handshake, the key and the
         answer, each within CLAIM_TIMEOUT_S; any other connection is closed."""
         secured: socket.socket = connection
         attached = False
         try:
             connection.settimeout(CLAIM_TIMEOUT_S)
             secured = tls.wrap_socket(connection, server_side=True)
-            key = b""
-            while len(key) < KEY_BYTES:
-                more = secured.recv(KEY_BYTES - len(key))
-                if not more:
-                    raise EOFError("the client closed the connection")
-                key += more
-            link = self._grant_for(key)
+            key = bytearray(KEY_BYTES)
+            receive_into(secured, memoryview(key))
+            link = self._grant_for(bytes(key))
             if link is None:
                 return
             _tune(secured)
@@ -302,8 +304,10 @@ class BulkBroker:
         self._sockets = []
 
     def shutdown(self) -> None:
-        """The server stopped: the send threads end (each stream closed its link)."""
+        """The server stopped: the send threads end (each stream closed its link), and the
+        claim threads, each within its timeouts."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._claims.shutdown(wait=True, cancel_futures=True)
 
 
 def _tune(connection: socket.socket) -> None:
