@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from batchwire.server.errors import PipelineFault
-from batchwire.server.runners._dali import error_line, fault_kind
+from batchwire.server.runners._dali import error_line, fault_kind, release
 from batchwire.server.runners._jobs import Job
 
 __all__ = ["Probe", "find_culprits"]
@@ -63,6 +63,7 @@ class Probe:
         try:
             self._pipe.run()
         except Exception as exc:
+            release(self._pipe)
             self._pipe = None
             return exc
         return None

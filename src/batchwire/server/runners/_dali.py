@@ -11,6 +11,7 @@ it, and :func:`error_line` its gist for a log line or a client's message.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -19,7 +20,17 @@ import numpy as np
 from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import BuildContext, PipelineSpec
 
-__all__ = ["build_pipeline", "encoded_batch", "error_line", "fault_kind", "to_numpy", "view"]
+__all__ = [
+    "build_pipeline",
+    "encoded_batch",
+    "error_line",
+    "fault_kind",
+    "release",
+    "to_numpy",
+    "view",
+]
+
+log = logging.getLogger(__name__)
 
 # DALI's words for failures that no sample causes, by PipelineFault kind (CUDA's error
 # names, its allocators' messages, host allocation).
@@ -69,6 +80,20 @@ def build_pipeline(
     except Exception as exc:  # DALI's own, or whatever the pipeline's function raised
         raise PipelineFault(pipeline.name, fault_kind(exc) or "build", error_line(exc)) from exc
     return pipe
+
+
+def release(pipe: Any) -> None:
+    """Shut a discarded pipeline down now, in this thread. DALI's ``Pipeline`` shuts down
+    only in ``__del__``, wherever its last reference goes: an error it raised holds it in
+    its traceback, and where that error is let go in one of the pipeline's own threads, its
+    shutdown joins that thread and the process aborts ("Resource deadlock avoided").
+    ``Pipeline._shutdown`` (DALI's, idempotent) makes the later ``__del__`` do nothing."""
+    if pipe is None:
+        return
+    try:
+        pipe._shutdown()
+    except RuntimeError as exc:  # a pipeline broken past shutting down: nothing to keep
+        log.debug("a discarded pipeline did not shut down cleanly: %s", exc)
 
 
 def _define(

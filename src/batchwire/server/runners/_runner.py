@@ -36,6 +36,7 @@ from batchwire.server.runners._dali import (
     encoded_batch,
     error_line,
     fault_kind,
+    release,
     to_numpy,
     view,
 )
@@ -229,6 +230,7 @@ class Runner:
         source.in_flight.clear()
         # After an error DALI's pipeline is no longer valid: it is replaced (after the
         # search, so that the two are not in memory at once).
+        release(self._pipe)
         self._pipe = None
         try:
             repaired = self._recover(failed, exc)
@@ -293,4 +295,5 @@ class Runner:
             log.info(
                 "pipeline %r failed while draining (%s); discarding it", self._pipeline.name, exc
             )
+        release(self._pipe)  # it runs no more: shut down here, not where an error lets it go
         self.healthy = False
