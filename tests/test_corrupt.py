@@ -185,7 +185,7 @@ def rot_in_place(dataset: pathlib.Path, sample_id: int, at: int, data: bytes) ->
     """Overwrite bytes of a record's image where it lies in its shard's file, as rot does
     (nothing of LMDB's own moves)."""
     with Dataset(dataset) as opened:
-        fd, offset, length = opened.locate(sample_id) or (-1, 0, 0)
+        (fd, offset, length), *_ = opened.locate([sample_id]) or [(-1, 0, 0)]
         assert length, "the record is not where the shard's index says"
         record = memoryview(os.pread(fd, length, offset))
         start, _, _ = datum_image(record) or (0, 0, 0)

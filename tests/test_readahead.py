@@ -35,10 +35,10 @@ def test_locate_finds_each_record_where_lmdb_keeps_it(data_dir: pathlib.Path) ->
         images, labels = dataset.read(np.arange(dataset.num_samples))
         located = 0
         for sample_id, (image, label) in enumerate(zip(images, labels, strict=True)):
-            where = dataset.locate(sample_id)
-            if where is None:  # a value small enough to sit in its leaf page
+            where = dataset.locate([sample_id])
+            if not where:  # a value small enough to sit in its leaf page
                 continue
-            fd, offset, length = where
+            ((fd, offset, length),) = where
             datum = datum_pb2.Datum.FromString(os.pread(fd, length, offset))
             assert image is not None and datum.data == image.tobytes()
             assert datum.label == label
@@ -50,16 +50,16 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
     data_dir: pathlib.Path,
 ) -> None:
     with Dataset(data_dir / "shapes") as dataset:
-        located = [dataset.locate(i) for i in range(dataset.num_samples)]
-        largest = max(where[2] for where in filter(None, located))
         batches = [np.arange(i, i + BATCH) for i in range(0, 512, BATCH)]
-        pool = ReadAhead(reads=4, max_bytes=64 << 10)
+        largest = max(sum(span[2] for span in dataset.locate(ids)) for ids in batches)
+        pool = ReadAhead(reads=4, max_bytes=3 * largest)  # room for 3 to 6 batches
         try:
             # Two streams whose clients take nothing: together they fill the bound, not
             # more, and each gets a part of it.
             first, second = pool.open(dataset), pool.open(dataset)
-            follow(first, batches)
-            follow(second, batches[::-1])
+            with pool.lock:  # both at once, as streams already open when a thread looks
+                follow(first, batches)
+                follow(second, batches[::-1])
             assert within(30.0, lambda: pool.stats().held_bytes + largest > pool.max_bytes), (
                 "timed out waiting for the read-ahead"
             )

@@ -168,8 +168,9 @@ class ServerConfig:
     read_ahead_reads: int = _setting(
         4,
         "threads that find the records of every stream's next batches and queue their reads "
-        "with the kernel ahead of the pipelines; each queues many, so a few keep a disk busy "
-        "(default 4; 0: off, each record read when its batch is)",
+        "with the kernel ahead of the pipelines, a batch at a time, one batch of a stream at "
+        "once; each queues a batch's records together, so a few keep a disk busy "
+        "(default 4; 0: off, each batch's records asked for when it is read)",
         bounds=(0, 256),
     )
     read_ahead_mib: int = _setting(

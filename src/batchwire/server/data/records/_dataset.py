@@ -20,6 +20,7 @@ The server opens shards read-only and never writes to a dataset.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -299,21 +300,24 @@ class Dataset:
     def _check_index(self, shard: int) -> None:
         """Forget ``shard``'s index where the shard was written since it was made (its
         records moved): the next look-up makes it again. Rot in place moves nothing; the
-        screen sees it (``ScreenedRecords``)."""
+        screen sees it (``ScreenedRecords``). The file's meta pages are read outside the
+        lock: every batch's read checks each shard it touches."""
+        index = self._indexes.get(shard)
+        if index is None or not 0 <= shard < len(self._files):
+            return
+        if last_commit(self._files[shard], index.page_size) == index.commit:
+            return
         with self._index_lock:
-            index = self._indexes.get(shard)
-            if index is None or not 0 <= shard < len(self._files):
-                return
-            if last_commit(self._files[shard], index.page_size) != index.commit:
+            if self._indexes.get(shard) is index:
                 log.warning(
                     "dataset %r: shard %d was written since it was opened", self.name, shard
                 )
                 del self._indexes[shard]
 
-    def _spans(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+    def _spans(self, ids: np.ndarray, *, check: bool = True) -> list[tuple[int, int, int]]:
         """(fd, offset, length) of each record of ``ids`` in its shard's file, looked up a
-        shard at a time; length 0 where the shard's index does not know it (its record is
-        then read through LMDB)."""
+        shard at a time (with ``check``, from indexes checked to be current); length 0
+        where the shard's index does not know it (its record is then read through LMDB)."""
         if len(ids) and not (ids.min() >= 0 and ids.max() < self.num_samples):
             bad = ids[(ids < 0) | (ids >= self.num_samples)][0]
             raise IndexError(f"sample id {bad} is outside 0..{self.num_samples - 1}")
@@ -322,7 +326,8 @@ class Dataset:
         offsets = np.zeros(len(ids), dtype=np.int64)
         lengths = np.zeros(len(ids), dtype=np.int64)
         for shard in np.unique(shards).tolist():
-            self._check_index(shard)
+            if check:
+                self._check_index(shard)
             index = self._index(shard)
             if index is None:
                 continue
@@ -333,7 +338,10 @@ class Dataset:
         return list(zip(fds.tolist(), offsets.tolist(), lengths.tolist(), strict=True))
 
     def _index(self, shard: int) -> ShardIndex | None:
-        """``shard``'s index, made at its first use (None: not in ingest's shape)."""
+        """``shard``'s index, made at its first use (None: not in ingest's shape). Taken
+        without the lock once made: the read-ahead looks one up for every record."""
+        with contextlib.suppress(KeyError):
+            return self._indexes[shard]
         with self._index_lock:
             if shard not in self._indexes:
                 info = self.manifest.shards[shard]
@@ -348,20 +356,16 @@ class Dataset:
             value = txn.get(sample_key(sample_id))
             return memoryview(b"" if value is None else copied(value))
 
-    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
-        """Where the record of ``sample_id`` lies on disk: (file descriptor of its shard's
-        ``data.mdb``, byte offset, length), or None where that is not known (a missing
-        record, a shard not in ingest's shape); for reading it ahead
-        (:mod:`batchwire.server.data.records._readahead`). Reads no record: the first call for a
-        shard reads its B-tree's pages. The descriptor stays open until :meth:`close`."""
-        shard = bisect.bisect_right(self._starts, int(sample_id)) - 1
-        if shard < 0 or not 0 <= sample_id < self.num_samples:
-            raise IndexError(f"sample id {sample_id} is outside 0..{self.num_samples - 1}")
-        index = self._index(shard)
-        if index is None:
-            return None
-        offset, length = index.span(int(sample_id))
-        return (self._files[shard], offset, length) if length else None
+    def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+        """Where the records of ``ids`` lie on disk, for reading them ahead
+        (:mod:`batchwire.server.data.records._readahead`): (file descriptor of the shard's
+        ``data.mdb``, byte offset, length) of each whose place the shard's index knows,
+        in order; missing records and shards not in ingest's shape are left out. Reads no
+        record (the first call for a shard reads its B-tree's pages), and does not check
+        that the index is current: :meth:`read` does. The descriptors stay open until
+        :meth:`close`."""
+        spans = self._spans(np.asarray(ids, dtype=np.int64), check=False)
+        return [span for span in spans if span[2]]
 
     def shard_entries(self) -> list[int]:
         """How many records each shard's LMDB holds, in shard order."""

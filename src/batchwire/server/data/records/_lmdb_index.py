@@ -86,10 +86,9 @@ def last_commit(fd: int, page_size: int) -> int:
     """The id of the last transaction committed to the LMDB file ``fd`` (the newer of its
     two meta pages'): a write to the shard since it was indexed (anything but rot in place)
     moves records, and this number, on."""
-    return max(
-        struct.unpack("<Q", os.pread(fd, 8, meta + _LAST_PAGE + 8).ljust(8, b"\0"))[0]
-        for meta in (0, page_size)
-    )
+    at = _LAST_PAGE + 8  # each meta page's mm_txnid; the two read in one pread
+    both = os.pread(fd, page_size + 8, at).ljust(page_size + 8, b"\0")
+    return max(struct.unpack_from("<Q", both, 0)[0], struct.unpack_from("<Q", both, page_size)[0])
 
 
 def _index(fd: int, first_id: int, count: int) -> ShardIndex | None:

@@ -10,7 +10,6 @@ own (the mixed id says which source); a record left out is reported by its mixed
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Sequence
 from typing import Protocol
@@ -40,7 +39,7 @@ class Records(Protocol):
         self, ids: np.ndarray
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]: ...
 
-    def locate(self, sample_id: int) -> tuple[int, int, int] | None: ...
+    def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]: ...
 
 
 class MixedDataset:
@@ -68,12 +67,13 @@ class MixedDataset:
         """Records read that were not all in the page cache, over every source."""
         return sum(source.misses for source in self.sources)
 
-    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
-        """:meth:`Dataset.locate` of a mixed id (None outside the mixture)."""
-        source = bisect.bisect_right(self._ends, sample_id)
-        if sample_id < 0 or source >= len(self.sources):
-            return None
-        return self.sources[source].locate(sample_id - (self._ends[source] - self.sizes[source]))
+    def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+        """:meth:`Dataset.locate` of mixed ids, source by source."""
+        sources, local = split_ids(np.asarray(ids, dtype=np.int64), self.sizes)
+        spans: list[tuple[int, int, int]] = []
+        for source in np.unique(sources).tolist():
+            spans += self.sources[source].locate(local[sources == source])
+        return spans
 
     def read_screened(
         self, ids: np.ndarray

@@ -4,16 +4,21 @@ A stream reads its batches' records in order (``Dataset.read``); from a cold pag
 a batch costs at least a disk latency (``Dataset.read`` asks for a batch's missing
 records together, then waits), and a stream waits for it batch after batch. So the
 server asks the disk for the records of the next batches of every open stream ahead of
-time, many at once: a pool of ``reads`` threads finds where each record lies in its
-shard's file (:meth:`Dataset.locate`, from the shard's B-tree pages, without reading the
-record) and advises the kernel (``posix_fadvise(POSIX_FADV_WILLNEED)``) to read those
-bytes, which queues their reads and returns. When the stream comes to those records
-their pages are in the page cache, or on their way. (Threads that looked records up
-through py-lmdb and touched or ``madvise``-d their pages read each record in, page by
-page, before going on: measured slower, see docs/performance.md.)
+time, many at once: a pool of ``reads`` threads, each taking a batch of a stream (a
+stream's batches one at a time and in order, so that the one waiting for room is always its
+next), finds where the batch's records lie in their shards' files (:meth:`Dataset.locate`,
+from the shards' B-tree pages, without reading a record) and advises the kernel
+(``posix_fadvise(POSIX_FADV_WILLNEED)``) to read those bytes, which queues their reads
+and returns. When the stream comes to those records their pages are in the page cache,
+or on their way. A batch is one task (one look-up, a few acquisitions of the pool's lock):
+with a task per record, its threads took the interpreter lock from the streams' reads for
+each record, and on a quick disk cost more than they saved (docs/performance.md).
+(Threads that looked records up through py-lmdb and touched or ``madvise``-d their pages
+read each record in, page by page, before going on: measured slower, see
+docs/performance.md.)
 
 The pool is one per server, shared by every stream. It is bounded in bytes: the records
-advised and not yet read by their stream hold at most ``max_bytes`` (a single record
+advised and not yet read by their stream hold at most ``max_bytes`` (a single batch
 larger than the bound alone excepted), and each stream at most an equal share of it, so a
 stream whose client is slow cannot crowd out the others; among the streams with records
 to advise, the one holding the fewest bytes goes first. A stream's read-ahead ends when
@@ -23,11 +28,12 @@ what it held is freed.
 Reading ahead never changes what a stream reads, only when its pages arrive: the records
 still come from ``Dataset.read``, in the stream's order.
 
-A stream reads ahead only while its reads wait for the disk. It starts by advising its
-first ``_FIRST_BATCHES``; from then on it advises up to a horizon of batches past the last
-batch whose read found records missing from the page cache (``Dataset.misses``), the
-horizon doubling (up to ``_MAX_HORIZON``) each time the first batch past it, read without
-advice, misses again. Where the dataset sits in the page cache, a stream's reads find
+A stream reads ahead only while its reads wait for the disk, and only the batches after
+the one it reads (that read asks for its own batch's missing records at once,
+:meth:`Dataset.read`). It starts by advising its first ``_FIRST_BATCHES``; from then on it
+advises up to a horizon of batches past the last batch whose read found records missing
+from the page cache (``Dataset.misses``), the horizon doubling (up to ``_MAX_HORIZON``)
+each time the first batch past it, read without advice, misses again. Where the dataset sits in the page cache, a stream's reads find
 every record there and its read-ahead stays idle: its bookkeeping per record cost a quarter
 of the rate of small images from memory (docs/performance.md).
 """
@@ -65,7 +71,7 @@ class ReadAheadStats:
 
     records: int  # records advised
     bytes: int  # their bytes
-    dropped: int  # records a stream closed or read before they were advised
+    dropped: int  # records of batches a stream closed or read before they were advised
     seconds: float  # thread seconds spent looking up and advising
     streams: int  # streams reading ahead now
     held_bytes: int  # bytes advised and not yet read by their streams
@@ -85,8 +91,7 @@ class StreamReadAhead:
         self._pool = pool
         self._dataset = dataset
         self._batch_ids: Callable[[int], np.ndarray | None] = lambda seq: None
-        self.next_seq = 0  # the record to advise next: batch next_seq, position next_pos
-        self.next_pos = 0
+        self.next_seq = 0  # the batch to advise next
         self.read_seq = -1  # batches up to this one are read (their bytes freed)
         self.held: dict[int, int] = {}  # bytes advised and not yet read, by batch
         self.held_bytes = 0
@@ -117,10 +122,10 @@ class StreamReadAhead:
         return read_after_ahead
 
     def reading(self, seq: int) -> None:
-        """Batch ``seq`` is being read now: advise from there on, never what came before."""
+        """Batch ``seq`` is being read now: advise the batches after it, never it (its read
+        asks for its missing records itself) or what came before."""
         with self._pool.lock:
-            if (self.next_seq, self.next_pos) < (seq, 0):
-                self.next_seq, self.next_pos = seq, 0
+            self.next_seq = max(self.next_seq, seq + 1)
             self._misses_before = self._dataset.misses
             if self._advisable():
                 self._pool.lock.notify_all()
@@ -154,30 +159,29 @@ class StreamReadAhead:
         Idempotent."""
         self._pool.close_stream(self)
 
-    def next_record(self) -> tuple[int, int] | None:
-        """(batch, id) of the record to advise next, the cursor moved past it; None if
-        none is planned yet. Called under the pool's lock."""
-        while True:
-            try:
-                ids = self._batch_ids(self.next_seq)
-            except Exception:  # a stream's plan that cannot say; never the pool's thread
-                log.debug("no ids for batch %d to read ahead", self.next_seq, exc_info=True)
-                return None
-            if ids is None or self.next_seq > self.advise_until:
-                return None
-            if self.next_pos < len(ids):
-                self.next_pos += 1
-                return self.next_seq, int(ids[self.next_pos - 1])
-            self.next_seq, self.next_pos = self.next_seq + 1, 0
+    def next_batch(self) -> tuple[int, np.ndarray] | None:
+        """(seq, ids) of the batch to advise next, the cursor moved past it; None if none
+        is to be advised now. Called under the pool's lock."""
+        if not self._advisable():
+            return None
+        try:
+            ids = self._batch_ids(self.next_seq)
+        except Exception:  # a stream's plan that cannot say; never the pool's thread
+            log.debug("no ids for batch %d to read ahead", self.next_seq, exc_info=True)
+            return None
+        if ids is None:
+            return None
+        self.next_seq += 1
+        return self.next_seq - 1, ids
 
-    def locate(self, sample_id: int) -> tuple[int, int, int] | None:
-        return self._dataset.locate(sample_id)
+    def locate(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+        return self._dataset.locate(ids)
 
 
 class ReadAhead:
     """The server's read-ahead: ``reads`` threads advising the records of every open
     stream's next batches, at most ``max_bytes`` held. ``on_seconds`` is called with the
-    seconds each record took (the server adds them to its ``read`` stage)."""
+    seconds each batch took (the server adds them to its ``read`` stage)."""
 
     def __init__(
         self, *, reads: int, max_bytes: int, on_seconds: Callable[[float], None] | None = None
@@ -270,28 +274,29 @@ class ReadAhead:
                         return
                     self.lock.wait(_WAIT_S)
                     task = self._next()
-                stream, seq, sample_id = task
-                stream.in_flight += 1
-                self._in_flight += 1
+                stream, seq, ids = task
+                stream.in_flight += len(ids)
+                self._in_flight += len(ids)
             started = time.perf_counter()
             try:
-                self._advise(stream, seq, sample_id)
-            except Exception:  # a record the stream will find bad itself; never the thread
-                log.debug("read-ahead of sample %d failed", sample_id, exc_info=True)
+                self._advise(stream, seq, ids)
+            except Exception:  # records the stream will find bad itself; never the thread
+                log.debug("read-ahead of batch %d failed", seq, exc_info=True)
             finally:
                 seconds = time.perf_counter() - started
                 with self.lock:
-                    stream.in_flight -= 1
-                    self._in_flight -= 1
+                    stream.in_flight -= len(ids)
+                    self._in_flight -= len(ids)
                     self._seconds += seconds
                     if stream.closed and not stream.in_flight:
                         self.lock.notify_all()  # its close waits for this
                 if self._on_seconds is not None:
                     self._on_seconds(seconds)
 
-    def _next(self) -> tuple[StreamReadAhead, int, int] | None:
-        """The next record to advise (under the lock): of the stream holding the fewest
-        bytes among those below their share, ties taken in turn."""
+    def _next(self) -> tuple[StreamReadAhead, int, np.ndarray] | None:
+        """The next batch to advise (under the lock): of the stream holding the fewest
+        bytes among those below their share and with no batch being advised, ties taken
+        in turn."""
         if self._stopped or not self._streams or self._held >= self.max_bytes:
             return None
         share = self.max_bytes // len(self._streams)
@@ -303,34 +308,40 @@ class ReadAhead:
             stream = self._streams[index]
             if stream.held_bytes >= share and stream.held_bytes > 0:
                 break  # the rest hold as much or more
-            record = stream.next_record()
-            if record is not None:
+            if stream.in_flight:
+                continue  # a batch at a time: a stream's batches are held in its order
+            batch = stream.next_batch()
+            if batch is not None:
                 self._turn = (index + 1) % count
-                return stream, record[0], record[1]
+                return stream, batch[0], batch[1]
         return None
 
-    def _advise(self, stream: StreamReadAhead, seq: int, sample_id: int) -> None:
-        where = stream.locate(sample_id)  # the shard's B-tree, outside the lock
-        if where is None:
-            return  # missing: the stream's read reports it
-        fd, offset, size = where
+    def _advise(self, stream: StreamReadAhead, seq: int, ids: np.ndarray) -> None:
+        spans = stream.locate(ids)  # the shards' indexes, outside the lock
+        if not spans:
+            return  # missing: the stream's read reports them
+        size = sum(length for _, _, length in spans)
         with self.lock:
-            # The bound holds before the read is started: wait for room (a record larger
+            # The bound holds before the reads are started: wait for room (a batch larger
             # than the whole bound goes alone).
             while self._held and self._held + size > self.max_bytes and self._live(stream, seq):
                 self.lock.wait(_WAIT_S)
             if not self._live(stream, seq):
-                self._dropped += 1
+                self._dropped += len(spans)
                 return
             stream.held[seq] = stream.held.get(seq, 0) + size
             stream.held_bytes += size
             self._held += size
             self._peak = max(self._peak, self._held)
-            self._records += 1
-            stream.records += 1
+            self._records += len(spans)
+            stream.records += len(spans)
             self._bytes += size
-        advise(fd, offset, size)
+        for fd, offset, length in spans:
+            if not self._live(stream, seq):  # read or closed meanwhile: the rest is late
+                break
+            advise(fd, offset, length)
 
     def _live(self, stream: StreamReadAhead, seq: int) -> bool:
-        """Whether a record of ``stream``'s batch ``seq`` is still worth advising."""
+        """Whether ``stream``'s batch ``seq`` is still worth advising (read without the
+        lock between a batch's records: a stale answer costs one record's advice)."""
         return not (self._stopped or stream.closed or seq <= stream.read_seq)
