@@ -7,9 +7,10 @@ pages only a running server maps stay, so each run starts a server of its own); 
 warm run every shard is read through once. For 1, 4 and 16 streams (``--cold-streams``),
 interleaved, medians of ``--repeats``:
 
-- images/s of a server with its read-ahead (the defaults), cold and warm, and their ratio;
-  and cold with ``read_ahead_reads = 0`` (each record read when its batch is);
-- the server's resident memory at its peak, cold and warm;
+- images/s of a server with its read-ahead (the defaults), cold and warm, and their ratio
+  (of the medians, and of each repeat's two runs, which run back to back); and cold with
+  ``read_ahead_reads = 0`` (each record read when its batch is);
+- the server's resident memory at its peak, and its CPU time per image, cold and warm;
 - the read stage alone, in this process: records/s of K threads each reading the batches of
   a stream of its own with ``read_job``, cold, with the server's read-ahead and without.
 
@@ -189,9 +190,20 @@ def _serve(
 _STATES = ("warm", "cold", "cold, one at a time")
 
 
+def _values(runs: list[_Run], streams: int, state: str, field: str) -> list[float]:
+    """``field`` of each run of ``streams`` streams in ``state``, in the order run."""
+    return [getattr(r.serving, field) for r in runs if r.streams == streams and r.state == state]
+
+
 def _median(runs: list[_Run], streams: int, state: str, field: str) -> float:
-    values = [getattr(r.serving, field) for r in runs if r.streams == streams and r.state == state]
-    return statistics.median(values)
+    return statistics.median(_values(runs, streams, state, field))
+
+
+def _ratios(runs: list[_Run], streams: int) -> list[float]:
+    """Cold / warm of each repeat (the two run back to back), in the order run."""
+    cold = _values(runs, streams, "cold", "images_per_s")
+    warm = _values(runs, streams, "warm", "images_per_s")
+    return [c / w for c, w in zip(cold, warm, strict=True)]
 
 
 def _tables(
@@ -200,10 +212,11 @@ def _tables(
     lines = [
         f"{'streams':>7} {'cold img/s':>11} {'warm img/s':>11} {'cold/warm':>10} "
         f"{'cold, 1-at-a-time':>18} {'RSS cold MiB':>13} {'RSS warm MiB':>13} {'RSS c/w':>8}"
+        f" {'CPU ms/img cold':>16} {'warm':>6}  cold/warm, each repeat"
     ]
     rows: list[dict[str, Any]] = []
     for k in counts:
-        row = {
+        row: dict[str, Any] = {
             "streams": k,
             "cold_images_per_s": _median(runs, k, "cold", "images_per_s"),
             "warm_images_per_s": _median(runs, k, "warm", "images_per_s"),
@@ -214,13 +227,18 @@ def _tables(
             "rss_warm_mib": _median(runs, k, "warm", "rss_mib"),
             "read_ahead_records_per_s": statistics.median(reads[k, True]),
             "one_at_a_time_records_per_s": statistics.median(reads[k, False]),
+            "cpu_ms_per_image_cold": _median(runs, k, "cold", "cpu_ms_per_image"),
+            "cpu_ms_per_image_warm": _median(runs, k, "warm", "cpu_ms_per_image"),
+            "cold_over_warm_each_repeat": _ratios(runs, k),
         }
         rows.append(row)
         lines.append(
             f"{k:>7} {row['cold_images_per_s']:>11.0f} {row['warm_images_per_s']:>11.0f} "
             f"{row['cold_images_per_s'] / row['warm_images_per_s']:>10.2f} "
             f"{row['cold_one_at_a_time_images_per_s']:>18.0f} {row['rss_cold_mib']:>13.0f} "
-            f"{row['rss_warm_mib']:>13.0f} {row['rss_cold_mib'] / row['rss_warm_mib']:>8.2f}"
+            f"{row['rss_warm_mib']:>13.0f} {row['rss_cold_mib'] / row['rss_warm_mib']:>8.2f} "
+            f"{row['cpu_ms_per_image_cold']:>16.3f} {row['cpu_ms_per_image_warm']:>6.3f}  "
+            + " ".join(f"{ratio:.2f}" for ratio in row["cold_over_warm_each_repeat"])
         )
     lines += [
         "",

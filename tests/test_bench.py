@@ -299,7 +299,10 @@ def test_cold_reads_the_dataset_cold_and_warm_and_its_read_stage_alone(
     for figure in ("cold_images_per_s", "warm_images_per_s", "cold_one_at_a_time_images_per_s"):
         assert row[figure] > 0, (figure, row)
     assert row["rss_cold_mib"] > 0 and row["rss_warm_mib"] > 0
+    assert row["cpu_ms_per_image_cold"] > 0 and row["cpu_ms_per_image_warm"] > 0
     assert row["read_ahead_records_per_s"] > 0 and row["one_at_a_time_records_per_s"] > 0
+    (ratio,) = row["cold_over_warm_each_repeat"]
+    assert ratio == pytest.approx(row["cold_images_per_s"] / row["warm_images_per_s"])
 
 
 @pytest.mark.slow
