@@ -339,7 +339,8 @@ class Dataset:
 
     def _index(self, shard: int) -> ShardIndex | None:
         """``shard``'s index, made at its first use (None: not in ingest's shape). Taken
-        without the lock once made: the read-ahead looks one up for every record."""
+        without the lock once made: every batch's read and read-ahead looks its shards'
+        up."""
         with contextlib.suppress(KeyError):
             return self._indexes[shard]
         with self._index_lock:

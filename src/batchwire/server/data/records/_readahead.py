@@ -33,9 +33,10 @@ the one it reads (that read asks for its own batch's missing records at once,
 :meth:`Dataset.read`). It starts by advising its first ``_FIRST_BATCHES``; from then on it
 advises up to a horizon of batches past the last batch whose read found records missing
 from the page cache (``Dataset.misses``), the horizon doubling (up to ``_MAX_HORIZON``)
-each time the first batch past it, read without advice, misses again. Where the dataset sits in the page cache, a stream's reads find
-every record there and its read-ahead stays idle: its bookkeeping per record cost a quarter
-of the rate of small images from memory (docs/performance.md).
+each time the first batch past it, read without advice, misses again. Where the dataset
+sits in the page cache, a stream's reads find every record there and its read-ahead stays
+idle: its bookkeeping, when it took a record at a time, cost a quarter of the rate of small
+images from memory (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ class ReadAhead:
             if not self._live(stream, seq):
                 self._dropped += len(spans)
                 return
-            stream.held[seq] = stream.held.get(seq, 0) + size
+            stream.held[seq] = size  # a batch is advised once: next_seq only moves on
             stream.held_bytes += size
             self._held += size
             self._peak = max(self._peak, self._held)
