@@ -7,6 +7,8 @@ import os
 import pathlib
 import shutil
 import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from test_resources import within
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
 from batchwire.server.data import Dataset
-from batchwire.server.data.records import _dataset
+from batchwire.server.data.records import _dataset, _readahead
 from batchwire.server.data.records._readahead import ReadAhead, StreamReadAhead
 from batchwire.server.runners import read_job
 from batchwire.v1 import datum_pb2
@@ -95,10 +97,11 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
 
 
 def test_a_stream_reads_ahead_only_while_its_reads_wait_for_the_disk(
-    data_dir: pathlib.Path, tmp_path: pathlib.Path
+    data_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From the page cache a stream's read-ahead advises its first batches and then stays
-    idle; from a cold cache it advises the batches after every read that waited."""
+    idle; from a cold cache on a slow disk (each read that waits for it, 10 ms more) it
+    advises the batches ahead, and the stream's reads find them in the page cache."""
     shutil.copytree(data_dir / "shapes", tmp_path / "shapes")
     batches = [np.arange(i, i + BATCH) for i in range(0, 512, BATCH)]
 
@@ -115,6 +118,12 @@ def test_a_stream_reads_ahead_only_while_its_reads_wait_for_the_disk(
         finally:
             pool.close()
 
+    pread_rest = _dataset._pread_rest
+
+    def slow_disk(fd: int, buffer: memoryview, offset: int) -> int:
+        time.sleep(0.010)
+        return pread_rest(fd, buffer, offset)
+
     with Dataset(tmp_path / "shapes") as dataset:
         dataset.read(np.arange(dataset.num_samples))  # every record in the page cache
         misses = dataset.misses
@@ -122,10 +131,76 @@ def test_a_stream_reads_ahead_only_while_its_reads_wait_for_the_disk(
         assert dataset.misses == misses  # it read nothing from the disk
         os.sync()  # the copy's pages written back, so that they can be dropped
         evict(tmp_path / "shapes")
+        monkeypatch.setattr(_dataset, "_pread_rest", slow_disk)
         cold = advised_over_an_epoch(dataset)
-        assert dataset.misses > misses
+        cold_misses = dataset.misses - misses
     assert warm <= 4 * BATCH  # its first batches (_FIRST_BATCHES), then nothing
     assert cold > 8 * BATCH, (warm, cold)
+    assert 0 < cold_misses < cold, (cold_misses, cold)  # most were read ahead in time
+
+
+class TimedRecords:
+    """Records whose reads wait for the disk as long as a test says, on the test's clock:
+    where a read-ahead decides from what it sees of its stream's reads."""
+
+    name, num_samples, misses = "timed", 1 << 20, 0
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waited = 0.0
+
+    def read_screened(
+        self, ids: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]:
+        raise AssertionError("not read here")
+
+    def locate(self, ids: object) -> list[tuple[int, int, int]]:
+        return []  # nothing to advise: the test follows what the stream would advise
+
+
+def test_a_stream_reads_ahead_where_its_reads_wait_long_enough_to_hold_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read that waits for the disk for a small part of the stream's time between batches
+    is hidden behind the pipeline's run of the batches before it: the stream then reads
+    ahead only its first batches. Reads that wait for most of it are read ahead of, further
+    further with each such read; a rare slow read, a few batches only."""
+    records = TimedRecords()
+    monkeypatch.setattr(
+        _readahead,
+        "time",
+        SimpleNamespace(perf_counter=lambda: records.now, monotonic=time.monotonic),
+    )
+    pool = ReadAhead(reads=1, max_bytes=64 << 20)
+    try:
+        stream = pool.open(records)
+        follow(stream, [np.arange(i, i + BATCH) for i in range(0, 1 << 20, BATCH)])
+
+        def read(waits: list[float], first: int = 0) -> list[int]:
+            """Read a batch each 20 ms, batch ``first + i`` waiting ``waits[i]`` s for the
+            disk (as ``StreamReadAhead.around`` tells it); the last batch to be read ahead
+            after each."""
+            ahead = []
+            for seq, wait in enumerate(waits, first):
+                stream.reading(seq)
+                records.waited += wait
+                stream.read(seq)
+                records.now += 0.020
+                ahead.append(stream.advise_until)
+            return ahead
+
+        fast = read([0.003] * 100)  # a fast disk: 3 ms of each 20
+        assert set(fast) == {_readahead._FIRST_BATCHES - 1}  # its first batches, no more
+        slow = read([0.015] * 100, first=100)  # most of each 20 ms, advised or not
+        assert all(after > seq for seq, after in enumerate(slow, 100))  # always ahead
+        assert slow[-1] == 199 + _readahead._MAX_HORIZON  # and as far as it reads ahead
+        spike = read([0.003] * 200 + [0.040] + [0.003] * 100, first=200)
+        assert spike[199] == slow[-1]  # fast again: nothing more read ahead
+        # A rare slow read among fast ones: the horizon had come back down, and the
+        # stream reads a few batches ahead of that one only.
+        assert spike[-1] == spike[200] <= 400 + 2 * _readahead._FIRST_BATCHES
+    finally:
+        pool.close()
 
 
 def test_a_batch_from_a_cold_cache_asks_the_disk_for_all_its_records_before_waiting(

@@ -169,7 +169,8 @@ class ServerConfig:
         4,
         "threads that find the records of every stream's next batches and queue their reads "
         "with the kernel ahead of the pipelines, a batch at a time, one batch of a stream at "
-        "once; each queues a batch's records together, so a few keep a disk busy "
+        "once, for the streams whose reads wait for the disk for half their time between "
+        "batches or more; each queues a batch's records together, so a few keep a disk busy "
         "(default 4; 0: off, each batch's records asked for when it is read)",
         bounds=(0, 256),
     )

@@ -28,6 +28,7 @@ import logging
 import os
 import pathlib
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,9 +192,11 @@ class Dataset:
         self._files: list[int] = []  # each shard's data.mdb, for reading ahead (locate)
         self._indexes: dict[int, ShardIndex | None] = {}
         self._index_lock = threading.Lock()
-        # Records read that were not all in the page cache (or where that cannot be told):
-        # what tells the read-ahead whether it is needed.
+        # Records read that were not all in the page cache (or where that cannot be told),
+        # and the seconds each thread's reads waited for them (``waited``): what tells the
+        # read-ahead whether it is needed.
         self.misses = 0
+        self._waits = threading.local()
         # Which records passed the screen: this version's, so a new ingest starts afresh.
         self.screened = ScreenedRecords(self.manifest.num_samples)
         try:
@@ -213,6 +216,12 @@ class Dataset:
     @property
     def name(self) -> str:
         return self.directory.name
+
+    @property
+    def waited(self) -> float:
+        """Seconds the calling thread's reads have waited for records the page cache did
+        not hold (a thread's own: streams read in threads of their own)."""
+        return getattr(self._waits, "seconds", 0.0)
 
     @property
     def num_samples(self) -> int:
@@ -253,6 +262,7 @@ class Dataset:
             records.append(record)
         if missed:
             self.misses += len(missed)
+            waiting = time.perf_counter()
             for i, got in missed:
                 fd, offset, length = spans[i]
                 advise(fd, offset + got, length - got)
@@ -261,6 +271,7 @@ class Dataset:
                 record = records[i]
                 if got + _pread_rest(fd, record[got:], offset + got) != length:
                     records[i] = record[:0]  # a file cut short since
+            self._waits.seconds = self.waited + time.perf_counter() - waiting
         images: list[np.ndarray | None] = []
         labels = np.full(len(ids), -1, dtype=np.int64)
         for i, record in enumerate(records):

@@ -35,6 +35,9 @@ class Records(Protocol):
     @property
     def misses(self) -> int: ...
 
+    @property
+    def waited(self) -> float: ...
+
     def read_screened(
         self, ids: np.ndarray
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]: ...
@@ -66,6 +69,11 @@ class MixedDataset:
     def misses(self) -> int:
         """Records read that were not all in the page cache, over every source."""
         return sum(source.misses for source in self.sources)
+
+    @property
+    def waited(self) -> float:
+        """Seconds the calling thread's reads waited for the disk, over every source."""
+        return sum(source.waited for source in self.sources)
 
     def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
         """:meth:`Dataset.locate` of mixed ids, source by source."""

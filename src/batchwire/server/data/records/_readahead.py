@@ -28,15 +28,21 @@ what it held is freed.
 Reading ahead never changes what a stream reads, only when its pages arrive: the records
 still come from ``Dataset.read``, in the stream's order.
 
-A stream reads ahead only while its reads wait for the disk, and only the batches after
-the one it reads (that read asks for its own batch's missing records at once,
-:meth:`Dataset.read`). It starts by advising its first ``_FIRST_BATCHES``; from then on it
-advises up to a horizon of batches past the last batch whose read found records missing
-from the page cache (``Dataset.misses``), the horizon doubling (up to ``_MAX_HORIZON``)
-each time the first batch past it, read without advice, misses again. Where the dataset
-sits in the page cache, a stream's reads find every record there and its read-ahead stays
-idle: its bookkeeping, when it took a record at a time, cost a quarter of the rate of small
-images from memory (docs/performance.md).
+A stream reads ahead only while its reads wait for the disk long enough to hold it back,
+and only the batches after the one it reads (that read asks for its own batch's missing
+records at once, :meth:`Dataset.read`). It starts by advising its first
+``_FIRST_BATCHES``; from then on it advises up to a horizon of batches past the last batch
+whose read was held back: it waited for the disk (``Dataset.waited``) for more than
+``_HELD_BACK`` of the stream's time between batches (averaged). The horizon doubles (up
+to ``_MAX_HORIZON``) with each read held back, advised or not (an advised read that still
+waits that long was not advised far enough ahead), and halves (down to
+``_FIRST_BATCHES``) with each read past it that was not, so that a disk's rare slow read
+does not keep a stream reading ahead for good. A read that waits less is hidden behind
+the pipeline's run of the batches before it (DALI asks for its input ahead): on a fast
+disk, advising every batch only took CPU from the decoders (docs/performance.md). Where
+the dataset sits in the page cache, a stream's reads never wait and its read-ahead stays
+idle: its bookkeeping, when it took a record at a time, cost a quarter of the rate of
+small images from memory.
 """
 
 from __future__ import annotations
@@ -61,7 +67,11 @@ _T = TypeVar("_T")
 
 _WAIT_S = 0.25  # how often an idle read-ahead thread looks for a stop
 _FIRST_BATCHES = 4  # a stream's first batches are read ahead whatever the cache holds
-_MAX_HORIZON = 64  # batches read ahead, at most, past a read that missed the cache
+_MAX_HORIZON = 64  # batches read ahead, at most, past a read that waited for the disk
+# A read holds its stream back, and the batches after it are read ahead, where it waited
+# for the disk for more than this share of the stream's time between batches.
+_HELD_BACK = 0.5
+_PACE_WEIGHT = 1 / 8  # of the newest interval between a stream's reads, in their average
 _CLOSE_WAIT_S = 10.0  # how long a closing stream waits for its records being advised
 
 
@@ -101,7 +111,9 @@ class StreamReadAhead:
         self.closed = False
         self.advise_until = _FIRST_BATCHES - 1  # the last batch to advise for now
         self.horizon = _FIRST_BATCHES
-        self._misses_before = -1  # the dataset's misses as the batch being read began
+        self.pace = 0.0  # seconds between the starts of the stream's reads, averaged
+        self._began = -1.0  # when the read before began (perf_counter)
+        self._waited_before = -1.0  # the reading thread's Dataset.waited as the read began
 
     def follow(self, batch_ids: Callable[[int], np.ndarray | None]) -> None:
         """Read ahead the batches ``batch_ids`` gives, from the first not yet read."""
@@ -123,23 +135,32 @@ class StreamReadAhead:
         return read_after_ahead
 
     def reading(self, seq: int) -> None:
-        """Batch ``seq`` is being read now: advise the batches after it, never it (its read
-        asks for its missing records itself) or what came before."""
+        """Batch ``seq`` is being read now, in the calling thread: advise the batches after
+        it, never it (its read asks for its missing records itself) or what came before."""
+        now = time.perf_counter()
         with self._pool.lock:
             self.next_seq = max(self.next_seq, seq + 1)
-            self._misses_before = self._dataset.misses
+            if self._began >= 0:
+                interval = now - self._began
+                self.pace += (interval - self.pace) * (_PACE_WEIGHT if self.pace else 1.0)
+            self._began = now
+            self._waited_before = self._dataset.waited
             if self._advisable():
                 self._pool.lock.notify_all()
 
     def read(self, seq: int) -> None:
-        """Batches up to ``seq`` were read: what was advised of them is freed. Where its
-        read found records missing from the page cache, the batches after it are advised."""
+        """Batches up to ``seq`` were read (in the thread that said :meth:`reading`): what
+        was advised of them is freed. Where the read waited for the disk long enough to
+        hold the stream back, the batches after it are advised."""
         with self._pool.lock:
-            if self._misses_before >= 0 and self._dataset.misses > self._misses_before:
-                if seq > self.advise_until:  # read without advice, and it waited
+            if self._waited_before >= 0:
+                waited = self._dataset.waited - self._waited_before
+                if self.pace and waited >= _HELD_BACK * self.pace:  # held back (pace known)
                     self.horizon = min(_MAX_HORIZON, self.horizon * 2)
-                self.advise_until = max(self.advise_until, seq + self.horizon)
-            self._misses_before = -1
+                    self.advise_until = max(self.advise_until, seq + self.horizon)
+                elif seq > self.advise_until:  # read without advice, and not held back
+                    self.horizon = max(_FIRST_BATCHES, self.horizon // 2)
+            self._waited_before = -1.0
             self.read_seq = max(self.read_seq, seq)
             freed = [self.held.pop(done) for done in [s for s in self.held if s <= seq]]
             for size in freed:
