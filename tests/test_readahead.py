@@ -143,7 +143,7 @@ class TimedRecords:
     """Records whose reads wait for the disk as long as a test says, on the test's clock:
     where a read-ahead decides from what it sees of its stream's reads."""
 
-    name, num_samples, misses = "timed", 1 << 20, 0
+    name, num_samples = "timed", 1 << 20
 
     def __init__(self) -> None:
         self.now = 0.0

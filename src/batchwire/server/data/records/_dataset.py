@@ -193,8 +193,8 @@ class Dataset:
         self._indexes: dict[int, ShardIndex | None] = {}
         self._index_lock = threading.Lock()
         # Records read that were not all in the page cache (or where that cannot be told),
-        # and the seconds each thread's reads waited for them (``waited``): what tells the
-        # read-ahead whether it is needed.
+        # and the seconds each thread's reads waited for them (``waited``: what tells the
+        # read-ahead whether a stream needs it).
         self.misses = 0
         self._waits = threading.local()
         # Which records passed the screen: this version's, so a new ingest starts afresh.

@@ -33,9 +33,6 @@ class Records(Protocol):
     def num_samples(self) -> int: ...
 
     @property
-    def misses(self) -> int: ...
-
-    @property
     def waited(self) -> float: ...
 
     def read_screened(
@@ -64,11 +61,6 @@ class MixedDataset:
     @property
     def num_samples(self) -> int:
         return sum(self.sizes)
-
-    @property
-    def misses(self) -> int:
-        """Records read that were not all in the page cache, over every source."""
-        return sum(source.misses for source in self.sources)
 
     @property
     def waited(self) -> float:
