@@ -240,6 +240,77 @@ def test_a_state_after_the_last_batch_is_the_start_of_the_next_epoch(
     assert ids_of(resumed) == expected(1)
 
 
+class StepFailed(Exception):
+    """A training step that raised."""
+
+
+def _raise_in_with(loader: RemoteLoader) -> None:
+    # As a script writes it: the handler outside the with block saves the state.
+    with pytest.raises(StepFailed), loader:
+        for step, _ in enumerate(loader):
+            if step == 4:
+                raise StepFailed
+
+
+def _break(loader: RemoteLoader) -> None:
+    for step, _ in enumerate(loader):
+        if step == 4:
+            break
+
+
+def _close(loader: RemoteLoader) -> None:
+    iterator = iter(loader)
+    take(iterator, 5)
+    loader.close()  # the iterator is still referenced: close() stops its pass
+
+
+LEAVE = {"a step raised inside with": _raise_in_with, "break": _break, "close()": _close}
+
+
+@pytest.mark.parametrize("leave", sorted(LEAVE))
+def test_a_state_saved_after_a_pass_is_left_resumes_the_rest_of_its_epoch(
+    server: BatchwireServer, leave: str
+) -> None:
+    """Five batches of epoch 2 handed out, then the pass left: by an exception inside the
+    loader's with block (a preemption or error handler saves the checkpoint after it), by
+    break, or by close(). The state is of the last batch handed out, as torchdata's
+    StatefulDataLoader gives after its iterator is left, and a fresh loader delivers
+    exactly the rest of epoch 2, in order, then epoch 3."""
+    loader = make(server)
+    loader.set_epoch(2)
+    LEAVE[leave](loader)
+    state = loader.state_dict()
+    assert (state["epoch"], state["cursor"]) == (2, 5 * BATCH)
+    assert loader.epoch == 2
+    loader.close()
+    assert loader.state_dict() == state  # closing again changes nothing
+    resumed = make(server)
+    resumed.load_state_dict(state)
+    assert ids_of(resumed) == expected(2)[5 * BATCH :]
+    assert ids_of(resumed) == expected(3)
+    resumed.close()
+
+
+def test_a_state_saved_after_the_next_pass_began_is_that_passs_place(
+    server: BatchwireServer,
+) -> None:
+    """A pass left mid-epoch stays the state until the next iter() is first advanced: then
+    the state is that pass's, the next epoch (each iter() is a pass)."""
+    loader = make(server)
+    take(iter(loader), 3)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["cursor"]) == (0, 3 * BATCH)
+    iterator = iter(loader)  # not advanced: no pass began
+    assert loader.state_dict()["cursor"] == 3 * BATCH
+    take(iterator, 2)
+    state = loader.state_dict()
+    assert (state["epoch"], state["cursor"]) == (1, 2 * BATCH)
+    loader.close()
+    resumed = make(server)
+    resumed.load_state_dict(state)
+    assert ids_of(resumed) == expected(1)[2 * BATCH :]
+    resumed.close()
+
+
 def test_a_loader_pickles_and_its_copy_streams_the_same(server: BatchwireServer) -> None:
     loader = make(server)
     copy = pickle.loads(pickle.dumps(loader))

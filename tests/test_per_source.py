@@ -126,6 +126,8 @@ def test_ranks_take_disjoint_shares_and_a_state_resumes_exactly_the_rest(
     for at in (1, 3, 6):
         loader = make(server, rank=1, world_size=2)
         before = take(loader, at)
+        if at == 3:
+            loader.close()  # the state still says where its pass stood (as after a with)
         state = loader.state_dict()
         assert state["batching"] == "per_source" and set(state["parts"]) == set(SIZES)
         resumed = make(server, rank=1, world_size=2)

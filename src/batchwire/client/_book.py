@@ -160,6 +160,12 @@ class Book:
         with self._cond:
             self._cond.notify_all()
 
+    def release(self) -> None:
+        """Let go of the batches that arrived and were not taken: the pass stopped, and
+        nothing takes them (a stopped pass is kept for its place, not its batches)."""
+        with self._cond:
+            self._arrived.clear()
+
     def fail(self, error: BatchwireError) -> None:
         """The pass cannot go on: ``take`` raises ``error``."""
         with self._cond:

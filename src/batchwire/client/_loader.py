@@ -244,6 +244,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
             batching=self._mixture.batching if self._mixture is not None else "random",
             elastic_batch_size=self._elastic_batch_size,
         )
+        # The last pass begun, running or not: where it stood is the loader's state until
+        # the next one begins (LoaderState.place).
         self._pass: StreamPass | None = None
         self._ahead: StreamPass | None = None  # the pass after this one, started early
         self._ahead_finalizer: weakref.finalize[Any, Any] | None = None
@@ -456,7 +458,8 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     @property
     def epoch(self) -> int:
-        """The epoch of the pass in progress, or of the next pass if none is."""
+        """The epoch the loader stands in (see :meth:`state_dict`): its last pass's,
+        until that pass handed out its last batch; else the next pass's."""
         if self._parts is not None:
             return self._parts.epoch
         return self._state.place(self._pass).epoch
@@ -471,9 +474,11 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._state.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: after the last batch handed out (prefetched ones
-        don't count), or where the next pass starts. It loads on any rank, also of a job
-        of another world size (the client guide: Elastic resume)."""
+        """Where this loader stands: after the last batch its last pass handed out
+        (prefetched ones don't count), whether that pass is running, was left
+        (``break``, an exception) or stopped by ``close()``; the next epoch once that
+        pass handed out its last batch; else where the next pass starts. It loads on any
+        rank, also of a job of another world size (the client guide: Elastic resume)."""
         if self._parts is not None:
             return self._state.mixture_state(self._sharing.resolve(), self._parts.state_dicts())
         return self._state.state_dict(self._pass, self._sharing.resolve(), self._info)
@@ -691,12 +696,12 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def close(self) -> None:
         """Stop the pass in progress (cancel its streams, join its readers) and close
-        the channels. The loader can be iterated again afterwards."""
+        the channels. The loader can be iterated again afterwards. ``state_dict()`` still
+        says where that pass stood, until the next pass begins."""
         if self._parts is not None:
             self._parts.close()
-        current, self._pass = self._pass, None
-        if current is not None:
-            current.stop()
+        if self._pass is not None:
+            self._pass.stop()  # kept: its place is the loader's state (LoaderState.place)
         ahead = self._take_ahead()
         if ahead is not None:
             ahead.stop()

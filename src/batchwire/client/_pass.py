@@ -222,6 +222,7 @@ class StreamPass:
                 puller.join(_JOIN_TIMEOUT)
         if self._resolver is not None and self._resolver is not me:
             self._resolver.join(_JOIN_TIMEOUT)
+        self.book.release()
         with _live_lock:
             _live_passes.discard(self)
 

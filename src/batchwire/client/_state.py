@@ -145,7 +145,9 @@ class LoaderState:
         self._probe: tuple[int, int, set[int]] | None = None
 
     def place(self, current: StreamPass | None) -> Place:
-        """After the last batch handed out, or where the next pass starts."""
+        """After the last batch ``current``, the loader's last pass, handed out (running,
+        left or stopped: the place is the same), unless a directive or another pass came
+        after it; else where the next pass starts."""
         entry = self.ledger.read()
         if current is not None and entry.pass_id == current.id:
             plan = current.plan
