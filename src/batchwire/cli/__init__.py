@@ -1,10 +1,11 @@
 """The ``batchwire`` command: ``ingest``, ``inspect``, ``serve``, ``health``, ``bench``,
 ``preview``, ``demo``.
 
-Each subcommand lives in its own module ``_<name>.py`` with ``add_parser(subparsers)``
-(registering its arguments and ``func=run``) and ``run(args) -> int`` (the exit code).
-Server-side subcommands import DALI and LMDB only when they run, so the thin client's
-``batchwire health`` works where they are not installed.
+Each subcommand lives in its own module ``_<name>.py`` with ``HELP``, ``DESCRIPTION``,
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit code). Server-side subcommands
+import DALI and LMDB only when they run, so the thin client's ``batchwire health`` works
+where they are not installed. An unknown or misspelt flag is reported in the usage of the
+command it was given to, with the closest known flag (``_parser.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 
 import batchwire
 from batchwire.cli import _logs
+from batchwire.cli._parser import Parser
 
 __all__ = ["build_parser", "main"]
 
@@ -33,7 +35,7 @@ _EXTRA_OF_COMMAND = {"preview": "preview"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="batchwire",
         description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
     )
@@ -41,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     modules = {name: importlib.import_module(f"batchwire.cli._{name}") for name in _COMMANDS}
     quieter = sorted(n for n, m in modules.items() if hasattr(m, "DEFAULT_LOG_LEVEL"))
     _add_log_options(parser, None, f"INFO; WARNING for {' and '.join(quieter)}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+    )
     for name, module in modules.items():
         # A command is a module with HELP, DESCRIPTION, add_arguments(parser) and run(args)
         # (and DEFAULT_LOG_LEVEL where it logs less than INFO by default).
