@@ -202,13 +202,15 @@ class Book:
                 failure = self._failure
                 if failure is not None and failure[0] >= self._progress_at:
                     if now - self._progress_at > retry_timeout:
-                        raise error_for(
+                        error = error_for(
                             failure[1],
                             f"no server delivered a batch for {retry_timeout:g}s while they "
                             f"were retried (RemoteLoader retry_timeout={retry_timeout:g}); "
                             f"last error: {failure[2]}. Check that the servers run and are "
                             "reachable, or raise retry_timeout to wait out longer outages",
                         )
+                        log.error("giving up on batch %d: %s", index, error)
+                        raise error
                     wake_at.append(self._progress_at + retry_timeout)
                 if now >= deadline:
                     raise UnavailableError(

@@ -153,9 +153,10 @@ class StreamPass:
         with self._pullers_lock:
             if self._stopped:
                 return
+            joining = bool(self.pullers)  # servers found after the pass started
             for server in servers:
                 if server not in self.pullers:
-                    if self.pullers:
+                    if joining:
                         log.info("%s joined: it takes batches from now on", server.address)
                     self.pullers[server] = self._puller(server)
                     self.pullers[server].start()
@@ -258,21 +259,55 @@ class ServerPuller(threading.Thread):
         self._shared_memory = tensors.options.shared_memory
 
     def _what_now(self, returned: int) -> str:
-        """What the loader does about this server's failure, for its log line."""
+        """What the loader does about this server's outage, for the line that says it
+        began."""
         retry = f"retry_timeout={self._tensors.options.retry_timeout:g}s"
         if len(self._servers.servers()) == 1:
-            held = (
-                f"the {counted(returned, 'batch', 'batches')} it held"
-                if returned
-                else "the batches left"
-            )
             return (
-                f"it is the loader's only server: retrying it for {held}, until a batch "
-                f"arrives or {retry} passes without one"
+                "it is the loader's only server: retrying it until it delivers, for up to "
+                f"{retry} without a batch before the loop raises UnavailableError; a line "
+                "follows when it serves again"
             )
-        if returned:
-            return f"{counted(returned, 'batch', 'batches')} it held go to the other servers"
-        return f"retrying it, and any other server, for the batches left (for up to {retry})"
+        moved = (
+            f"the {counted(returned, 'batch', 'batches')} it held go to the other servers"
+            if returned
+            else "its batches go to the other servers"
+        )
+        return (
+            f"{moved}, and it is retried meanwhile (the loop raises UnavailableError only if "
+            f"no server delivers for {retry}); a line follows when it serves again"
+        )
+
+    def _say_failure(self, failure: str, returned: int, retry_in: float) -> None:
+        """One WARNING when an outage of this server begins (by any pass of the loader),
+        with what the loader does; a DEBUG line for each failure after it."""
+        failures = self._servers.outage(self.server)
+        if failures == 1:
+            log.warning(
+                "%s failed (%s); %s", self.server.address, failure, self._what_now(returned)
+            )
+            return
+        log.debug(
+            "%s failed again (%s), failure %d of this outage; %s back to the book, retrying "
+            "in %.1fs",
+            self.server.address,
+            failure,
+            failures,
+            counted(returned, "batch", "batches"),
+            retry_in,
+        )
+
+    def _served_again(self) -> None:
+        """This server delivered on a call: one INFO line if that ends an outage."""
+        ended = self._servers.mark_ok(self.server)
+        if ended is not None:
+            seconds, failures = ended
+            log.info(
+                "%s serves again, after %.1fs and %s: the loader goes on with it",
+                self.server.address,
+                seconds,
+                counted(failures, "failed call"),
+            )
 
     def run(self) -> None:
         try:
@@ -323,7 +358,7 @@ class ServerPuller(threading.Thread):
                     if bulk is not None and not (ring is not None and ring.claimed):
                         bulk.claim(call.bulk_grant(), self.server.address, self.server.tls_name)
                     accepted.set()
-                    self._receive(call, held, ring, bulk, recovering=attempt > 0)
+                    self._receive(call, held, ring, bulk)
                 return  # the stream ended: the pass is finished
             except SharedMemoryFailed as exc:
                 if self._halted():
@@ -361,15 +396,9 @@ class ServerPuller(threading.Thread):
             if failure is None:
                 continue  # shared memory failed: again at once, over the socket
             self._servers.mark_failed(self.server)
-            # Once per outage, and whenever batches move: not every retry of a dead server.
-            log.log(
-                logging.WARNING if returned or not attempt else logging.DEBUG,
-                "%s failed (%s); %s",
-                self.server.address,
-                failure[1],
-                self._what_now(len(returned)),
-            )
-            if self._pass_stop.wait(backoff(attempt)):
+            retry_in = backoff(attempt)
+            self._say_failure(failure[1], len(returned), retry_in)
+            if self._pass_stop.wait(retry_in):
                 return
             attempt += 1
 
@@ -379,18 +408,17 @@ class ServerPuller(threading.Thread):
         held: Held,
         ring: RingReader | None,
         bulk: BulkReader | None,
-        *,
-        recovering: bool,
     ) -> None:
         """Hand the call's batches to the book as their last parts arrive, until it ends."""
+        first = True
         for delivery in self._tensors.deliveries(
             call, ring, bulk if bulk and bulk.claimed else None
         ):
             self._book.deliver(held, delivery)
             self.delivered += 1
-            if recovering:
-                recovering = False
-                self._servers.mark_ok(self.server)
+            if first:  # the server serves: an outage of it (of this pass or another) ended
+                first = False
+                self._served_again()
 
     def _requests(
         self,

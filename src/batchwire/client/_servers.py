@@ -73,6 +73,9 @@ class ServerSet:
         self._failed_at: dict[Server, float] = {}
         # What each server was found to be: [] where it is one server, else its workers.
         self._workers: dict[Server, list[Server]] = {}
+        # Servers whose streams failed and have not delivered since: when the outage
+        # began, and the failures counted in it (by every pass of the loader).
+        self._outages: dict[Server, tuple[float, int]] = {}
 
     def servers(self) -> list[Server]:
         """The servers to pull from: a unit's workers in place of the unit."""
@@ -133,6 +136,20 @@ class ServerSet:
             if any(t.startswith(_DNS) for t in self._targets):
                 self._servers = None  # the name may point elsewhere by now
 
-    def mark_ok(self, server: Server) -> None:
+    def outage(self, server: Server) -> int:
+        """Count a failure of a stream from ``server``: the failures of its outage so far,
+        this one included (1: this one began it). The outage ends at ``mark_ok``."""
+        with self._lock:
+            began, failures = self._outages.get(server, (time.monotonic(), 0))
+            self._outages[server] = (began, failures + 1)
+            return failures + 1
+
+    def mark_ok(self, server: Server) -> tuple[float, int] | None:
+        """``server`` delivered: the seconds and failures of the outage this ends, if it
+        was in one."""
         with self._lock:
             self._failed_at.pop(server, None)
+            outage = self._outages.pop(server, None)
+        if outage is None:
+            return None
+        return time.monotonic() - outage[0], outage[1]
