@@ -39,6 +39,8 @@ from batchwire.cli._serve import resolve_config
 from batchwire.server import ServerConfig, load_file, settings
 
 CONFIG_KEYS = {"server", "pipelines"}
+# Every interface of the container or pod, where published ports, probes and trainers arrive.
+EVERY_INTERFACE = "[::]"
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,8 @@ def test_image_environment_alone_configures_a_server_on_data(image: Dockerfile) 
     args = entrypoint_args(image, [])
     config = resolve_config(args, env)
     assert str(config.data_dir) == "/data"
+    # Not the server's default, localhost, which only the container itself reaches.
+    assert config.host == EVERY_INTERFACE
     # The healthcheck dials the port the server listens on without any flag.
     health = batchwire(image.healthcheck)
     assert health.func.__module__ == "batchwire.cli._health"
@@ -152,6 +156,7 @@ def test_compose_command_ports_and_healthcheck_agree_with_the_code(
 ) -> None:
     args, config = compose_config(image, service)
     assert str(config.data_dir) == "/data"
+    assert config.host == EVERY_INTERFACE, "the published ports must reach the server"
     assert config.metrics_port is not None, "compose must serve /metrics"
     published = {(p["target"], p["published"], p["protocol"]) for p in service["ports"]}
     bulk = {(config.bulk_port + i, str(config.bulk_port + i), "tcp") for i in range(4)}
@@ -404,6 +409,7 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(
     container: dict[str, Any], k8s_config: tuple[Any, ServerConfig]
 ) -> None:
     _, config = k8s_config
+    assert config.host == EVERY_INTERFACE, "the kubelet probes the pod's address"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == config.port, probe
         assert container[probe]["grpc"].get("service", "") == "", probe

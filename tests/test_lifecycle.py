@@ -96,8 +96,8 @@ def test_health_stays_not_serving_without_datasets(tmp_path: pathlib.Path) -> No
 def test_a_server_open_to_every_interface_in_plaintext_says_so(
     data_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The quick start's server, on every interface with no TLS and no token, warns and
-    names --host; one on localhost does not. Either names the port it got for --port 0."""
+    """A server on every interface with no TLS and no token warns and names --host; one
+    on localhost (the default) does not. Either names the port it got for --port 0."""
     said = {}
     for host in ("[::]", "localhost"):
         caplog.clear()

@@ -102,7 +102,12 @@ class ServerConfig:
     data_dir: pathlib.Path = _setting(
         dataclasses.MISSING, "datasets live in DIR/NAME/", _path, metavar="DIR"
     )
-    host: str = _setting("[::]", "address to listen on (default [::], all)", str)
+    host: str = _setting(
+        "localhost",
+        "address to listen on (default localhost: this machine only; 0.0.0.0 or [::]: every "
+        "interface, for trainers on other hosts)",
+        str,
+    )
     port: int = _setting(50051, "gRPC port (default 50051; 0: any free)", bounds=(0, 65535))
     device: str = _setting(
         "auto", "where pipelines run (default auto)", str, choices=("auto", "cpu", "gpu")

@@ -190,10 +190,15 @@ class BulkBroker:
         except OSError as exc:
             warn_once(log, "listen", _NO_BULK, host, port, exc.strerror or exc)
             return False
+        failed: OSError | None = None
         for family, kind, proto, _, address in infos:
             if any(s.family == family for s in self._sockets):
                 continue  # one socket a family (getaddrinfo repeats them)
-            sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
+            try:
+                sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
+            except OSError as exc:
+                failed = failed or exc
+                continue  # a family this host lacks
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6:
@@ -203,19 +208,23 @@ class BulkBroker:
                 sock.setblocking(False)
             except OSError as exc:
                 sock.close()
-                if not self._sockets:
-                    warn_once(log, "listen", _NO_BULK, host, port, exc.strerror or exc)
-                    return False
-                continue  # another family of the host at the port taken: the first serves
+                # Another family's address of the host missing (``localhost``'s ::1 where
+                # IPv6 is off), or taken at the port the first got: the others serve.
+                failed = failed or exc
+                continue
             self._sockets.append(sock)
             self.port = sock.getsockname()[1]
+        if not self._sockets:
+            reason = "no address" if failed is None else failed.strerror or failed
+            warn_once(log, "listen", _NO_BULK, host, port, reason)
+            return False
         loop = asyncio.get_running_loop()
         self._accepting = [
             loop.create_task(accept_claims(sock, self._claim, self._claiming, log, _WHAT))
             for sock in self._sockets
         ]
         log.debug("trainers claim bulk connections on port %d", self.port)
-        return bool(self._sockets)
+        return True
 
     def grant(self) -> tuple[BulkLink, pb.BulkGrant] | None:
         """A link for a stream whose client offered to take one, and the grant that tells

@@ -1,15 +1,17 @@
-"""Where a server listens: whether its port is free before it binds (:func:`check_port_free`)
-and its addresses once it listens (:class:`Listening`), for a lone server and a unit alike."""
+"""Where a server listens: whether its port is free before it binds (:func:`check_port_free`),
+whether only this machine reaches it (:func:`loopback_only`), and its addresses once it
+listens (:class:`Listening`), for a lone server and a unit alike."""
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 
 from batchwire.server.errors import ServerError
 from batchwire.server.serving._metrics import MetricsHTTPServer
 
-__all__ = ["Listening", "check_port_free"]
+__all__ = ["Listening", "check_port_free", "loopback_only"]
 
 
 class Listening:
@@ -42,8 +44,13 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
         infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)
     except OSError:
         return  # gRPC reports an unknown host itself
-    for family, kind, proto, _, sockaddr in infos[:1]:
-        with socket.socket(family, kind, proto) as probe:
+    # Every address of the host, as gRPC binds each (``localhost``: 127.0.0.1 and ::1).
+    for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this host lacks (IPv6 off): gRPC binds the others
+        with probe:
             # As gRPC binds: a port whose last server left connections in TIME_WAIT (a
             # restart) is free; one another process listens on is not.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -55,3 +62,25 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
                         f"cannot listen on {host}:{port}: another process is using the port "
                         f"(stop it, or pick another port with {flag})"
                     ) from None
+
+
+def loopback_only(host: str) -> bool:
+    """Whether a server on ``host`` is reached from this machine alone: ``localhost`` (which
+    gRPC binds as 127.0.0.1 and ``::1``), a loopback address (``127.0.0.1``, ``[::1]``), or a
+    name every address of which is one. Every interface (``[::]``, ``0.0.0.0``) and any
+    other address are reached from other hosts."""
+    name = host.strip("[]")
+    if name.lower() == "localhost":
+        return True
+    if not name:
+        return False
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # gRPC reports an unknown host itself
+    addresses = {str(info[4][0]).partition("%")[0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)

@@ -39,7 +39,7 @@ from batchwire.server.errors import ServerError
 from batchwire.server.serving._bulk import BulkBroker
 from batchwire.server.serving._event_loop import finish_tasks, new_loop
 from batchwire.server.serving._health import UnitHealthServicer
-from batchwire.server.serving._listening import Listening, check_port_free
+from batchwire.server.serving._listening import Listening, check_port_free, loopback_only
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
 from batchwire.server.serving._rescans import Rescans
 from batchwire.server.serving._security import ServerSecurity
@@ -53,6 +53,8 @@ __all__ = ["SERVICE_NAME", "BatchwireServer"]
 log = logging.getLogger(__name__)
 # Hosts that listen on every interface of the machine.
 _EVERY_INTERFACE = frozenset({"", "[::]", "::", "0.0.0.0", "*"})
+# What the start says of a host that only this machine reaches.
+_THIS_MACHINE = "this machine only: --host 0.0.0.0 serves other hosts"
 
 SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
 _START_TIMEOUT = 30.0
@@ -347,7 +349,15 @@ class BatchwireServer(Listening):
             if where is address:
                 self._port = port
         await server.start()
-        log.info("listening on %s:%d (%s)", self.config.host, self._port, self.security.describe())
+        host = self.config.host
+        local = loopback_only(host)
+        log.info(
+            "listening on %s:%d (%s%s)",
+            host,
+            self._port,
+            f"{_THIS_MACHINE}; " if local else "",
+            self.security.describe(),
+        )
         if own is not None:
             log.info("and on %s, this worker's own port", own)
         if self._metrics_http is not None:
@@ -357,13 +367,13 @@ class BatchwireServer(Listening):
             log.info("pipelines on GPUs %s; new streams spread over them", list(devices.device_ids))
         if self.security.tokens and not self.security.tls:
             log.warning("bearer tokens without TLS: anyone on the network path can read them")
-        if self.config.host in _EVERY_INTERFACE and not (self.security.tls or self.security.tokens):
+        if not local and not (self.security.tls or self.security.tokens):
             log.warning(
-                "listening on every interface (%s) in plaintext with no token: anyone who can "
-                "reach this host on port %d can read the datasets. Pass --host localhost to "
-                "serve this machine only, or --tls-cert/--tls-key and --token-file "
-                "(docs/security.md)",
-                self.config.host,
+                "listening on %s in plaintext with no token: anyone who can reach this host "
+                "on port %d can read the datasets. Leave out --host (or pass --host "
+                "localhost) to serve this machine only, or pass --tls-cert/--tls-key and "
+                "--token-file (docs/security.md)",
+                f"every interface ({host})" if host in _EVERY_INTERFACE else host,
                 self._port,
             )
 

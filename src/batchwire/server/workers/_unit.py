@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -344,24 +345,31 @@ def _reserve_port(host: str, port: int, flag: str = "--port") -> tuple[socket.so
     the workers while the unit runs, and the port."""
     address = host.strip("[]") or None
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM
-        )[0]
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
-    try:
-        reserved = socket.socket(family, kind, proto)
-    except OSError as exc:
-        if address != "::":
-            raise ServerError(f"cannot listen on {host}:{port}: {exc}") from exc
+    # The first of the host's addresses this host has (``localhost``: 127.0.0.1 or ::1,
+    # whichever comes first of those that are up; the workers bind every one).
+    missing: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            reserved = socket.socket(family, kind, proto)
+        except OSError as exc:
+            missing = missing or exc
+            continue
+        try:
+            reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            reserved.bind(sockaddr)
+        except OSError as exc:
+            reserved.close()
+            if exc.errno == errno.EADDRNOTAVAIL:
+                missing = missing or exc
+                continue
+            raise ServerError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another with {flag})"
+            ) from exc
+        return reserved, reserved.getsockname()[1]
+    if address == "::":
         # A host without IPv6: "[::]" means every IPv4 address, as gRPC takes it too.
         return _reserve_port("0.0.0.0", port, flag)
-    try:
-        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        reserved.bind(sockaddr)
-    except OSError as exc:
-        reserved.close()
-        raise ServerError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc} (pick another with {flag})"
-        ) from exc
-    return reserved, reserved.getsockname()[1]
+    raise ServerError(f"cannot listen on {host}:{port}: {missing}")
