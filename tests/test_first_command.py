@@ -5,7 +5,7 @@ print, and where the server they start can be reached from.
 runs as a real process: it logs no warning from its start to SERVING, and every socket it
 listens on (gRPC, the bulk connections, a unit's workers and their own ports) is a
 loopback address, read from ``/proc``. A server told ``--host 0.0.0.0`` without TLS or
-tokens still warns.
+tokens still warns. ``batchwire ingest`` of a folder prints each fact once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+from PIL import Image
 from processes import PYTHON_BATCHWIRE, wait_until_serving
 
 from batchwire.cli import build_parser
@@ -200,3 +202,45 @@ def socket_binds(address: str) -> bool:
     except OSError:
         return False
     return True
+
+
+# -- ingest -------------------------------------------------------------------------------
+
+
+def test_ingest_of_a_folder_says_each_fact_once(tmp_path: pathlib.Path) -> None:
+    """What ``batchwire ingest`` prints by default: the summary, the files it rejected,
+    and warnings; no log line repeats the count, the classes or where it wrote."""
+    src = tmp_path / "my-images"
+    for name in ("cat", "dog"):
+        (src / name).mkdir(parents=True)
+        for i in range(3):
+            pixels = np.full((20, 24, 3), 40 * i, np.uint8)
+            Image.fromarray(pixels).save(src / name / f"{i}.png")
+    (src / "dog" / "broken.jpg").write_bytes(b"nope")
+    (src / "empty").mkdir()
+    (src / "empty" / "notes.jpg").write_bytes(b"not an image")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
+    done = subprocess.run(
+        [*PYTHON_BATCHWIRE, "ingest", str(src), str(tmp_path / "datasets"), "--name", "pets"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    written = str(tmp_path / "datasets" / "pets")
+    assert done.stdout.splitlines()[0].startswith(
+        f"ingested 6 images in 3 classes into {written} (1 shard, "
+    ), done.stdout
+    assert output.count(written) == 1, output
+    assert output.count("3 classes") == 1, output
+    assert len(re.findall(r"\b6 (images|samples|files)\b", output)) == 1, output
+    assert done.stdout.splitlines()[1:] == [
+        "rejected 2 files:",
+        "  dog/broken.jpg: only 4 bytes: not an image",
+        "  empty/notes.jpg: only 12 bytes: not an image",
+    ], done.stdout
+    # Warnings stay: a class with nothing to train on.
+    said = records(done.stderr)
+    assert said == [("WARNING", "class 'empty' has no decodable image")], done.stderr

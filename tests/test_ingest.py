@@ -319,7 +319,7 @@ def test_existing_dataset_needs_overwrite_and_is_replaced_whole(
     listing.write_text("cat/chelsea.jpg 0\ncat/tiny.png 1\n")
     out = tmp_path / "out"
     base = ["ingest", str(tree.root), str(out), "--name", "ds", "--no-progress"]
-    caplog.set_level(logging.INFO, logger="batchwire")
+    caplog.set_level(logging.DEBUG, logger="batchwire")
     assert main([*base, "--file-list", str(listing)]) == 0
     assert "ingesting 2 files" in caplog.text
     caplog.clear()

@@ -51,6 +51,8 @@ from batchwire.server.data.records import NAME_PATTERN, Manifest
 
 __all__ = ["DEFAULT_SHARD_SIZE", "IngestError", "IngestReport", "ingest"]
 
+# What is ingested and what was written are DEBUG lines: the report says them once (the
+# summary `batchwire ingest` prints), and the progress bar shows an ingest under way.
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHARD_SIZE = 10_000
@@ -144,7 +146,7 @@ def _open_sources(
     if file_list is not None:
         existing.close()
         raise IngestError(f"{src} is an LMDB: it carries its own labels, so drop --file-list")
-    logger.info(
+    logger.debug(
         "ingesting %d records of the %s LMDB %s into %s",
         existing.total,
         "Caffe" if existing.kind == "caffe" else "pickled",
@@ -165,7 +167,7 @@ def _scan(src: pathlib.Path, file_list: pathlib.Path | None, final: pathlib.Path
     sources = read_file_list(src, file_list) if file_list is not None else scan_class_folders(src)
     if not sources.files:
         raise IngestError(f"no files found in the class folders under {src}")
-    logger.info(
+    logger.debug(
         "ingesting %d files in %d classes from %s into %s",
         len(sources.files),
         len(sources.classes),
@@ -203,7 +205,7 @@ def _report(manifest: Manifest, final: pathlib.Path, started: float) -> IngestRe
     for label, count in enumerate(manifest.class_counts):
         if count == 0:
             logger.warning("class %r has no decodable image", manifest.classes[label])
-    logger.info(
+    logger.debug(
         "wrote %d samples to %s; rejected %d files", manifest.num_samples, final, len(rejected)
     )
     return IngestReport(
