@@ -39,6 +39,8 @@ from batchwire.cli._serve import resolve_config
 from batchwire.server import ServerConfig, load_file, settings
 
 CONFIG_KEYS = {"server", "pipelines"}
+# compose.yaml's one required variable: the host folder of the datasets.
+DATA = {"BATCHWIRE_DATA": "/srv/datasets"}
 # Every interface of the container or pod, where published ports, probes and trainers arrive.
 EVERY_INTERFACE = "[::]"
 
@@ -50,7 +52,7 @@ def image() -> Dockerfile:
 
 @pytest.fixture(scope="module")
 def service(docker_compose: Compose) -> dict[str, Any]:
-    return docker_compose("compose.yaml")["services"]["batchwire"]
+    return docker_compose("compose.yaml", environ=DATA)["services"]["batchwire"]
 
 
 def serve_args(words: list[str]) -> argparse.Namespace:
@@ -179,7 +181,7 @@ def test_compose_command_ports_and_healthcheck_agree_with_the_code(
 def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(
     image: Dockerfile, service: dict[str, Any], docker_compose: Compose
 ) -> None:
-    cpu = docker_compose("compose.yaml", "compose.cpu.yaml")["services"]["batchwire"]
+    cpu = docker_compose("compose.yaml", "compose.cpu.yaml", environ=DATA)["services"]["batchwire"]
     assert gpu_reservations(cpu) == []
     _, config = compose_config(image, cpu)
     assert config.device == "cpu"
@@ -190,24 +192,35 @@ def test_compose_cpu_override_drops_the_gpu_and_runs_on_the_cpu(
     assert cpu["ports"] == service["ports"]
     assert cpu["environment"] == {**service["environment"], "BATCHWIRE_DEVICE": "cpu"}
     # The shell's variables reach the merged service, but cannot undo the override.
-    environ = {"BATCHWIRE_DEVICE": "gpu", "BATCHWIRE_LOG_FORMAT": "json"}
+    environ = {**DATA, "BATCHWIRE_DEVICE": "gpu", "BATCHWIRE_LOG_FORMAT": "json"}
     cpu = docker_compose("compose.yaml", "compose.cpu.yaml", environ=environ)
     _, config = compose_config(image, cpu["services"]["batchwire"])
     assert config.device == "cpu"
     assert cpu["services"]["batchwire"]["environment"]["BATCHWIRE_LOG_FORMAT"] == "json"
 
 
+def test_compose_needs_the_data_folder_and_says_which_variable_names_it(
+    docker_compose: Compose,
+) -> None:
+    """``${BATCHWIRE_DATA:?...}``: unset or empty, compose stops before anything starts,
+    naming the variable and what to set it to, rather than mounting a folder that is not
+    there (a checkout has none); in every combination of the files."""
+    for names in (("compose.yaml",), ("compose.yaml", "compose.cpu.yaml", "compose.secure.yaml")):
+        for environ in ({}, {"BATCHWIRE_DATA": ""}):
+            with pytest.raises(RuntimeError, match="BATCHWIRE_DATA") as failed:
+                docker_compose(*names, environ=environ)
+            assert "set BATCHWIRE_DATA to the folder of your datasets" in str(failed.value)
+
+
 def test_compose_variables_set_empty_take_their_defaults(
     image: Dockerfile, docker_compose: Compose, tmp_path: pathlib.Path
 ) -> None:
-    """``${VAR:-default}``: an exported but empty variable (``BATCHWIRE_DATA=``) gets the
-    default, as an unset one does, rather than an empty bind source or device."""
+    """``${VAR:-default}``: an exported but empty variable (``BATCHWIRE_DEVICE=``) gets the
+    default, as an unset one does, rather than an empty device or secrets folder."""
     names = ("compose.yaml", "compose.secure.yaml")
-    variables = ("BATCHWIRE_DATA", "BATCHWIRE_DEVICE", "BATCHWIRE_SECRETS", "BATCHWIRE_TLS_NAME")
-    empty = docker_compose(*names, environ=dict.fromkeys(variables, ""))
-    assert empty == docker_compose(*names)
-    (volume,) = empty["services"]["batchwire"]["volumes"]
-    assert pathlib.Path(volume["source"]) == ROOT / "data"
+    variables = ("BATCHWIRE_DEVICE", "BATCHWIRE_SECRETS", "BATCHWIRE_TLS_NAME")
+    empty = docker_compose(*names, environ={**DATA, **dict.fromkeys(variables, "")})
+    assert empty == docker_compose(*names, environ=DATA)
     _, config = compose_config(image, empty["services"]["batchwire"])
     assert config.device == "auto"
     secrets = {pathlib.Path(s["file"]).parent for s in empty["secrets"].values()}
@@ -226,7 +239,7 @@ def test_compose_secure_override_mounts_every_file_it_names_as_a_secret(
     service: dict[str, Any], docker_compose: Compose, tmp_path: pathlib.Path
 ) -> None:
     # Compose reads the model without the secret files (an empty directory here).
-    environ = {"BATCHWIRE_SECRETS": str(tmp_path)}
+    environ = {**DATA, "BATCHWIRE_SECRETS": str(tmp_path)}
     document = docker_compose("compose.yaml", "compose.secure.yaml", environ=environ)
     secure = document["services"]["batchwire"]
     args = serve_args(secure["command"])
@@ -251,9 +264,9 @@ def test_compose_secure_override_mounts_every_file_it_names_as_a_secret(
 def test_compose_prometheus_scrapes_the_metrics_port(
     image: Dockerfile, service: dict[str, Any], docker_compose: Compose
 ) -> None:
-    plain = docker_compose("compose.yaml")["services"]
+    plain = docker_compose("compose.yaml", environ=DATA)["services"]
     assert "prometheus" not in plain, "Prometheus only starts when asked for"
-    document = docker_compose("compose.yaml", profiles=["metrics"])
+    document = docker_compose("compose.yaml", environ=DATA, profiles=["metrics"])
     prometheus = document["services"]["prometheus"]
     assert prometheus["profiles"] == ["metrics"]
     mounts = {m["target"]: pathlib.Path(m["source"]) for m in prometheus["volumes"]}
@@ -274,7 +287,7 @@ def test_compose_overrides_combine_as_the_readme_documents(
 ) -> None:
     """``-f compose.yaml -f compose.cpu.yaml -f compose.secure.yaml --profile metrics``."""
     files = ("compose.yaml", "compose.cpu.yaml", "compose.secure.yaml")
-    document = docker_compose(*files, profiles=["metrics"])
+    document = docker_compose(*files, environ=DATA, profiles=["metrics"])
     assert set(document["services"]) == {"batchwire", "prometheus"}
     service = document["services"]["batchwire"]
     assert gpu_reservations(service) == []

@@ -77,7 +77,8 @@ def container(
     data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory, docker_compose: Compose
 ) -> Iterator[Container]:
     image = Dockerfile.read()
-    service = docker_compose("compose.yaml")["services"]["batchwire"]
+    data = {"BATCHWIRE_DATA": str(data_dir)}
+    service = docker_compose("compose.yaml", environ=data)["services"]["batchwire"]
     args = build_parser().parse_args([*image.exec_form("ENTRYPOINT")[1:], *service["command"]])
     # Port 0: "any free port"; the process prints the ports it got.
     ports = {str(args.port): "0", str(args.metrics_port): "0"}
@@ -334,7 +335,9 @@ def test_the_secure_compose_variant_serves_tls_and_its_healthcheck_passes(
         "batchwire_tokens": tmp_path / "tokens",
     }
     secrets["batchwire_tokens"].write_text("a-token-for-trainers\n")
-    service = docker_compose("compose.yaml", "compose.secure.yaml")["services"]["batchwire"]
+    data = {"BATCHWIRE_DATA": str(data_dir)}
+    document = docker_compose("compose.yaml", "compose.secure.yaml", environ=data)
+    service = document["services"]["batchwire"]
 
     def mounted(words: list[str]) -> list[str]:
         return [
