@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         f"in {report.seconds:.1f} s"
     )
     if report.rejected:
-        print(f"rejected {len(report.rejected)} files:")
+        print(f"rejected {counted(len(report.rejected), 'file')}:")
         for item in report.rejected:
             print(f"  {item.path}: {item.reason}")
     return 0
