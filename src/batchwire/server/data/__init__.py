@@ -9,6 +9,7 @@ build job): it needs LMDB, Pillow and DALI's CPU decoder, and never loads grpc::
     manifest = read_manifest("data/pets")              # its manifest.json, checked
     with Dataset("data/pets") as dataset:
         images, labels = dataset.read([0, 1, 2])       # encoded bytes and labels
+        fields = dataset.fields([0, 1, 2])             # named fields: boxes, captions, ...
 
 Two subpackages, gathered here for scripts: :mod:`batchwire.server.data.ingestion`, the
 offline tool that writes datasets, and :mod:`batchwire.server.data.records`, a dataset's
@@ -34,14 +35,20 @@ from batchwire.server.data.ingestion import (
     write_photo_folders,
 )
 from batchwire.server.data.records import (
+    BOX_FORMAT,
+    CLASS_FORMAT,
     MANIFEST,
     NAME_PATTERN,
     Dataset,
+    FieldSpec,
+    FieldValue,
     Manifest,
     ReadAhead,
     ReadAheadStats,
     Shard,
     StreamReadAhead,
+    decode_fields,
+    encode_fields,
     manifest_version,
     read_manifest,
     sample_key,
@@ -50,6 +57,8 @@ from batchwire.server.data.records import (
 from batchwire.server.errors import DatasetError
 
 __all__ = [
+    "BOX_FORMAT",
+    "CLASS_FORMAT",
     "DEFAULT_SHARD_SIZE",
     "MANIFEST",
     "NAME_PATTERN",
@@ -57,6 +66,8 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "DatasetSummary",
+    "FieldSpec",
+    "FieldValue",
     "IngestError",
     "IngestReport",
     "Manifest",
@@ -66,6 +77,8 @@ __all__ = [
     "ShardSummary",
     "StreamReadAhead",
     "UnsafePickle",
+    "decode_fields",
+    "encode_fields",
     "ingest",
     "manifest_version",
     "read_manifest",

@@ -7,6 +7,7 @@ per dataset version before any reaches a decoder. Needs LMDB; never loads grpc::
 
     with Dataset("data/pets") as dataset:
         images, labels = dataset.read([0, 1, 2])       # encoded bytes and labels
+        fields = dataset.fields([0, 1, 2])             # name -> array, str or bytes
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ from batchwire.server.data.records._dataset import (
     manifest_version,
     sample_key,
 )
+from batchwire.server.data.records._fields import (
+    FieldValue,
+    decode_fields,
+    encode_field,
+    encode_fields,
+)
 from batchwire.server.data.records._formats import unsupported_reason
 from batchwire.server.data.records._mixed import MixedDataset, Records
 from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
+from batchwire.server.data.records._schema import BOX_FORMAT, CLASS_FORMAT, DTYPES, FieldSpec
 
 
 def read_manifest(directory: pathlib.Path | str) -> Manifest:
@@ -35,10 +43,15 @@ def read_manifest(directory: pathlib.Path | str) -> Manifest:
 
 
 __all__ = [
+    "BOX_FORMAT",
+    "CLASS_FORMAT",
+    "DTYPES",
     "MANIFEST",
     "MAX_LABEL",
     "NAME_PATTERN",
     "Dataset",
+    "FieldSpec",
+    "FieldValue",
     "Manifest",
     "MixedDataset",
     "ReadAhead",
@@ -46,6 +59,9 @@ __all__ = [
     "Records",
     "Shard",
     "StreamReadAhead",
+    "decode_fields",
+    "encode_field",
+    "encode_fields",
     "manifest_version",
     "read_manifest",
     "sample_key",

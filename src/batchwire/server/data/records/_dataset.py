@@ -12,7 +12,9 @@ Global sample ids are ``0..N-1``. Shard ``i`` holds the ids
 key ``b"%010d" % k``, so the server finds a sample by id without scanning.
 Values are ``Datum`` protobufs with ``encoded=true``, ``data`` = the original
 encoded image bytes and ``label`` = the class index, which keeps every shard
-readable by DALI's ``fn.readers.caffe`` and by Caffe tools.
+readable by DALI's ``fn.readers.caffe`` and by Caffe tools. A record may also hold
+named fields (``Datum.fields``: boxes, captions, a mask), which the manifest declares
+(``_schema``) and :meth:`Dataset.fields` reads; :meth:`Dataset.read` never parses them.
 
 The server opens shards read-only and never writes to a dataset.
 """
@@ -38,8 +40,10 @@ import numpy as np
 from batchwire.common.stream import NAME_PATTERN
 from batchwire.server.data.records._datum import datum_image
 from batchwire.server.data.records._environments import ENVIRONMENTS, copied
+from batchwire.server.data.records._fields import FieldValue, decode_fields
 from batchwire.server.data.records._formats import ScreenedRecords
 from batchwire.server.data.records._lmdb_index import ShardIndex, index_shard, last_commit
+from batchwire.server.data.records._schema import FieldSpec, specs_from_json, specs_to_json
 from batchwire.server.errors import DatasetError
 
 __all__ = [
@@ -87,7 +91,14 @@ class Shard:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """What ``manifest.json`` records about a dataset."""
+    """What ``manifest.json`` records about a dataset.
+
+    ``fields`` declares the named fields its records hold (``_schema``; none in a manifest
+    written before fields existed); ``class_ids`` are the source's own ids of ``classes``
+    where it had some (COCO's category ids), else empty. Both are left out of the JSON
+    when empty, so a dataset without them is written as before, and they need no new
+    ``format_version``: a reader that does not know them reads image and label as ever.
+    """
 
     name: str
     num_samples: int
@@ -98,6 +109,8 @@ class Manifest:
     source: str = ""
     created: str = ""
     rejected: tuple[dict[str, str], ...] = ()
+    fields: tuple[FieldSpec, ...] = ()
+    class_ids: tuple[int, ...] = ()
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -108,6 +121,16 @@ class Manifest:
             )
         if len(self.class_counts) != len(self.classes):
             raise DatasetError("manifest: class_counts and classes differ in length")
+        if self.class_ids and len(self.class_ids) != len(self.classes):
+            raise DatasetError("manifest: class_ids and classes differ in length")
+        names = [spec.name for spec in self.fields]
+        for spec in self.fields:
+            if names.count(spec.name) > 1:
+                raise DatasetError(f"manifest: field {spec.name!r} is declared twice")
+            if spec.along and spec.along not in names:
+                raise DatasetError(
+                    f"manifest: field {spec.name!r} follows {spec.along!r}, which is not a field"
+                )
         expected = 0
         for shard in self.shards:
             if shard.first_id != expected or shard.count < 0:
@@ -124,6 +147,10 @@ class Manifest:
 
     def to_json(self) -> str:
         body = dataclasses.asdict(self)
+        body["fields"] = specs_to_json(self.fields)
+        for optional in ("fields", "class_ids"):
+            if not body[optional]:
+                del body[optional]
         body = {"format": FORMAT, **body}
         return json.dumps(body, indent=2, sort_keys=False) + "\n"
 
@@ -155,6 +182,8 @@ class Manifest:
                 source=str(body.get("source", "")),
                 created=str(body.get("created", "")),
                 rejected=tuple(dict(r) for r in body.get("rejected", ())),
+                fields=specs_from_json(body.get("fields", {})),
+                class_ids=tuple(int(i) for i in body.get("class_ids", ())),
                 format_version=int(version),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -244,6 +273,29 @@ class Dataset:
         misses cost about one disk latency, not one each.
         """
         ids = np.asarray(ids, dtype=np.int64)
+        records = self._records(ids)
+        images: list[np.ndarray | None] = []
+        labels = np.full(len(ids), -1, dtype=np.int64)
+        for i, record in enumerate(records):
+            found = datum_image(record)
+            if found is None:
+                images.append(None)
+                continue
+            start, end, labels[i] = found
+            images.append(np.frombuffer(record[start:end], dtype=np.uint8))
+        return images, labels
+
+    def fields(self, ids: Sequence[int] | np.ndarray) -> list[dict[str, FieldValue]]:
+        """The named fields of the records of ``ids``, in order: name → value as
+        :func:`~batchwire.server.data.records.decode_fields` gives it (numpy arrays, str,
+        bytes), an empty dict for a record without fields or one missing or not a
+        ``Datum``. Read as :meth:`read` reads records; only this parses fields. Raises
+        ``ValueError`` for fields damaged on disk."""
+        return [decode_fields(record) for record in self._records(np.asarray(ids, np.int64))]
+
+    def _records(self, ids: np.ndarray) -> list[memoryview]:
+        """The bytes of the records of ``ids``, in order, each a view of one buffer for
+        them all (empty where a record is missing); :meth:`read` says how they are read."""
         spans = self._spans(ids)
         buffer = np.empty(sum(length for _, _, length in spans), dtype=np.uint8)
         memory = memoryview(buffer)  # type: ignore[arg-type]  # an ndarray is a buffer
@@ -272,16 +324,7 @@ class Dataset:
                 if got + _pread_rest(fd, record[got:], offset + got) != length:
                     records[i] = record[:0]  # a file cut short since
             self._waits.seconds = self.waited + time.perf_counter() - waiting
-        images: list[np.ndarray | None] = []
-        labels = np.full(len(ids), -1, dtype=np.int64)
-        for i, record in enumerate(records):
-            found = datum_image(record)
-            if found is None:
-                images.append(None)
-                continue
-            start, end, labels[i] = found
-            images.append(np.frombuffer(record[start:end], dtype=np.uint8))
-        return images, labels
+        return records
 
     def read_screened(
         self, ids: np.ndarray

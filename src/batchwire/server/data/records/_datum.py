@@ -5,14 +5,15 @@ the field is read; for an 80 KB photo that is most of the record path's time. A 
 handful of fields, so its wire format is walked here (tags and lengths only) and the image
 is returned as a span of the record's own buffer. The fields (``caffe.proto``): channels 1,
 height 2, width 3, data 4, label 5, float_data 6, encoded 7; as protobuf does, the last
-occurrence of a field wins.
+occurrence of a field wins. batchwire's own ``fields`` (100, a ``Fields`` message) is found
+the same way, by :func:`datum_fields`, only when a caller asks for a record's fields.
 """
 
 from __future__ import annotations
 
-__all__ = ["datum_image"]
+__all__ = ["datum_fields", "datum_image"]
 
-_DATA, _LABEL = 4, 5
+_DATA, _LABEL, _FIELDS = 4, 5, 100
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
 
@@ -65,3 +66,34 @@ def datum_image(record: memoryview) -> tuple[int, int, int] | None:
     if end == start:
         return None
     return start, end, label
+
+
+def datum_fields(record: memoryview) -> memoryview | None:
+    """The serialized ``Fields`` message in the Datum bytes ``record``: a view of
+    ``record``, or None where the record has no fields (every record written before they
+    existed) or is not a Datum. The walk reads tags and lengths only, so a record without
+    fields costs a few varints, whatever its image's size."""
+    found: memoryview | None = None
+    at, size = 0, len(record)
+    try:
+        while at < size:
+            tag, at = _varint(record, at)
+            number, wire = tag >> 3, tag & 7
+            if wire == _VARINT:
+                _, at = _varint(record, at)
+            elif wire == _LENGTH_DELIMITED:
+                length, at = _varint(record, at)
+                if at + length > size:
+                    return None
+                if number == _FIELDS:
+                    found = record[at : at + length]
+                at += length
+            elif wire in (_FIXED64, _FIXED32):
+                at += 8 if wire == _FIXED64 else 4
+            else:
+                return None
+            if number == 0 or at > size:
+                return None
+    except (IndexError, ValueError):
+        return None
+    return found
