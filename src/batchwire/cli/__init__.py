@@ -21,8 +21,7 @@ import urllib.parse
 from collections.abc import Sequence
 
 import batchwire
-from batchwire.cli import _logs
-from batchwire.cli._parser import Parser
+from batchwire.cli import _logs, _parser
 
 __all__ = ["build_parser", "main"]
 
@@ -35,7 +34,7 @@ _EXTRA_OF_COMMAND = {"preview": "preview"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
+    parser = _parser.Parser(
         prog="batchwire",
         description="Remote DALI data loading: LMDB datasets, DALI pipelines, batches over gRPC.",
     )
@@ -44,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     quieter = sorted(n for n, m in modules.items() if hasattr(m, "DEFAULT_LOG_LEVEL"))
     _add_log_options(parser, None, f"INFO; WARNING for {' and '.join(quieter)}")
     subparsers = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+        dest="command", required=True, metavar="COMMAND", parser_class=_parser.Parser
     )
     for name, module in modules.items():
         # A command is a module with HELP, DESCRIPTION, add_arguments(parser) and run(args)
