@@ -1,16 +1,25 @@
 """``batchwire ingest SRC OUT --name NAME``: build a dataset from class folders, a file list,
-or an existing LMDB (Caffe's ``convert_imageset`` output, or pickled ``(image bytes, label)``
-records)."""
+an existing LMDB (Caffe's ``convert_imageset`` output, or pickled ``(image bytes, label)``
+records), or samples with fields (a COCO file, a JSON-lines or CSV manifest, WebDataset
+shards)."""
 
 from __future__ import annotations
 
 import argparse
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
 from batchwire.common.words import counted
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
+# The formats --format names (batchwire.server.data.FORMATS, spelled here so that --help
+# needs no DALI or LMDB).
+FORMATS = ("folder", "lmdb", "coco", "jsonl", "csv", "webdataset")
+
+if TYPE_CHECKING:
+    from batchwire.server.data import FieldSpec
+
+__all__ = ["DESCRIPTION", "FORMATS", "HELP", "add_arguments", "field_lines", "run"]
 
 
 HELP = "turn a folder of images into a batchwire dataset (LMDB shards + manifest)"
@@ -20,14 +29,21 @@ DESCRIPTION = (
     "0..C-1), or come from --file-list. SRC may also be an existing LMDB: Caffe's "
     "convert_imageset output (Datum values) or pickled (image bytes, label) records "
     "with __keys__; its images are copied as they are, pickles are read without running "
-    "any code. Every image is decoded with DALI; those that fail are skipped and listed "
-    "with a reason."
+    "any code. SRC may also hold samples with named fields (boxes, captions, ...): a COCO "
+    "instances or captions .json, a .jsonl or .csv manifest of image paths and fields, or "
+    "WebDataset shards (a .tar, or a folder of key.jpg/key.json/key.txt/key.cls files); the "
+    "format is told from SRC, or named by --format. Every image is decoded with DALI; those "
+    "that fail are skipped and listed with a reason, as are bad annotations."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "src", type=pathlib.Path, metavar="SRC", help="folder of images, or an existing LMDB"
+        "src",
+        type=pathlib.Path,
+        metavar="SRC",
+        help="folder of images, an existing LMDB, a COCO .json, a .jsonl or .csv manifest, "
+        "or WebDataset shards",
     )
     parser.add_argument("out", type=pathlib.Path, metavar="OUT", help="where OUT/NAME/ goes")
     parser.add_argument("--name", required=True, help="dataset name (the served name)")
@@ -36,6 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=pathlib.Path,
         metavar="F",
         help="file of 'relative/path label' lines (paths relative to SRC) instead of class folders",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="what SRC is, where it cannot be told from SRC itself (default: told from SRC)",
+    )
+    parser.add_argument(
+        "--images",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="folder that a COCO, .jsonl or .csv manifest's image paths are relative to "
+        "(default: the manifest's folder)",
     )
     parser.add_argument(
         "--shard-size", type=int, default=None, metavar="N", help="samples per shard (10000)"
@@ -63,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             name=args.name,
             file_list=args.file_list,
+            source_format=args.format,
+            images=args.images,
             shard_size=DEFAULT_SHARD_SIZE if args.shard_size is None else args.shard_size,
             overwrite=args.overwrite,
             num_threads=args.threads,
@@ -77,8 +108,37 @@ def run(args: argparse.Namespace) -> int:
         f"{report.path} ({counted(report.num_shards, 'shard')}, {human_size(report.bytes)}) "
         f"in {report.seconds:.1f} s"
     )
-    if report.rejected:
-        print(f"rejected {counted(len(report.rejected), 'file')}:")
-        for item in report.rejected:
+    for line in field_lines(report.fields):
+        print(line)
+    files = [item for item in report.rejected if not item.part]
+    parts = [item for item in report.rejected if item.part]
+    if files:
+        print(f"rejected {counted(len(files), 'file')}:")
+        for item in files:
             print(f"  {item.path}: {item.reason}")
+    if parts:
+        print(f"dropped {counted(len(parts), 'annotation')} of the files kept:")
+        for item in parts:
+            print(f"  {item.path} ({item.part}): {item.reason}")
     return 0
+
+
+def field_lines(fields: tuple[FieldSpec, ...]) -> list[str]:
+    """A line per field: its name, kind, dtype, shape, format, and how many entries the
+    samples holding it hold (boxes per image, captions per image)."""
+    lines = [f"fields    {len(fields)}"] if fields else []
+    for spec in fields:
+        shape = "[" + ", ".join(str(n) for n in spec.shape) + "]"
+        extra = "".join(
+            f"  {word} {value}"
+            for word, value in (("format", spec.format), ("along", spec.along))
+            if value
+        )
+        count = (
+            f"in {spec.samples} samples, {spec.count_min}..{spec.count_max} each "
+            f"(mean {spec.count_mean:.2f})"
+            if spec.shape and spec.shape[0] == -1
+            else f"in {spec.samples} samples"
+        )
+        lines.append(f"  {spec.name:<14} {spec.kind:<6} {spec.dtype:<8} {shape:<9}{extra}  {count}")
+    return lines

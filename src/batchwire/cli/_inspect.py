@@ -16,7 +16,7 @@ _MAX_REJECTED = 5
 
 HELP = "summarize a dataset directory and check its shards against the manifest"
 DESCRIPTION = (
-    "Print a dataset's samples, classes, shards and rejected files, and check that "
+    "Print a dataset's samples, classes, fields, shards and rejected files, and check that "
     "every shard holds as many records as the manifest says (exit 1 if not)."
 )
 
@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from batchwire.cli._ingest import field_lines
     from batchwire.server.data import DatasetError, summarize
 
     try:
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
             f"  ... {len(rest)} more classes ({sum(rest)} samples, "
             f"{min(rest)}..{max(rest)} per class)"
         )
+    for line in field_lines(m.fields):
+        print(line)
     print(f"shards    {len(summary.shards)}")
     shard_limit = None if args.all else _MAX_SHARDS
     for shard in summary.shards[:shard_limit]:
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"rejected  {len(m.rejected)}")
     rejected_limit = None if args.all else _MAX_REJECTED
     for item in m.rejected[:rejected_limit]:
-        print(f"  {item.get('path')}: {item.get('reason')}")
+        part = f" ({item['part']})" if item.get("part") else ""
+        print(f"  {item.get('path')}{part}: {item.get('reason')}")
     if rejected_limit is not None and len(m.rejected) > rejected_limit:
         print(f"  ... {len(m.rejected) - rejected_limit} more (--all lists them)")
     if summary.problems:

@@ -21,7 +21,10 @@ records as a server reads them. The server's own code imports the subpackage it 
 from __future__ import annotations
 
 from batchwire.server.data.ingestion import (
+    BACKGROUND,
+    BOX_COLOURS,
     DEFAULT_SHARD_SIZE,
+    FORMATS,
     SHAPES,
     DatasetSummary,
     IngestError,
@@ -31,6 +34,7 @@ from batchwire.server.data.ingestion import (
     ingest,
     safe_loads,
     summarize,
+    write_coco_boxes,
     write_image_folders,
     write_photo_folders,
 )
@@ -57,9 +61,12 @@ from batchwire.server.data.records import (
 from batchwire.server.errors import DatasetError
 
 __all__ = [
+    "BACKGROUND",
+    "BOX_COLOURS",
     "BOX_FORMAT",
     "CLASS_FORMAT",
     "DEFAULT_SHARD_SIZE",
+    "FORMATS",
     "MANIFEST",
     "NAME_PATTERN",
     "SHAPES",
@@ -86,6 +93,7 @@ __all__ = [
     "sample_key",
     "summarize",
     "unsupported_reason",
+    "write_coco_boxes",
     "write_image_folders",
     "write_photo_folders",
 ]

@@ -1,5 +1,5 @@
-"""Ingest: the offline tool that turns image folders, file lists or existing LMDBs (Caffe
-Datums, pickled tuples) into a dataset of LMDB shards and a manifest, validating every
+"""Ingest: the offline tool that turns image folders, file lists, existing LMDBs (Caffe
+Datums, pickled tuples) or samples with fields (COCO, JSON lines or CSV, WebDataset) into a dataset of LMDB shards and a manifest, validating every
 image first and publishing the dataset atomically; and ``inspect``'s summary of one. It
 runs on a data engineer's machine or a build job, apart from any server, and writes the
 format :mod:`batchwire.server.data.records` reads.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from batchwire.server.data.ingestion._ingest import (
     DEFAULT_SHARD_SIZE,
+    FORMATS,
     IngestError,
     IngestReport,
     ingest,
@@ -20,9 +21,17 @@ from batchwire.server.data.ingestion._synthetic import (
     write_image_folders,
     write_photo_folders,
 )
+from batchwire.server.data.ingestion._synthetic_coco import (
+    BACKGROUND,
+    BOX_COLOURS,
+    write_coco_boxes,
+)
 
 __all__ = [
+    "BACKGROUND",
+    "BOX_COLOURS",
     "DEFAULT_SHARD_SIZE",
+    "FORMATS",
     "SHAPES",
     "DatasetSummary",
     "IngestError",
@@ -32,6 +41,7 @@ __all__ = [
     "ingest",
     "safe_loads",
     "summarize",
+    "write_coco_boxes",
     "write_image_folders",
     "write_photo_folders",
 ]

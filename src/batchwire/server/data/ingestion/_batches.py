@@ -21,10 +21,25 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rejected:
-    """A source item left out of the dataset: ``path`` is relative to SRC (or an LMDB key)."""
+    """A source item left out of the dataset: ``path`` is relative to SRC (or an LMDB key).
+
+    ``part`` names what of the sample was left out where the sample itself was kept (a
+    bad box: ``"box 2"``, an annotation: ``"annotation 17"``); empty where the whole
+    sample was.
+    """
 
     path: str
     reason: str
+    part: str = ""
+
+    def as_json(self) -> dict[str, str]:
+        """The manifest's entry: path and reason, and part where there is one."""
+        entry = {"path": self.path, "reason": self.reason}
+        return entry | {"part": self.part} if self.part else entry
+
+    @classmethod
+    def from_json(cls, entry: dict[str, str]) -> Rejected:
+        return cls(entry["path"], entry["reason"], entry.get("part", ""))
 
 
 def bounded_batches(

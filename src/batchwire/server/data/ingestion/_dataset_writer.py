@@ -5,7 +5,10 @@ its ``manifest.json``.
 decoder, appends those that decode to the shards as Caffe ``Datum`` records
 holding the original bytes, and writes the manifest last. An image that does
 not decode is ``Rejected`` with the decoder's reason; a source with no
-decodable image is an ``IngestError``.
+decodable image is an ``IngestError``. A sample with named fields (a
+``SampleSource``'s) has its boxes checked against the decoded image (``_boxes``)
+and its fields stored in the Datum's ``fields``; the manifest declares them, with
+their counts (``_field_tally``).
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import logging
 import os
 import pathlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from batchwire.server.data.ingestion._batches import Rejected
+from batchwire.server.data.ingestion._boxes import check_boxes
+from batchwire.server.data.ingestion._field_tally import FieldTally
 from batchwire.server.data.ingestion._file_sources import SourceFile, Sources
 from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._lmdb_sources import LmdbSource, LmdbSourceError, SourceRecord
+from batchwire.server.data.ingestion._sample_source import SampleSource, SourceSample
 from batchwire.server.data.ingestion._shard_writer import ShardWriter
 from batchwire.server.data.ingestion._validate import Decoded, ImageValidator
-from batchwire.server.data.records import MANIFEST, Manifest, Shard
+from batchwire.server.data.records import MANIFEST, Manifest, Shard, encode_fields
 from batchwire.v1 import datum_pb2
 
 __all__ = ["WriteOptions", "write_dataset"]
@@ -44,28 +50,36 @@ class WriteOptions:
     progress: bool
 
 
-class _Tally:
-    """What the shards hold so far: samples per class and image bytes, and what was rejected."""
+_Source = Sources | LmdbSource | SampleSource
+_Item = SourceFile | SourceRecord | SourceSample
 
-    def __init__(self, sources: Sources | LmdbSource) -> None:
+
+class _Tally:
+    """What the shards hold so far: samples per class (or, where samples have no class, the
+    classes their ``class`` fields name), image bytes, fields, and what was rejected."""
+
+    def __init__(self, sources: _Source) -> None:
         self.rejected: list[Rejected] = list(sources.ignored)
         # An LMDB's classes are its label numbers: counted as they come.
         self.counts = [0] * len(sources.classes or ())
         self.total_bytes = 0
+        self.fields = FieldTally(sources.specs if isinstance(sources, SampleSource) else ())
 
-    def accept(self, label: int, size: int) -> None:
+    def accept(self, label: int, size: int, fields: Mapping[str, object]) -> None:
         if label >= len(self.counts):
             self.counts.extend([0] * (label + 1 - len(self.counts)))
-        self.counts[label] += 1
+        if label >= 0:  # NO_LABEL: counted by the classes its fields name
+            self.counts[label] += 1
         self.total_bytes += size
+        self.fields.accept(fields, self.counts)
 
-    def reject(self, item: SourceFile | SourceRecord, reason: str) -> None:
-        self.rejected.append(Rejected(item.relpath, reason))
-        logger.debug("rejected %s: %s", item.relpath, reason)
+    def reject(self, item: _Item, reason: str, part: str = "") -> None:
+        self.rejected.append(Rejected(item.relpath, reason, part))
+        logger.debug("rejected %s%s: %s", item.relpath, f" ({part})" if part else "", reason)
 
 
 def write_dataset(
-    sources: Sources | LmdbSource, directory: pathlib.Path, *, source: str, options: WriteOptions
+    sources: _Source, directory: pathlib.Path, *, source: str, options: WriteOptions
 ) -> Manifest:
     """Write the shards and manifest of a dataset into the empty ``directory``.
 
@@ -92,14 +106,16 @@ def write_dataset(
         total_bytes=tally.total_bytes,
         source=source,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        rejected=tuple({"path": r.path, "reason": r.reason} for r in tally.rejected),
+        rejected=tuple(r.as_json() for r in tally.rejected),
+        fields=tally.fields.specs(),
+        class_ids=sources.class_ids if isinstance(sources, SampleSource) else (),
     )
     _write_manifest(directory, manifest)
     return manifest
 
 
 def _write_shards(
-    sources: Sources | LmdbSource, directory: pathlib.Path, options: WriteOptions, tally: _Tally
+    sources: _Source, directory: pathlib.Path, options: WriteOptions, tally: _Tally
 ) -> list[Shard]:
     from tqdm import tqdm
 
@@ -123,8 +139,9 @@ def _write_shards(
                     if not isinstance(verdict, Decoded):
                         tally.reject(item, verdict.reason)
                         continue
-                    writer.add(_datum(data, item.label, verdict))
-                    tally.accept(item.label, len(data))
+                    fields = _fields(item, verdict, sources, tally)
+                    writer.add(_datum(data, item.label, verdict, fields, sources))
+                    tally.accept(item.label, len(data), fields)
                 bar.update(len(batch) + len(unreadable))
         return writer.close()
     finally:
@@ -133,16 +150,31 @@ def _write_shards(
 
 
 def _batches(
-    sources: Sources | LmdbSource, batch_size: int
-) -> Iterator[tuple[Sequence[tuple[SourceFile | SourceRecord, bytes]], list[Rejected]]]:
+    sources: _Source, batch_size: int
+) -> Iterator[tuple[Sequence[tuple[_Item, bytes]], list[Rejected]]]:
     try:
         yield from sources.batches(batch_size)
     except LmdbSourceError as exc:
         raise IngestError(str(exc)) from None
 
 
-def _datum(data: bytes, label: int, image: Decoded) -> bytes:
-    """A serialized Caffe ``Datum`` holding the original encoded bytes of an image."""
+def _fields(item: _Item, image: Decoded, sources: _Source, tally: _Tally) -> dict[str, object]:
+    """The fields of ``item`` to store, its bad boxes dropped and reported."""
+    if not isinstance(item, SourceSample) or not isinstance(sources, SampleSource):
+        return {}
+    fields, dropped = check_boxes(
+        item.fields, sources.specs, width=image.width, height=image.height
+    )
+    for part, reason in dropped:
+        tally.reject(item, reason, part)
+    return fields
+
+
+def _datum(
+    data: bytes, label: int, image: Decoded, fields: Mapping[str, object], sources: _Source
+) -> bytes:
+    """A serialized Caffe ``Datum`` holding the original encoded bytes of an image, and
+    its fields where it has some (in the order the source declares them)."""
     datum = datum_pb2.Datum(
         channels=image.channels,
         height=image.height,
@@ -151,6 +183,11 @@ def _datum(data: bytes, label: int, image: Decoded) -> bytes:
         label=label,
         encoded=True,
     )
+    if fields and isinstance(sources, SampleSource):
+        kinds = sources.kinds()
+        datum.fields.CopyFrom(
+            encode_fields({name: (kinds[name], fields[name]) for name in kinds if name in fields})
+        )
     return datum.SerializeToString()
 
 

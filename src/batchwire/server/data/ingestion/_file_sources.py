@@ -20,6 +20,7 @@ from batchwire.server.data.records import MAX_LABEL
 __all__ = [
     "SourceFile",
     "Sources",
+    "read_file",
     "read_file_list",
     "scan_class_folders",
 ]
@@ -125,14 +126,19 @@ def _entries(files: tuple[SourceFile, ...]) -> Iterator[tuple[SourceFile, bytes]
 
 
 def _read(file: SourceFile) -> bytes | Rejected:
+    return read_file(file.path, file.relpath)
+
+
+def read_file(path: pathlib.Path, relpath: str) -> bytes | Rejected:
+    """The bytes of the regular file ``path``, or why not (``relpath`` names it)."""
     try:
-        mode = os.stat(file.path).st_mode
+        mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
             # Opening a FIFO or device could block or never end.
-            return Rejected(file.relpath, "not a regular file")
-        return file.path.read_bytes()
+            return Rejected(relpath, "not a regular file")
+        return path.read_bytes()
     except OSError as exc:
-        return Rejected(file.relpath, f"cannot read: {exc.strerror or exc}")
+        return Rejected(relpath, f"cannot read: {exc.strerror or exc}")
 
 
 def _walk_files(src: pathlib.Path, top: pathlib.Path) -> Iterator[str]:

@@ -1,9 +1,10 @@
 """Ingest: image files on disk become a batchwire dataset directory.
 
 ``ingest(SRC, OUT, name=NAME)`` reads class folders under ``SRC`` (or a
-``path label`` file list) or the records of an existing LMDB (Caffe's
+``path label`` file list), the records of an existing LMDB (Caffe's
 ``convert_imageset`` output, or pickled ``(image bytes, label)`` records; see
-``_lmdb_sources``), checks that every image decodes with DALI's CPU
+``_lmdb_sources``), or samples with named fields (a COCO file, a JSON-lines or CSV
+manifest, WebDataset shards; see ``_source_formats``), checks that every image decodes with DALI's CPU
 decoder, and writes ``OUT/NAME/``: LMDB shards of Caffe ``Datum`` records
 holding the original file bytes, plus ``manifest.json`` (see ``_dataset``).
 Files that do not decode are skipped and listed, with a reason, in the report
@@ -19,7 +20,8 @@ checks each shard's LMDB entry count against the manifest.
 Errors a user can fix are ``IngestError``, with a message that says what to do.
 
 This module runs the steps; each is a module of its own: the sources
-(``_file_sources``, ``_lmdb_sources``, batched by ``_batches``), the dataset's
+(``_file_sources``, ``_lmdb_sources``, the formats with fields of ``_source_formats``,
+batched by ``_batches``), the dataset's
 content (``_dataset_writer``, with ``_shard_writer``), and the atomic rename
 into place (``_publish``).
 """
@@ -46,10 +48,17 @@ from batchwire.server.data.ingestion._lmdb_sources import (
     open_lmdb_source,
 )
 from batchwire.server.data.ingestion._publish import check_replaceable, new_dir, publish
+from batchwire.server.data.ingestion._sample_source import SampleSource
+from batchwire.server.data.ingestion._source_formats import (
+    FIELD_FORMATS,
+    FORMATS,
+    detect_format,
+    open_sample_source,
+)
 from batchwire.server.data.ingestion._validate import DEFAULT_BATCH_SIZE
-from batchwire.server.data.records import NAME_PATTERN, Manifest
+from batchwire.server.data.records import NAME_PATTERN, FieldSpec, Manifest
 
-__all__ = ["DEFAULT_SHARD_SIZE", "IngestError", "IngestReport", "ingest"]
+__all__ = ["DEFAULT_SHARD_SIZE", "FORMATS", "IngestError", "IngestReport", "ingest"]
 
 # What is ingested and what was written are DEBUG lines: the report says them once (the
 # summary `batchwire ingest` prints), and the progress bar shows an ingest under way.
@@ -60,7 +69,10 @@ DEFAULT_SHARD_SIZE = 10_000
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IngestReport:
-    """What an ingest wrote. ``bytes`` counts the encoded images stored; ``seconds`` is wall time."""
+    """What an ingest wrote. ``bytes`` counts the encoded images stored; ``seconds`` is wall
+    time. ``rejected`` lists the samples left out and the parts of samples (a bad box, an
+    annotation) left out of those kept (``Rejected.part``); ``fields`` is the schema of the
+    fields written (none for class folders, file lists and LMDBs)."""
 
     path: pathlib.Path
     num_samples: int
@@ -70,6 +82,7 @@ class IngestReport:
     rejected: tuple[Rejected, ...]
     bytes: int
     seconds: float
+    fields: tuple[FieldSpec, ...] = ()
 
 
 def ingest(
@@ -78,6 +91,8 @@ def ingest(
     *,
     name: str,
     file_list: pathlib.Path | str | None = None,
+    source_format: str | None = None,
+    images: pathlib.Path | str | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -86,9 +101,13 @@ def ingest(
 ) -> IngestReport:
     """Write the dataset ``OUT/NAME`` from the images under ``src``; see the module docstring.
 
-    ``src`` is a folder of class folders, a folder with ``file_list``, or an
+    ``src`` is a folder of class folders, a folder with ``file_list``, an
     existing LMDB (a directory holding ``data.mdb``, or a single LMDB file),
-    recognised by its contents.
+    a COCO ``.json``, a ``.jsonl`` or ``.csv`` manifest, or WebDataset shards (a
+    ``.tar``, or a folder of them or of ``key.ext`` files), recognised by its contents
+    or extension, or named by ``source_format`` (one of :data:`FORMATS`). ``images`` is
+    the folder a COCO or table manifest's image paths are relative to (default: the
+    manifest's folder).
 
     Ids ``0..N-1`` follow the source order, counting only files that decode.
     ``shard_size`` is samples per shard; ``batch_size`` bounds how many images
@@ -110,14 +129,20 @@ def ingest(
     final = out / name
     # Before the source is read: a refusal comes first, not after "ingesting N files".
     check_replaceable(final, overwrite)
-    sources = _open_sources(src, None if file_list is None else pathlib.Path(file_list), final)
+    sources = _open(
+        src,
+        file_list=None if file_list is None else pathlib.Path(file_list),
+        source_format=source_format,
+        images=None if images is None else pathlib.Path(images),
+        final=final,
+    )
     try:
         manifest = _write_and_publish(
             sources, src=src, out=out, options=options, overwrite=overwrite
         )
         return _report(manifest, final, started)
     finally:
-        if isinstance(sources, LmdbSource):
+        if isinstance(sources, LmdbSource | SampleSource):
             sources.close()
 
 
@@ -131,6 +156,39 @@ def _check_options(options: WriteOptions) -> None:
         raise IngestError(f"shard size must be at least 1, got {options.shard_size}")
     if options.batch_size < 1 or (options.num_threads is not None and options.num_threads < 1):
         raise IngestError("batch size and thread count must be at least 1")
+
+
+def _open(
+    src: pathlib.Path,
+    *,
+    file_list: pathlib.Path | None,
+    source_format: str | None,
+    images: pathlib.Path | None,
+    final: pathlib.Path,
+) -> Sources | LmdbSource | SampleSource:
+    """The source in ``source_format``, or in the format told from ``src``."""
+    if source_format is not None and source_format not in FORMATS:
+        raise IngestError(f"format {source_format!r} is not one of {', '.join(FORMATS)}")
+    if source_format is None and file_list is None:
+        source_format = detect_format(src)
+    if source_format not in FIELD_FORMATS:
+        if images is not None:
+            raise IngestError("--images is for COCO, JSON-lines and CSV sources: drop it")
+        if source_format == "folder":
+            return _scan(src, file_list, final)
+        return _open_sources(src, file_list, final)
+    if file_list is not None:
+        raise IngestError(f"--file-list is for folders of images, not {source_format} sources")
+    sources = open_sample_source(src, source_format, images)
+    logger.debug(
+        "ingesting %d samples with fields %s from %s (%s) into %s",
+        sources.total,
+        ", ".join(sources.kinds()),
+        src,
+        source_format,
+        final,
+    )
+    return sources
 
 
 def _open_sources(
@@ -178,7 +236,7 @@ def _scan(src: pathlib.Path, file_list: pathlib.Path | None, final: pathlib.Path
 
 
 def _write_and_publish(
-    sources: Sources | LmdbSource,
+    sources: Sources | LmdbSource | SampleSource,
     *,
     src: pathlib.Path,
     out: pathlib.Path,
@@ -201,7 +259,7 @@ def _write_and_publish(
 
 
 def _report(manifest: Manifest, final: pathlib.Path, started: float) -> IngestReport:
-    rejected = tuple(Rejected(r["path"], r["reason"]) for r in manifest.rejected)
+    rejected = tuple(Rejected.from_json(r) for r in manifest.rejected)
     for label, count in enumerate(manifest.class_counts):
         if count == 0:
             logger.warning("class %r has no decodable image", manifest.classes[label])
@@ -217,4 +275,5 @@ def _report(manifest: Manifest, final: pathlib.Path, started: float) -> IngestRe
         rejected=rejected,
         bytes=manifest.total_bytes,
         seconds=time.monotonic() - started,
+        fields=manifest.fields,
     )
