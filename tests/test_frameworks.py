@@ -726,6 +726,31 @@ def stateful_dataloader_resumes(
     checks.verify()
 
 
+def test_stateful_dataloader_workers_carry_views_and_resume_them(server: BatchwireServer) -> None:
+    """multicrop through a StatefulDataLoader's two workers: each batch its ten views (a
+    list of tensors, as DINO's loop takes them), and a state after 5 batches resumes the
+    rest of the epoch exactly, then the next."""
+    in_trainer_process(stateful_views_resume, Target(server.target))
+
+
+def stateful_views_resume(server: Target) -> None:
+    sizes = {"global_size": 32, "local_size": 16}
+
+    def make() -> StatefulDataLoader:  # type: ignore[type-arg]
+        remote = local_loader(server, pipeline="multicrop", params=sizes)
+        return StatefulDataLoader(remote, batch_size=None, num_workers=2)
+
+    shapes = [(LOCAL_BATCH, 3, 32, 32)] * 2 + [(LOCAL_BATCH, 3, 16, 16)] * 8
+    views, _, _ = next(iter(make()))
+    checks = Checks(world=1, batch=LOCAL_BATCH)
+    checks.true([tuple(v.shape) for v in views] == shapes, "the views' shapes")
+    head, rest, after = stateful_resume(make, 5)
+    checks.batches("the first 5 batches", head, local_plan(0)[:5])
+    checks.batches("the pass after loading the state after 5", rest, local_plan(0)[5:])
+    checks.batches("the pass after that", after, local_plan(1))
+    checks.verify()
+
+
 def test_lightning_epochs_cut_short_each_start_the_next_data_epoch(
     server: BatchwireServer, tmp_path: pathlib.Path
 ) -> None:

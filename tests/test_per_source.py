@@ -352,3 +352,22 @@ def test_a_stratified_epoch_ends_as_its_first_source_runs_out(server: BatchwireS
         make(server, dataset=Mixture({"big": 0.9, "small": 0.1}, batching="stratified"))
     with pytest.raises(InvalidArgumentError, match="given no samples"):
         Mixture({"big": 1, "small": 0}, batching="stratified")
+
+
+def test_a_stratified_batch_of_views_joins_each_sources_share_view_by_view(
+    server: BatchwireServer,
+) -> None:
+    """multicrop over a stratified mixture: each of the ten views holds each source's
+    share of the batch (6 of big, 2 of small), in the order of the ids."""
+    views_params = {"global_size": 24, "local_size": 16}
+    loader = make(
+        server, dataset=STRATIFIED, batch_size=8, pipeline="multicrop", params=views_params
+    )
+    taken = []
+    for views, labels, ids in loader:
+        assert len(views) == 10 and len(labels) == 8
+        assert [tuple(v.shape) for v in views] == [(8, 3, 24, 24)] * 2 + [(8, 3, 16, 16)] * 8
+        assert loader.split_ids(ids)[0].tolist() == [0] * 6 + [1] * 2
+        taken.append(ids.tolist())
+    assert [i for batch in taken for i in batch[:6]] == expected_ids(0, 0)
+    assert [i for batch in taken for i in batch[6:]] == expected_ids(1, 0)

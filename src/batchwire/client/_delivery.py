@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from batchwire.client._bulk import BulkReader
+from batchwire.client._outputs import TORCH_DTYPES, arrange, unpack
 from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import BatchwireError, StatusCode
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
@@ -39,12 +41,6 @@ __all__ = [
     "channel_stats",
     "normalize",
 ]
-
-_TORCH_DTYPES = {
-    np.dtype("u1"): torch.uint8,
-    np.dtype("<f2"): torch.float16,
-    np.dtype("<f4"): torch.float32,
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,6 +85,8 @@ class Delivery:
     cursor: int
     skipped_ids: tuple[int, ...]
     to_normalize: bool = False
+    # A pipeline with named outputs: their heads; ``images`` is then their payload.
+    outputs: tuple[pb.Tensor, ...] = ()
 
 
 @dataclasses.dataclass
@@ -122,7 +120,7 @@ def _numpy_memory(shape: tuple[int, ...], dtype: np.dtype) -> tuple[torch.Tensor
 
 def _pinned_memory(shape: tuple[int, ...], dtype: np.dtype) -> tuple[torch.Tensor, np.ndarray]:
     # torch's caching host allocator: the copy to the GPU can be asynchronous.
-    tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True)
+    tensor = torch.empty(shape, dtype=TORCH_DTYPES[dtype], pin_memory=True)
     return tensor, tensor.numpy()
 
 
@@ -162,6 +160,7 @@ def assemble(
         cursor=last.cursor,
         skipped_ids=tuple(last.skipped_ids),
         to_normalize=not first.normalized,
+        outputs=tuple(first.outputs),
     )
 
 
@@ -198,6 +197,7 @@ class Tensors:
     ) -> None:
         self.options = options
         self.mean, self.std = channel_stats(info.mean, info.std, layout, options.device)
+        self._form = info.form
         self._cuda = options.device.type == "cuda"
         self._allocate = _pinned_memory if self._cuda else _numpy_memory
         self._stats = stats
@@ -234,7 +234,12 @@ class Tensors:
                 yield self._finish(delivery)
 
     def _finish(self, d: Delivery) -> Delivery:
-        """Labels pinned for a GPU, or CPU images normalized: work kept off the loop."""
+        """Labels pinned for a GPU, or CPU images normalized: work kept off the loop (a
+        batch of named outputs is normalized as the loop takes it)."""
+        if d.outputs:
+            labels = d.labels.pin_memory() if self._cuda else d.labels
+            to_normalize = self.options.normalize and d.to_normalize
+            return dataclasses.replace(d, labels=labels, to_normalize=to_normalize)
         if self._cuda:
             to_normalize = self.options.normalize and d.to_normalize
             return dataclasses.replace(d, labels=d.labels.pin_memory(), to_normalize=to_normalize)
@@ -243,8 +248,10 @@ class Tensors:
             return dataclasses.replace(d, images=images, to_normalize=False)
         return dataclasses.replace(d, to_normalize=False)
 
-    def output(self, d: Delivery) -> tuple[torch.Tensor, ...]:
+    def output(self, d: Delivery) -> tuple[Any, ...]:
         """What the loop yields for a delivery: on the loader's device, normalized."""
+        if d.outputs:
+            return self._named(d)
         images, labels = d.images, d.labels
         if self._cuda:
             images = images.to(self.options.device, non_blocking=True)
@@ -255,3 +262,25 @@ class Tensors:
         if self.options.return_ids:
             return images, labels, torch.from_numpy(np.asarray(d.ids, dtype=np.int64))
         return images, labels
+
+    def _named(self, d: Delivery) -> tuple[Any, ...]:
+        """A batch of named outputs as the pipeline's form arranges it (``_outputs``): each
+        on the device, image outputs normalized there."""
+        device, cuda = self.options.device, self._cuda
+        named = unpack(d.images, d.outputs)
+        for head in d.outputs:
+            value = named[head.name]
+            if isinstance(value, list):
+                named[head.name] = (
+                    [v.to(device, non_blocking=True) for v in value] if cuda else value
+                )
+                continue
+            value = value.to(device, non_blocking=True) if cuda else value
+            if head.kind == "image" and d.to_normalize and value.dtype == torch.uint8:
+                value = normalize(value, self.mean, self.std)
+            named[head.name] = value
+        labels = d.labels.to(device, non_blocking=True) if cuda else d.labels
+        out = arrange(self._form, named, d.outputs, labels.reshape(-1))
+        if self.options.return_ids:
+            return (*out, torch.from_numpy(np.asarray(d.ids, dtype=np.int64)))
+        return out

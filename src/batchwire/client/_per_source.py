@@ -241,20 +241,35 @@ class PerSource:
             part.close()
 
 
-def _joined(batches: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """One batch of the parts' batches of a step, one after the other: on the CPU into
-    NumPy's memory, as a part's own batch is (``batchwire.client._delivery``), where a
-    fresh tensor of torch's costs page faults worth several times the copy."""
-    joined = []
-    for tensors in zip(*batches, strict=True):
-        first = tensors[0]
-        if first.device.type != "cpu":
-            joined.append(torch.cat(tensors))
-            continue
-        # NumPy's copy: torch's runs on its intra-op threads, whose spinning after each
-        # copy cost more CPU than the copy.
-        joined.append(torch.from_numpy(np.concatenate([t.numpy() for t in tensors])))
-    return tuple(joined)
+def _joined(batches: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """One batch of the parts' batches of a step, one after the other; a pipeline's views
+    view by view, its named outputs name by name (a ragged one's samples one list)."""
+    return tuple(_join(values) for values in zip(*batches, strict=True))
+
+
+def _join(values: Sequence[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, list):  # the views form: one batch tensor a view
+        return [_cat(views) for views in zip(*values, strict=True)]
+    if isinstance(first, dict):  # the named form
+        return {
+            name: _cat([v[name] for v in values])
+            if isinstance(output, torch.Tensor)
+            else [sample for v in values for sample in v[name]]
+            for name, output in first.items()
+        }
+    return _cat(values)
+
+
+def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors one after the other: on the CPU into NumPy's memory, as a part's own
+    batch is (``batchwire.client._delivery``), where a fresh tensor of torch's costs page
+    faults worth several times the copy."""
+    if tensors[0].device.type != "cpu":
+        return torch.cat(list(tensors))
+    # NumPy's copy: torch's runs on its intra-op threads, whose spinning after each copy
+    # cost more CPU than the copy.
+    return torch.from_numpy(np.concatenate([t.numpy() for t in tensors]))
 
 
 def _mixed(batch: tuple[torch.Tensor, ...], offset: int) -> tuple[torch.Tensor, ...]:

@@ -45,6 +45,7 @@ from typing import Any
 from batchwire.server.config._settings import ConfigError, ServerConfig, settings
 from batchwire.server.pipelines import (
     PRESETS,
+    Output,
     Param,
     ParamError,
     PipelineSpec,
@@ -154,6 +155,18 @@ def _custom(name: str, entry: dict[str, Any], base_dir: pathlib.Path | None = No
         if key in entry:
             kwargs[key] = tuple(float(v) for v in entry.pop(key))
     description = str(entry.pop("description", ""))
+    # Named outputs: a name each, or a table with name, kind and layout (Output).
+    outputs = []
+    for decl in entry.pop("outputs", ()):
+        fields = {"name": decl} if isinstance(decl, str) else decl
+        if not isinstance(fields, Mapping) or set(fields) - {"name", "kind", "layout"}:
+            raise ConfigError(
+                f"[pipelines.{name}] an output is a name or a table of name, kind and layout, "
+                f"not {decl!r}"
+            )
+        outputs.append(Output(**{k: str(v) for k, v in fields.items()}))
+    if outputs:
+        kwargs.update(outputs=tuple(outputs), form=str(entry.pop("form", "named")))
     if entry:
         raise ConfigError(f"[pipelines.{name}]: unknown keys {sorted(entry)}")
     spec = PipelineSpec(

@@ -166,6 +166,12 @@ class PreprocessBatcher:
         if self._draining() or self._stop.is_set():
             raise Draining("the server is shutting down; send the request to another server")
         pipeline = pipeline_named(self._pipelines, request.pipeline)
+        if pipeline.outputs:
+            raise InvalidRequest(
+                f"pipeline {pipeline.name!r} has several named outputs, which Preprocess does "
+                "not return: stream them with RemoteLoader, or preprocess with a pipeline of "
+                "one output (val, train)"
+            )
         count = len(request.images)
         if count == 0:
             raise InvalidRequest("send at least one encoded image")

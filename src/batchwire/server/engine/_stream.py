@@ -97,6 +97,9 @@ class Batch:
     layout: str
     # A mixture's: samples of each of its sources in this batch (empty for one dataset).
     source_counts: tuple[int, ...] = ()
+    # A pipeline with named outputs: their heads; ``images`` is then their payload
+    # (``batchwire.common.outputs``).
+    outputs: tuple[Any, ...] = ()
 
 
 def own(batch: Batch) -> Batch:
@@ -206,6 +209,7 @@ class BatchStream(Generic[P]):
                 num_batches=plan.num_batches,
                 layout=self._setup.layout,
                 source_counts=source_counts,
+                outputs=result.outputs,
             )
         )
 

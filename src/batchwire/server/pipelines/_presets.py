@@ -1,11 +1,11 @@
-"""The preset pipelines every server serves: ``train`` and ``val``."""
+"""The preset pipelines every server serves: ``train``, ``val`` and ``multicrop``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from batchwire.server.pipelines._spec import BuildContext, Param, ParamError, PipelineSpec
+from batchwire.server.pipelines._spec import BuildContext, Output, Param, ParamError, PipelineSpec
 
 __all__ = ["PRESETS"]
 
@@ -40,11 +40,79 @@ def _val(encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float]) -
     return ctx.finish(images, crop=(size, size)), labels
 
 
+# multicrop: DINO's views (Caron et al. 2021, its defaults): two global crops and eight
+# local ones, each its own random-resized crop, flip and colour jitter.
+_GLOBAL_VIEWS, _LOCAL_VIEWS = 2, 8
+_MULTICROP_OUTPUTS = tuple(
+    Output(name=f"{kind}_{n}")
+    for kind, count in (("global", _GLOBAL_VIEWS), ("local", _LOCAL_VIEWS))
+    for n in range(count)
+)
+
+
+def _jitter(images: Any, ctx: BuildContext, p: Mapping[str, float]) -> Any:
+    """torchvision's ``RandomApply([ColorJitter(b, c, s, h)], p=jitter)`` then
+    ``RandomGrayscale(grayscale)``, per sample: a factor drawn where the coin says so, 1
+    (no change) elsewhere."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    apply = fn.cast(fn.random.coin_flip(probability=p["jitter"]), dtype=types.FLOAT)
+    gray = fn.cast(fn.random.coin_flip(probability=p["grayscale"]), dtype=types.FLOAT)
+
+    def factor(spread: float) -> Any:
+        drawn = fn.random.uniform(range=[max(0.0, 1.0 - spread), 1.0 + spread])
+        return 1.0 + apply * (drawn - 1.0)
+
+    hue = apply * fn.random.uniform(range=[-p["hue"] * 360.0, p["hue"] * 360.0])
+    return fn.color_twist(
+        images,
+        device=ctx.device,
+        brightness=factor(p["brightness"]),
+        contrast=factor(p["contrast"]),
+        saturation=factor(p["saturation"]) * (1.0 - gray),
+        hue=hue,
+    )
+
+
+def _multicrop(
+    encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float]
+) -> dict[str, Any]:
+    """Decode once; then each view its own random-resized crop (global: ``global_size``,
+    area ``[global_area_min, global_area_max]``; local: ``local_size``, area
+    ``[local_area_min, local_area_max]``), colour jitter, grayscale and flip."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    images = fn.decoders.image(encoded, **ctx.decoder_args(), output_type=types.RGB)
+    views = {}
+    for output in _MULTICROP_OUTPUTS:
+        kind = output.name.split("_")[0]
+        size = int(p[f"{kind}_size"])
+        view = fn.random_resized_crop(
+            images,
+            device=ctx.device,
+            size=[size, size],
+            random_area=[p[f"{kind}_area_min"], p[f"{kind}_area_max"]],
+            random_aspect_ratio=[3 / 4, 4 / 3],
+            antialias=True,
+        )
+        view = _jitter(view, ctx, p)
+        views[output.name] = ctx.finish(view, mirror=fn.random.coin_flip(probability=p["flip"]))
+    return views
+
+
 def _check_train(p: Mapping[str, float]) -> None:
     if p["area_min"] > p["area_max"]:
         raise ParamError("train: area_min must not exceed area_max")
     if p["aspect_min"] > p["aspect_max"]:
         raise ParamError("train: aspect_min must not exceed aspect_max")
+
+
+def _check_multicrop(p: Mapping[str, float]) -> None:
+    for kind in ("global", "local"):
+        if p[f"{kind}_area_min"] > p[f"{kind}_area_max"]:
+            raise ParamError(f"multicrop: {kind}_area_min must not exceed {kind}_area_max")
 
 
 def _check_val(p: Mapping[str, float]) -> None:
@@ -78,5 +146,43 @@ PRESETS: dict[str, PipelineSpec] = {
             "resize": Param(default=256, low=8, high=4096, integer=True, help="shorter side"),
         },
         check=_check_val,
+    ),
+    "multicrop": PipelineSpec(
+        name="multicrop",
+        function=_multicrop,
+        description=(
+            "self-supervised views (DINO's): 2 global crops and 8 local ones of each image, "
+            "each with its own random-resized crop, colour jitter, grayscale and flip"
+        ),
+        params={
+            "global_size": Param(
+                default=224, low=8, high=1024, integer=True, help="global views' side"
+            ),
+            "local_size": Param(
+                default=96, low=8, high=1024, integer=True, help="local views' side"
+            ),
+            "global_area_min": Param(
+                default=0.4, low=0.01, high=1.0, help="global crops' smallest area"
+            ),
+            "global_area_max": Param(
+                default=1.0, low=0.01, high=1.0, help="global crops' largest area"
+            ),
+            "local_area_min": Param(
+                default=0.05, low=0.01, high=1.0, help="local crops' smallest area"
+            ),
+            "local_area_max": Param(
+                default=0.4, low=0.01, high=1.0, help="local crops' largest area"
+            ),
+            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+            "jitter": Param(default=0.8, low=0.0, high=1.0, help="colour jitter probability"),
+            "brightness": Param(default=0.4, low=0.0, high=1.0, help="brightness jitter"),
+            "contrast": Param(default=0.4, low=0.0, high=1.0, help="contrast jitter"),
+            "saturation": Param(default=0.2, low=0.0, high=1.0, help="saturation jitter"),
+            "hue": Param(default=0.1, low=0.0, high=0.5, help="hue jitter (of the circle)"),
+            "grayscale": Param(default=0.2, low=0.0, high=1.0, help="grayscale probability"),
+        },
+        check=_check_multicrop,
+        outputs=_MULTICROP_OUTPUTS,
+        form="views",
     ),
 }

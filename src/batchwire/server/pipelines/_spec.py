@@ -2,8 +2,10 @@
 custom one is loaded from a server config.
 
 A pipeline definition is a function that turns a batch of encoded images and
-labels (DALI nodes fed by ``fn.external_source``) into ``(images, labels)``.
-It receives a :class:`BuildContext` that says where ops run and how the
+labels (DALI nodes fed by ``fn.external_source``) into ``(images, labels)``, or, for a
+pipeline that declares named outputs (:class:`Output`: several views of each image, boxes
+per image), into a mapping of those names to DALI nodes; the batch's labels are then the
+samples' own. It receives a :class:`BuildContext` that says where ops run and how the
 output travels (dtype, layout, normalization), and the resolved parameters.
 
 Clients never send code: they choose a pipeline by name and may override only
@@ -30,6 +32,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BuildContext",
+    "Output",
     "OutputSpec",
     "Param",
     "ParamError",
@@ -142,7 +145,37 @@ class BuildContext:
         return fn.crop_mirror_normalize(images, **kwargs)
 
 
-PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], tuple[Any, Any]]
+PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], Any]
+
+# How a client hands the batches of a pipeline with named outputs to the loop: its image
+# outputs as a list (the views of self-supervised training) and the labels, or a dict of
+# every output by name and the labels.
+FORMS = ("views", "named")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Output:
+    """One named output of a pipeline: ``kind`` "image" (pixels, as the stream asks for
+    them: see :meth:`BuildContext.finish`; normalized by the client like a one-output
+    pipeline's images), "tensor" (one shape for every sample) or "ragged" (a first
+    dimension that varies from sample to sample: a box list per image)."""
+
+    name: str
+    kind: str = "image"
+    layout: str = ""
+
+    def __post_init__(self) -> None:
+        from batchwire.common.outputs import KINDS
+
+        if not self.name.isidentifier() or self.name in ("labels", "ids"):
+            raise ParamError(
+                f"an output's name must be an identifier other than 'labels' and 'ids' (the "
+                f"batch's own), got {self.name!r}"
+            )
+        if self.kind not in KINDS:
+            raise ParamError(
+                f"output {self.name!r}: kind must be one of {KINDS}, not {self.kind!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,6 +191,21 @@ class PipelineSpec:
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     check: Callable[[Mapping[str, float]], None] | None = None
+    # Named outputs (none: the function returns ``(images, labels)``), and how a client
+    # hands them to the loop (FORMS).
+    outputs: tuple[Output, ...] = ()
+    form: str = "named"
+
+    def __post_init__(self) -> None:
+        names = [output.name for output in self.outputs]
+        if len(set(names)) != len(names):
+            raise ParamError(f"pipeline {self.name!r}: output names repeat: {names}")
+        if self.form not in FORMS:
+            raise ParamError(
+                f"pipeline {self.name!r}: form must be one of {FORMS}, not {self.form!r}"
+            )
+        if self.form == "views" and any(o.kind != "image" for o in self.outputs):
+            raise ParamError(f"pipeline {self.name!r}: the views form takes image outputs only")
 
     def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
         """Defaults updated by ``overrides``; unknown names or bad values raise ParamError."""

@@ -26,6 +26,7 @@ __all__ = [
     "error_line",
     "fault_kind",
     "release",
+    "samples",
     "to_numpy",
     "view",
 ]
@@ -118,8 +119,19 @@ def _define(
             # DALI reads them in place (and holds them until it has), no copy of its own.
             no_copy=True,
         )
-        images, labels = pipeline.function(encoded, labels, ctx, params)
-        pipe.set_outputs(images, labels, meta)
+        made = pipeline.function(encoded, labels, ctx, params)
+        if not pipeline.outputs:
+            images, labels = made
+            pipe.set_outputs(images, labels, meta)
+        else:
+            missing = [o.name for o in pipeline.outputs if o.name not in made]
+            if missing:
+                raise ValueError(
+                    f"pipeline {pipeline.name!r} declares outputs {missing} that its function "
+                    f"does not return (it returned {sorted(made)})"
+                )
+            # The samples' labels pass through, as a one-output pipeline's do.
+            pipe.set_outputs(*(made[o.name] for o in pipeline.outputs), labels, meta)
     pipe.build()
 
 
@@ -147,6 +159,14 @@ def view(tensor_list: Any) -> np.ndarray:
     if not tensor_list.is_dense_tensor():
         return np.asarray(tensor_list.as_array())
     return np.asarray(tensor_list.as_tensor())
+
+
+def samples(tensor_list: Any) -> list[np.ndarray]:
+    """A DALI output's samples, each an array that owns its memory (their shapes may
+    differ)."""
+    if hasattr(tensor_list, "as_cpu"):
+        tensor_list = tensor_list.as_cpu()
+    return [np.array(tensor_list.at(i)) for i in range(len(tensor_list))]
 
 
 def error_line(exc: BaseException) -> str:

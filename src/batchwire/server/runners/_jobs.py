@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from batchwire.server.data.records import Records
+from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["Job", "Result", "empty_result", "keep", "read_job"]
 
@@ -49,13 +50,15 @@ class Job(Generic[P]):
 class Result:
     """A job's output as its ``finish`` sees it: ``images`` may be a view of DALI's output
     buffer, valid only during the call (:func:`keep` copies it); ``labels`` own their
-    memory."""
+    memory. A pipeline with named outputs puts them in ``images`` as one payload, which
+    ``outputs`` describes (``batchwire.common.outputs``)."""
 
     seq: int
     ids: np.ndarray
     images: np.ndarray
     labels: np.ndarray
     skipped: tuple[int, ...]
+    outputs: tuple[pb.Tensor, ...] = ()
 
 
 def keep(result: Result) -> Result:
@@ -66,16 +69,31 @@ def keep(result: Result) -> Result:
 
 
 def empty_result(
-    job: Job[Any], sample_shape: tuple[int, ...] = (), dtype: np.dtype | type = np.uint8
+    job: Job[Any],
+    sample_shape: tuple[int, ...] = (),
+    dtype: np.dtype | type = np.uint8,
+    outputs: tuple[pb.Tensor, ...] = (),
 ) -> Result:
     """The result of a job none of whose samples is left to run: no images, of shape
-    ``(0, *sample_shape)``."""
+    ``(0, *sample_shape)``; a pipeline with named outputs gives each of them with no
+    samples (``outputs``: their heads, as a batch that ran gave them)."""
+    empty = []
+    for head in outputs:
+        none = pb.Tensor()
+        none.CopyFrom(head)
+        del none.shape[:], none.lengths[:]
+        none.shape.extend([0, *head.shape[1:]])
+        none.offset = 0
+        empty.append(none)
     return Result(
         seq=job.seq,
         ids=job.ids[:0],
-        images=np.zeros((0, *sample_shape), dtype=dtype),
+        images=np.zeros(
+            (0,) if outputs else (0, *sample_shape), dtype=np.uint8 if outputs else dtype
+        ),
         labels=np.zeros((0,), dtype=np.int64),
         skipped=tuple(job.skipped),
+        outputs=tuple(empty),
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from batchwire.common.outputs import Output, pack
 from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import BuildContext, PipelineSpec
 from batchwire.server.runners._culprits import Probe, find_culprits
@@ -37,6 +38,7 @@ from batchwire.server.runners._dali import (
     error_line,
     fault_kind,
     release,
+    samples,
     to_numpy,
     view,
 )
@@ -44,6 +46,7 @@ from batchwire.server.runners._health import PipelineHealth
 from batchwire.server.runners._jobs import Job, Result, empty_result, keep
 from batchwire.server.runners._keys import RunnerKey
 from batchwire.server.runners._stages import StageTimes
+from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = ["Runner"]
 
@@ -109,6 +112,8 @@ class Runner:
         self._prefetch = prefetch
         self._source = _Source()
         self._lock = threading.Lock()
+        # The heads of the last batch of named outputs (an empty batch gives them too).
+        self._heads: tuple[Any, ...] = ()
         self.healthy = True
         try:
             self._pipe: Any = self._build(key.batch_size, self._source)
@@ -197,11 +202,15 @@ class Runner:
 
     def _result(self, job: Job[Any], outputs: Any) -> Any:
         """What ``job.finish`` makes of the job's result, before the next run, while
-        DALI's buffer holds its images."""
-        images = view(outputs[0])
-        labels, meta = to_numpy(outputs[1]), to_numpy(outputs[2])
+        DALI's buffer holds its images (a pipeline's named outputs are copied once, into
+        their payload)."""
+        meta = to_numpy(outputs[-1])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
+        if self._pipeline.outputs:
+            return (job.finish or keep)(self._named(job, outputs[:-2], to_numpy(outputs[-2])))
+        images = view(outputs[0])
+        labels = to_numpy(outputs[1])
         self._health.ran(self.key, images, job.images[0], int(job.labels[0]))
         result = Result(
             seq=job.seq,
@@ -212,13 +221,38 @@ class Runner:
         )
         return (job.finish or keep)(result)
 
+    def _named(self, job: Job[Any], outputs: Any, labels: np.ndarray) -> Result:
+        """The result of a pipeline with named outputs: their payload, and the samples' own
+        ``labels``."""
+        named = []
+        for declared, made in zip(self._pipeline.outputs, outputs, strict=True):
+            data = samples(made) if declared.kind == "ragged" else view(made)
+            layout = declared.layout or (self.key.layout if declared.kind == "image" else "")
+            named.append(Output(name=declared.name, kind=declared.kind, data=data, layout=layout))
+        payload, heads = pack(named)
+        self._health.ran(self.key, payload[None], job.images[0], int(job.labels[0]))
+        self._heads = heads
+        return Result(
+            seq=job.seq,
+            ids=job.ids,
+            images=payload,
+            labels=labels.reshape(-1).astype(np.int64, copy=False),
+            skipped=tuple(job.skipped),
+            outputs=heads,
+        )
+
     def _empty(self, job: Job[Any]) -> Any:
         """What ``job.finish`` makes of the result of a job none of whose samples is left:
         no images, shaped as this configuration's batches are once one has run (``(0,)``
         before)."""
         known = self._health.output_shape(self.key)
         shape, dtype = known if known is not None else ((), np.dtype(self.key.dtype))
-        return (job.finish or keep)(empty_result(job, shape, dtype))
+        # Before any batch of named outputs ran: as declared, the image outputs as uint8.
+        heads = self._heads or tuple(
+            pb.Tensor(name=o.name, kind=o.kind, layout=o.layout, dtype=pb.UINT8)
+            for o in self._pipeline.outputs
+        )
+        return (job.finish or keep)(empty_result(job, shape, dtype, heads))
 
     def _repair(self, exc: Exception) -> None:
         """The oldest batch in flight failed with ``exc``: find its bad samples and queue

@@ -171,6 +171,10 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 std=spec.std,
                 params={k: p.default for k, p in spec.params.items()},
                 param_ranges={k: p.to_proto() for k, p in spec.params.items()},
+                outputs=[
+                    pb.Tensor(name=o.name, kind=o.kind, layout=o.layout) for o in spec.outputs
+                ],
+                form=spec.form if spec.outputs else "",
             )
             for spec in self._engine.pipelines.values()
         ]

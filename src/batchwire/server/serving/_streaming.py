@@ -70,13 +70,15 @@ def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
     images each (at least one sample per part); each image byte is copied once."""
     total = len(batch.ids)
     per_sample = max(1, batch.images[:1].nbytes)
-    step = max(1, max_message_bytes // per_sample)
-    parts = max(1, -(-total // step))
+    # A batch of named outputs is one payload: one part (Batch.outputs).
+    step = total if batch.outputs else max(1, max_message_bytes // per_sample)
+    parts = max(1, -(-total // max(1, step)))
     messages = []
     for part in range(parts):
         lo, hi = part * step, min(total, (part + 1) * step)
         header = batch_header(batch, slice(lo, hi), part, parts)
-        messages.append(encode_batch(header, batch.images[lo:hi], batch.layout))
+        images = batch.images if batch.outputs else batch.images[lo:hi]
+        messages.append(encode_batch(header, images, "" if batch.outputs else batch.layout))
     return EncodedBatch(
         messages,
         total,
@@ -93,7 +95,7 @@ def encode_elsewhere(
     ``shared`` says, or next on the stream's bulk connection (``bulk``, copied there)."""
     images = batch.images
     header = batch_header(batch, slice(None), 0, 1)
-    header.images.CopyFrom(images_head(images, batch.layout))
+    header.images.CopyFrom(images_head(images, "" if batch.outputs else batch.layout))
     if shared is not None:
         header.shared_images.CopyFrom(shared)
     if bulk is not None:
@@ -124,6 +126,7 @@ def batch_header(batch: Batch, samples: slice, part: int, parts: int) -> pb.Batc
         part=part,
         parts=parts,
         samples=len(batch.ids),
+        outputs=batch.outputs,
     )
 
 

@@ -1,0 +1,98 @@
+"""A batch of a pipeline with several named outputs, as it travels: one payload.
+
+A pipeline that declares named outputs (a view per crop, boxes per image) makes batches of
+several tensors, some with a shape that differs from sample to sample. They travel as one
+flat ``uint8`` payload, in the place of a batch's images (``Batch.images``), wherever the
+images of a one-output batch go: in the message, in shared memory or on the bulk
+connection, unchanged. ``Batch.outputs`` describes each output in it: its name, dtype,
+shape, kind, its offset in the payload and, for a ragged output, each sample's length along
+its first dimension (the data and lengths of DALI's ``TensorList``).
+
+:func:`pack` lays a batch's outputs out (the server); a client reads them back as views of
+the payload (``batchwire.client``), an output's bytes at a multiple of :data:`ALIGN` so
+that a view of any dtype is aligned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from batchwire.common.tensors import to_proto
+from batchwire.v1 import batchwire_pb2 as pb
+
+__all__ = ["ALIGN", "KINDS", "Output", "none_of", "pack"]
+
+# Where each output begins in a payload: a multiple of this many bytes.
+ALIGN = 16
+# What an output may be: pixels (normalized by the client as images are), a tensor of one
+# shape per sample, or a tensor whose first dimension varies from sample to sample.
+KINDS = ("image", "tensor", "ragged")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Output:
+    """One output of a batch: ``data`` a batch array ``(samples, ...)``, or for a ragged
+    output the samples' arrays, which may differ in their first dimension."""
+
+    name: str
+    kind: str
+    data: np.ndarray | Sequence[np.ndarray]
+    layout: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"output {self.name!r}: kind must be one of {KINDS}, not {self.kind!r}"
+            )
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+def pack(outputs: Sequence[Output]) -> tuple[np.ndarray, tuple[pb.Tensor, ...]]:
+    """The payload of ``outputs`` (each copied once, into it) and their heads for
+    ``Batch.outputs``, in order."""
+    heads: list[pb.Tensor] = []
+    pieces: list[tuple[int, np.ndarray]] = []
+    offset = 0
+    for output in outputs:
+        if output.kind == "ragged":
+            samples = [np.ascontiguousarray(a) for a in output.data]
+            lengths = [len(a) if a.ndim else 1 for a in samples]
+            rest = next((a.shape[1:] for a in samples if a.ndim), ())
+            dtype = samples[0].dtype if samples else np.dtype(np.float32)
+            flat = (
+                np.concatenate([a.reshape(-1, *rest) for a in samples])
+                if samples
+                else np.zeros((0, *rest), dtype)
+            )
+        else:
+            flat = np.ascontiguousarray(output.data)
+            lengths = []
+        head = to_proto(output.name, flat[:0], output.layout)
+        del head.shape[:]
+        head.shape.extend(flat.shape)
+        head.offset, head.kind = offset, output.kind
+        head.lengths.extend(lengths)
+        heads.append(head)
+        pieces.append((offset, flat))
+        offset = _aligned(offset + flat.nbytes)
+    payload = np.empty(offset, np.uint8)
+    for start, flat in pieces:
+        payload[start : start + flat.nbytes] = flat.reshape(-1).view(np.uint8)
+    return payload, tuple(heads)
+
+
+def none_of(heads: Sequence[pb.Tensor]) -> tuple[pb.Tensor, ...]:
+    """The heads of an empty batch of the outputs ``heads`` describe (a batch whose every
+    sample was left out): no samples, each output's other dimensions kept."""
+    empty = []
+    for head in heads:
+        none = pb.Tensor(name=head.name, dtype=head.dtype, layout=head.layout, kind=head.kind)
+        none.shape.extend([0, *head.shape[1:]])
+        empty.append(none)
+    return tuple(empty)
