@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from typing import TYPE_CHECKING
 
 from batchwire.common.words import counted
 
@@ -16,10 +15,7 @@ from batchwire.common.words import counted
 # needs no DALI or LMDB).
 FORMATS = ("folder", "lmdb", "coco", "jsonl", "csv", "webdataset")
 
-if TYPE_CHECKING:
-    from batchwire.server.data import FieldSpec
-
-__all__ = ["DESCRIPTION", "FORMATS", "HELP", "add_arguments", "field_lines", "run"]
+__all__ = ["DESCRIPTION", "FORMATS", "HELP", "add_arguments", "run"]
 
 
 HELP = "turn a folder of images into a batchwire dataset (LMDB shards + manifest)"
@@ -83,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchwire.cli._inspect import human_size
+    from batchwire.cli._inspect import field_lines, human_size
     from batchwire.server.data import DEFAULT_SHARD_SIZE, IngestError, ingest
 
     try:
@@ -121,24 +117,3 @@ def run(args: argparse.Namespace) -> int:
         for item in parts:
             print(f"  {item.path} ({item.part}): {item.reason}")
     return 0
-
-
-def field_lines(fields: tuple[FieldSpec, ...]) -> list[str]:
-    """A line per field: its name, kind, dtype, shape, format, and how many entries the
-    samples holding it hold (boxes per image, captions per image)."""
-    lines = [f"fields    {len(fields)}"] if fields else []
-    for spec in fields:
-        shape = "[" + ", ".join(str(n) for n in spec.shape) + "]"
-        extra = "".join(
-            f"  {word} {value}"
-            for word, value in (("format", spec.format), ("along", spec.along))
-            if value
-        )
-        count = (
-            f"in {spec.samples} samples, {spec.count_min}..{spec.count_max} each "
-            f"(mean {spec.count_mean:.2f})"
-            if spec.shape and spec.shape[0] == -1
-            else f"in {spec.samples} samples"
-        )
-        lines.append(f"  {spec.name:<14} {spec.kind:<6} {spec.dtype:<8} {shape:<9}{extra}  {count}")
-    return lines

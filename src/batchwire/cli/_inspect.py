@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "human_size", "run"]
+if TYPE_CHECKING:
+    from batchwire.server.data import FieldSpec
+
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "field_lines", "human_size", "run"]
 
 # Longer lists are cut to their head, with the rest summarized in one line.
 _MAX_CLASSES = 20
@@ -29,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchwire.cli._ingest import field_lines
     from batchwire.server.data import DatasetError, summarize
 
     try:
@@ -110,3 +113,24 @@ def human_size(num_bytes: float) -> str:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
     return f"{num_bytes:.1f} TiB"
+
+
+def field_lines(fields: tuple[FieldSpec, ...]) -> list[str]:
+    """A line per field: its name, kind, dtype, shape, format, and how many entries the
+    samples holding it hold (boxes per image, captions per image)."""
+    lines = [f"fields    {len(fields)}"] if fields else []
+    for spec in fields:
+        shape = "[" + ", ".join(str(n) for n in spec.shape) + "]"
+        extra = "".join(
+            f"  {word} {value}"
+            for word, value in (("format", spec.format), ("along", spec.along))
+            if value
+        )
+        count = (
+            f"in {spec.samples} samples, {spec.count_min}..{spec.count_max} each "
+            f"(mean {spec.count_mean:.2f})"
+            if spec.shape and spec.shape[0] == -1
+            else f"in {spec.samples} samples"
+        )
+        lines.append(f"  {spec.name:<14} {spec.kind:<6} {spec.dtype:<8} {shape:<9}{extra}  {count}")
+    return lines

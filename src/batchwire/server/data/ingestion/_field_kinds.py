@@ -63,8 +63,8 @@ def infer_columns(
             if value is None or isinstance(values[i], str):
                 continue
             fitted = _fit(raw.get(name), value, kind, ndim)
-            if isinstance(fitted, str):
-                values[i] = f"field {name!r} {fitted}"
+            if isinstance(fitted, _Misfit):
+                values[i] = f"field {name!r} {fitted.why}"
                 continue
             row_values = values[i]
             assert isinstance(row_values, dict)
@@ -155,23 +155,30 @@ def _column_signature(values: list[object]) -> _Signature | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Misfit:
+    """Why a value does not fit its column: a phrase after the field's name."""
+
+    why: str
+
+
 def _fit(raw: object, value: object, kind: str, ndim: int) -> object:
-    """``value`` as the column's kind, or a phrase saying why it is not."""
+    """``value`` as the column's kind, or why it is not (:class:`_Misfit`)."""
     got, got_ndim = _signature(value)
     if kind == "text":
-        text = raw if isinstance(raw, str) else value
-        if isinstance(text, str):
-            return (text,) if ndim else text
         if got == "text" and got_ndim == 1 and ndim:
             return tuple(value)  # type: ignore[arg-type]
         if got == "empty" and ndim:
             return ()
+        text = raw if isinstance(raw, str) else value
+        if isinstance(text, str):
+            return (text,) if ndim else text
     elif got == "empty" and ndim >= 1:
         return np.zeros((0,) * ndim, dtype=np.int64 if kind == "int" else np.float32)
     elif got_ndim == ndim and (got == kind or (kind == "float" and got == "int")):
         return np.asarray(value, dtype=np.int64 if kind == "int" else np.float32)
     shape = "" if kind == "text" or not ndim else f" of {ndim} dimensions"
-    return f"is {_describe(value)}, not {kind}{shape} like the rest of its column"
+    return _Misfit(f"is {_describe(value)}, not {kind}{shape} like the rest of its column")
 
 
 def _shape(shapes: list[tuple[int, ...]], ndim: int) -> tuple[int, ...]:

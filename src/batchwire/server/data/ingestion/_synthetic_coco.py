@@ -37,7 +37,9 @@ def write_coco_boxes(
     rng = np.random.default_rng(seed)
     width, height = size
     (root / "images").mkdir(parents=True, exist_ok=True)
-    images, annotations, captions = [], [], []
+    images: list[dict[str, object]] = []
+    annotations: list[dict[str, object]] = []
+    captions: list[dict[str, object]] = []
     cell_w, cell_h = width // 3, height // 2  # one box a cell of a 3x2 grid: none overlap
     for index in range(count):
         image_id = 1000 + index
