@@ -270,10 +270,12 @@ class Tensors:
         named = unpack(d.images, d.outputs)
         for head in d.outputs:
             value = named[head.name]
-            if isinstance(value, list):
-                named[head.name] = (
-                    [v.to(device, non_blocking=True) for v in value] if cuda else value
-                )
+            if isinstance(value, list):  # a ragged output's tensors, or a text output's texts
+                if cuda:
+                    named[head.name] = [
+                        v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                        for v in value
+                    ]
                 continue
             value = value.to(device, non_blocking=True) if cuda else value
             if head.kind == "image" and d.to_normalize and value.dtype == torch.uint8:

@@ -5,11 +5,13 @@ a view of the batch's payload, ragged ones split per sample, arranged as the pip
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from batchwire.client._transport import BatchwireError, StatusCode
+from batchwire.common.outputs import TEXT_SEPARATOR
 from batchwire.common.tensors import DTYPES
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -23,8 +25,9 @@ TORCH_DTYPES = {
     np.dtype("<f4"): torch.float32,
 }
 
-# An output as the loop takes it: a batch tensor, or a ragged output's tensor per sample.
-Named = dict[str, torch.Tensor | list[torch.Tensor]]
+# An output as the loop takes it: a batch tensor, a ragged output's tensor per sample, or
+# a text output's text per sample.
+Named = dict[str, Any]
 
 
 def unpack(payload: torch.Tensor, heads: Sequence[pb.Tensor]) -> Named:
@@ -42,7 +45,7 @@ def unpack(payload: torch.Tensor, heads: Sequence[pb.Tensor]) -> Named:
                 code=StatusCode.INTERNAL,
             )
         data = payload[head.offset : head.offset + size].view(TORCH_DTYPES[dtype]).reshape(shape)
-        if head.kind != "ragged":
+        if head.kind not in ("ragged", "text"):
             named[head.name] = data
             continue
         lengths = [int(n) for n in head.lengths]
@@ -52,15 +55,33 @@ def unpack(payload: torch.Tensor, heads: Sequence[pb.Tensor]) -> Named:
                 f"shape {shape}: the server sent a malformed batch",
                 code=StatusCode.INTERNAL,
             )
-        named[head.name] = list(torch.split(data, lengths)) if lengths else []
+        samples = list(torch.split(data, lengths)) if lengths else []
+        named[head.name] = [_text(t) for t in samples] if head.kind == "text" else samples
     return named
+
+
+def _text(data: torch.Tensor) -> str | list[str]:
+    """A sample's text: one string, or the strings of a sample that holds several."""
+    texts = bytes(data.numpy()).decode("utf-8", errors="replace").split(TEXT_SEPARATOR.decode())
+    return texts[0] if len(texts) == 1 else texts
 
 
 def arrange(
     form: str, named: Named, heads: Sequence[pb.Tensor], labels: torch.Tensor
 ) -> tuple[object, ...]:
     """What the loop yields: ``(views, labels)`` for the "views" form (the image outputs in
-    the pipeline's order), else ``(outputs, labels)``, a dict of every output by name."""
+    the pipeline's order); ``(images, targets)`` for "detection", a target a sample as
+    torchvision's detection models take them (``{"boxes": [n, 4] float32 left, top, right,
+    bottom pixels, "labels": [n] int64}``); ``(images, captions)`` for "captions" (a
+    sample's caption, or its list of them); else ``(outputs, labels)``, a dict of every
+    output by name."""
     if form == "views":
         return [named[head.name] for head in heads if head.kind == "image"], labels
+    if form == "detection":
+        boxes, classes = named["boxes"], named["labels"]
+        assert isinstance(boxes, list) and isinstance(classes, list)
+        targets = [{"boxes": b, "labels": c} for b, c in zip(boxes, classes, strict=True)]
+        return named["images"], targets
+    if form == "captions":
+        return named["images"], named["caption"]
     return dict(named), labels

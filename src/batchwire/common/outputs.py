@@ -23,13 +23,15 @@ import numpy as np
 from batchwire.common.tensors import to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["ALIGN", "KINDS", "Output", "none_of", "pack"]
+__all__ = ["ALIGN", "KINDS", "TEXT_SEPARATOR", "Output", "none_of", "pack"]
 
 # Where each output begins in a payload: a multiple of this many bytes.
 ALIGN = 16
 # What an output may be: pixels (normalized by the client as images are), a tensor of one
-# shape per sample, or a tensor whose first dimension varies from sample to sample.
-KINDS = ("image", "tensor", "ragged")
+# shape per sample, a tensor whose first dimension varies from sample to sample, or text
+# (each sample's UTF-8 bytes, ragged; several texts of a sample joined by TEXT_SEPARATOR).
+KINDS = ("image", "tensor", "ragged", "text")
+TEXT_SEPARATOR = b"\x00"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +62,7 @@ def pack(outputs: Sequence[Output]) -> tuple[np.ndarray, tuple[pb.Tensor, ...]]:
     pieces: list[tuple[int, np.ndarray]] = []
     offset = 0
     for output in outputs:
-        if output.kind == "ragged":
+        if output.kind in ("ragged", "text"):
             samples = [np.ascontiguousarray(a) for a in output.data]
             lengths = [len(a) if a.ndim else 1 for a in samples]
             rest = next((a.shape[1:] for a in samples if a.ndim), ())

@@ -18,9 +18,17 @@ import threading
 
 from batchwire.common.stream import NAME_PATTERN
 from batchwire.server.data.records import MANIFEST, Dataset, manifest_version
-from batchwire.server.errors import DatasetError, NotFound, VersionMismatch
+from batchwire.server.errors import DatasetError, InvalidRequest, NotFound, VersionMismatch
+from batchwire.server.pipelines import PipelineSpec
 
-__all__ = ["Catalog", "Change", "DatasetDescription", "check_data_dir", "check_version"]
+__all__ = [
+    "Catalog",
+    "Change",
+    "DatasetDescription",
+    "check_data_dir",
+    "check_inputs",
+    "check_version",
+]
 
 log = logging.getLogger(__name__)
 
@@ -247,4 +255,21 @@ def check_version(name: str, expected: str, dataset: Dataset) -> None:
             "dataset was replaced (re-ingested). Resuming would mix samples of both "
             "versions; start the epoch again (a new loader, or set_epoch) or serve the "
             "old version"
+        )
+
+
+def check_inputs(pipeline: PipelineSpec, dataset: Dataset) -> None:
+    """InvalidRequest, before any stream, if ``pipeline`` takes a field that ``dataset``
+    lacks or holds as another kind: it names both, and the dataset's fields."""
+    fields = {spec.name: spec.kind for spec in dataset.manifest.fields}
+    for needed in pipeline.inputs:
+        if fields.get(needed.name) == needed.kind:
+            continue
+        has = ", ".join(f"{name} ({kind})" for name, kind in fields.items()) or "none"
+        found = f"holds it as {fields[needed.name]}" if needed.name in fields else "lacks it"
+        raise InvalidRequest(
+            f"pipeline {pipeline.name!r} takes the field {needed.name!r} ({needed.kind}) of each "
+            f"sample, and dataset {dataset.name!r} {found} (its fields: {has}). Choose a "
+            "pipeline of images alone (val, train, multicrop), or a dataset ingested with "
+            f"{needed.name} (docs/datasets.md)"
         )

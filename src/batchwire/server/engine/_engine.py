@@ -29,7 +29,13 @@ from batchwire.server.data.records import (
     Records,
     StreamReadAhead,
 )
-from batchwire.server.engine._catalog import Catalog, Change, DatasetDescription, check_version
+from batchwire.server.engine._catalog import (
+    Catalog,
+    Change,
+    DatasetDescription,
+    check_inputs,
+    check_version,
+)
 from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
 from batchwire.server.engine._devices import DevicePlan
 from batchwire.server.engine._preprocess import PreprocessBatcher, PreprocessLimits
@@ -204,6 +210,8 @@ class Engine:
             check_version(spec.dataset, spec.dataset_version, datasets[0])
         records: Records = MixedDataset(datasets) if spec.sources else datasets[0]
         pipeline = pipeline_named(self.pipelines, spec.pipeline)
+        for dataset in datasets:
+            check_inputs(pipeline, dataset)
         try:
             check_batch_size(spec.batch_size, self.config.max_batch_size)
         except ValueError as exc:
@@ -231,6 +239,7 @@ class Engine:
                 stages=self.stages,
                 release=functools.partial(self._release, datasets, ahead),
                 draining=self._drain.is_set,
+                inputs=tuple((i.name, i.kind) for i in pipeline.inputs),
             )
             stream = BatchStream(
                 setup,

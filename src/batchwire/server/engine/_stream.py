@@ -130,6 +130,8 @@ class StreamSetup:
     stages: StageTimes
     release: Callable[[], None]
     draining: Callable[[], bool]
+    # The dataset fields its pipeline takes (name, kind), read with each batch's records.
+    inputs: tuple[tuple[str, str], ...] = ()
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
@@ -186,7 +188,7 @@ class BatchStream(Generic[P]):
             setup.ahead.follow(self.batch_ids)
 
     def _read(self, seq: int) -> Job[P]:
-        job: Job[P] = read_job(self._setup.dataset, seq, self._planned[seq].ids)
+        job: Job[P] = read_job(self._setup.dataset, seq, self._planned[seq].ids, self._setup.inputs)
         job.finish = functools.partial(self._finish, seq)
         return job
 

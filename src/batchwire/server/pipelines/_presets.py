@@ -1,11 +1,20 @@
-"""The preset pipelines every server serves: ``train``, ``val`` and ``multicrop``."""
+"""The preset pipelines every server serves: ``train`` and ``val`` (classification),
+``multicrop`` (self-supervised views), ``detection`` and ``captions`` (samples with
+fields)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from batchwire.server.pipelines._spec import BuildContext, Output, Param, ParamError, PipelineSpec
+from batchwire.server.pipelines._spec import (
+    BuildContext,
+    Input,
+    Output,
+    Param,
+    ParamError,
+    PipelineSpec,
+)
 
 __all__ = ["PRESETS"]
 
@@ -102,6 +111,67 @@ def _multicrop(
     return views
 
 
+_DETECTION_OUTPUTS = (
+    Output(name="images"),
+    Output(name="boxes", kind="ragged"),
+    Output(name="labels", kind="ragged"),
+)
+_DETECTION_INPUTS = (Input(name="boxes", kind="float"), Input(name="labels", kind="int"))
+# SSD's crop: the smallest IoU with a box that a window must reach, drawn per sample.
+_SSD_THRESHOLDS = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9]
+
+
+def _detection(
+    encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float], fields: Any
+) -> dict[str, Any]:
+    """SSD's augmentation: a random crop that keeps boxes (each window overlaps a box by at
+    least an IoU drawn from SSD's thresholds, or no crop), decoded only there, resized to
+    ``size`` square, and flipped, image and boxes together. Boxes come out as ``[left, top,
+    right, bottom]`` pixels of the output image, with their classes."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    shape = fn.peek_image_shape(encoded, dtype=types.FLOAT)  # height, width, channels
+    width, height = shape[1], shape[0]
+    relative = fields["boxes"] / fn.stack(width, height, width, height)
+    anchor, window, relative, classes = fn.random_bbox_crop(
+        relative,
+        fn.cast(fields["labels"], dtype=types.INT32),
+        bbox_layout="xyXY",
+        aspect_ratio=[p["aspect_min"], p["aspect_max"]],
+        scaling=[p["scale_min"], 1.0],
+        thresholds=_SSD_THRESHOLDS,
+        allow_no_crop=True,
+        num_attempts=50,
+    )
+    images = fn.decoders.image_slice(
+        encoded, anchor, window, **ctx.decoder_args(), output_type=types.RGB
+    )
+    size = int(p["size"])
+    images = fn.resize(images, device=ctx.device, resize_x=size, resize_y=size, antialias=True)
+    flip = fn.random.coin_flip(probability=p["flip"])
+    relative = fn.bb_flip(relative, ltrb=True, horizontal=flip)
+    return {
+        "images": ctx.finish(images, mirror=flip),
+        "boxes": relative * float(size),
+        "labels": fn.cast(classes, dtype=types.INT64),
+    }
+
+
+def _check_detection(p: Mapping[str, float]) -> None:
+    if p["aspect_min"] > p["aspect_max"]:
+        raise ParamError("detection: aspect_min must not exceed aspect_max")
+
+
+def _captions(
+    encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float], fields: Any
+) -> dict[str, Any]:
+    """val's image (resize the shorter side, centre crop) beside each sample's caption(s),
+    as they were ingested."""
+    images, _ = _val(encoded, labels, ctx, p)
+    return {"images": images, "caption": fields["caption"]}
+
+
 def _check_train(p: Mapping[str, float]) -> None:
     if p["area_min"] > p["area_max"]:
         raise ParamError("train: area_min must not exceed area_max")
@@ -146,6 +216,38 @@ PRESETS: dict[str, PipelineSpec] = {
             "resize": Param(default=256, low=8, high=4096, integer=True, help="shorter side"),
         },
         check=_check_val,
+    ),
+    "detection": PipelineSpec(
+        name="detection",
+        function=_detection,
+        description=(
+            "SSD's augmentation for detection: a random crop that keeps boxes, resize to size, "
+            "flip, image and boxes together; the client gets torchvision's targets"
+        ),
+        params={
+            "size": Param(default=320, low=8, high=2048, integer=True, help="output side"),
+            "scale_min": Param(default=0.3, low=0.01, high=1.0, help="smallest crop side"),
+            "aspect_min": Param(default=0.5, low=0.1, high=10.0, help="smallest crop aspect"),
+            "aspect_max": Param(default=2.0, low=0.1, high=10.0, help="largest crop aspect"),
+            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+        },
+        check=_check_detection,
+        outputs=_DETECTION_OUTPUTS,
+        form="detection",
+        inputs=_DETECTION_INPUTS,
+    ),
+    "captions": PipelineSpec(
+        name="captions",
+        function=_captions,
+        description="val's image beside each sample's caption(s), for image-text training",
+        params={
+            "size": _SIZE,
+            "resize": Param(default=256, low=8, high=4096, integer=True, help="shorter side"),
+        },
+        check=_check_val,
+        outputs=(Output(name="images"), Output(name="caption", kind="text")),
+        form="captions",
+        inputs=(Input(name="caption", kind="text"),),
     ),
     "multicrop": PipelineSpec(
         name="multicrop",

@@ -32,6 +32,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BuildContext",
+    "Input",
     "Output",
     "OutputSpec",
     "Param",
@@ -145,12 +146,36 @@ class BuildContext:
         return fn.crop_mirror_normalize(images, **kwargs)
 
 
-PipelineFn = Callable[[Any, Any, BuildContext, Mapping[str, float]], Any]
+PipelineFn = Callable[..., Any]
 
 # How a client hands the batches of a pipeline with named outputs to the loop: its image
-# outputs as a list (the views of self-supervised training) and the labels, or a dict of
-# every output by name and the labels.
-FORMS = ("views", "named")
+# outputs as a list (the views of self-supervised training) and the labels; the images and
+# a target a sample as torchvision's detection models take them (outputs images, boxes,
+# labels); the images and their captions (outputs images, caption); or a dict of every
+# output by name and the labels.
+FORMS = ("views", "detection", "captions", "named")
+# The outputs each form arranges, by name and kind (the views form: image outputs alone).
+FORM_OUTPUTS = {
+    "detection": {"images": "image", "boxes": "ragged", "labels": "ragged"},
+    "captions": {"images": "image", "caption": "text"},
+}
+# A dataset field's kind (the manifest's schema) as a pipeline receives it: a DALI node of
+# these arrays, one a sample (text, bytes and encoded images as their bytes).
+INPUT_KINDS = ("int", "float", "text", "bytes", "image")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Input:
+    """A dataset field a pipeline needs (``kind`` as the dataset's schema declares it): a
+    stream of a dataset without it is refused, naming both, and a sample whose value is
+    missing or malformed is skipped as a corrupt image is."""
+
+    name: str
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in INPUT_KINDS:
+            raise ParamError(f"input {self.name!r}: kind must be one of {INPUT_KINDS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,11 +192,8 @@ class Output:
     def __post_init__(self) -> None:
         from batchwire.common.outputs import KINDS
 
-        if not self.name.isidentifier() or self.name in ("labels", "ids"):
-            raise ParamError(
-                f"an output's name must be an identifier other than 'labels' and 'ids' (the "
-                f"batch's own), got {self.name!r}"
-            )
+        if not self.name.isidentifier():
+            raise ParamError(f"an output's name must be an identifier, got {self.name!r}")
         if self.kind not in KINDS:
             raise ParamError(
                 f"output {self.name!r}: kind must be one of {KINDS}, not {self.kind!r}"
@@ -195,6 +217,8 @@ class PipelineSpec:
     # hands them to the loop (FORMS).
     outputs: tuple[Output, ...] = ()
     form: str = "named"
+    # Dataset fields the function receives, as a fifth argument: a dict of DALI nodes.
+    inputs: tuple[Input, ...] = ()
 
     def __post_init__(self) -> None:
         names = [output.name for output in self.outputs]
@@ -206,6 +230,9 @@ class PipelineSpec:
             )
         if self.form == "views" and any(o.kind != "image" for o in self.outputs):
             raise ParamError(f"pipeline {self.name!r}: the views form takes image outputs only")
+        wanted = FORM_OUTPUTS.get(self.form)
+        if self.outputs and wanted and {o.name: o.kind for o in self.outputs} != wanted:
+            raise ParamError(f"pipeline {self.name!r}: the {self.form} form takes outputs {wanted}")
 
     def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
         """Defaults updated by ``overrides``; unknown names or bad values raise ParamError."""

@@ -35,7 +35,7 @@ __all__ = ["Probe", "find_culprits"]
 
 log = logging.getLogger(__name__)
 
-_Inputs = tuple[list[np.ndarray], np.ndarray, np.ndarray]
+_Inputs = tuple[Any, ...]
 
 
 class Probe:
@@ -54,12 +54,18 @@ class Probe:
             raise StopIteration
         return self._inputs.pop()
 
-    def error(self, images: list[np.ndarray], labels: np.ndarray) -> Exception | None:
-        """Why running ``images`` failed, or None when they ran."""
+    def error(
+        self,
+        images: list[np.ndarray],
+        labels: np.ndarray,
+        fields: tuple[list[np.ndarray], ...] = (),
+    ) -> Exception | None:
+        """Why running ``images`` (with their ``fields``, if the pipeline takes some)
+        failed, or None when they ran."""
         if self._pipe is None:
             self._pipe = self._build(self._source)  # PipelineFault when it cannot be built
         meta = np.stack([np.zeros(len(images), np.int64), np.arange(len(images))], axis=1)
-        self._inputs[:] = [(images, labels, meta)]
+        self._inputs[:] = [(images, labels, meta, *fields)]
         try:
             self._pipe.run()
         except Exception as exc:
@@ -82,7 +88,8 @@ def find_culprits(
 
     def fails(positions: list[int]) -> Exception | None:
         images = [job.images[i] for i in positions]
-        found = probe.error(images, job.labels[positions])
+        fields = tuple([values[i] for i in positions] for values in job.fields)
+        found = probe.error(images, job.labels[positions], fields)
         if found is not None and (kind := fault_kind(found)) is not None:
             raise PipelineFault(pipeline, kind, error_line(found)) from found
         return found

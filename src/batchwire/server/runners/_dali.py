@@ -108,18 +108,27 @@ def _define(
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
+    kinds = {"int": types.INT64, "float": types.FLOAT}
     with pipe:
-        encoded, labels, meta = fn.external_source(
+        encoded, labels, meta, *fields = fn.external_source(
             source=source,
-            num_outputs=3,
+            num_outputs=3 + len(pipeline.inputs),
             batch=True,
-            dtype=[types.UINT8, types.INT64, types.INT64],
-            ndim=[1, 0, 1],
+            dtype=[types.UINT8, types.INT64, types.INT64]
+            + [kinds.get(i.kind, types.UINT8) for i in pipeline.inputs],
+            # The fields' dimensions are the dataset's (boxes 2, their classes 1): found
+            # in the first batch.
+            ndim=None if pipeline.inputs else [1, 0, 1],
             # The records are in a buffer read for this batch and never written again:
-            # DALI reads them in place (and holds them until it has), no copy of its own.
+            # DALI reads them in place (and holds them until it has), no copy of its own;
+            # a job's fields are arrays of its own, likewise.
             no_copy=True,
         )
-        made = pipeline.function(encoded, labels, ctx, params)
+        if pipeline.inputs:
+            named = {i.name: node for i, node in zip(pipeline.inputs, fields, strict=True)}
+            made = pipeline.function(encoded, labels, ctx, params, named)
+        else:
+            made = pipeline.function(encoded, labels, ctx, params)
         if not pipeline.outputs:
             images, labels = made
             pipe.set_outputs(images, labels, meta)

@@ -8,15 +8,19 @@ the job's ``finish`` makes of that result.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from batchwire.common.outputs import TEXT_SEPARATOR, none_of
 from batchwire.server.data.records import Records
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["Job", "Result", "empty_result", "keep", "read_job"]
+__all__ = ["Job", "Result", "empty_result", "field_arrays", "keep", "read_job"]
+
+log = logging.getLogger(__name__)
 
 P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's message)
 
@@ -30,6 +34,9 @@ class Job(Generic[P]):
     images: list[np.ndarray]
     labels: np.ndarray
     skipped: list[int] = dataclasses.field(default_factory=list)
+    # The dataset fields its pipeline takes (PipelineSpec.inputs, in order): for each, one
+    # array a sample (:func:`field_arrays`).
+    fields: tuple[list[np.ndarray], ...] = ()
     attempts: int = 0
     # Called with the job's Result while its images are a view of DALI's output buffer
     # (valid only until the pipeline's next run): what it returns is what the runner
@@ -38,12 +45,24 @@ class Job(Generic[P]):
     # that owns its images.
     finish: Callable[[Result], P] | None = None
 
-    def inputs(self) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def inputs(self) -> tuple[Any, ...]:
         """What ``fn.external_source`` hands DALI for this job: the encoded images (which
-        the runner passes as one DALI batch, ``encoded_batch``), the labels, and one
-        ``(seq, id)`` row per sample that names its output."""
+        the runner passes as one DALI batch, ``encoded_batch``), the labels, one
+        ``(seq, id)`` row per sample that names its output, and the fields."""
         meta = np.stack([np.full(len(self.ids), self.seq, np.int64), self.ids], axis=1)
-        return self.images, self.labels, meta
+        return (self.images, self.labels, meta, *self.fields)
+
+    def only(self, keep: list[int], skipped: list[int]) -> Job[P]:
+        """This job with only the samples at positions ``keep``, ``skipped`` added to the
+        ones it leaves out."""
+        return dataclasses.replace(
+            self,
+            ids=self.ids[keep],
+            images=[self.images[i] for i in keep],
+            labels=self.labels[keep],
+            skipped=self.skipped + skipped,
+            fields=tuple([values[i] for i in keep] for values in self.fields),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,29 +96,85 @@ def empty_result(
     """The result of a job none of whose samples is left to run: no images, of shape
     ``(0, *sample_shape)``; a pipeline with named outputs gives each of them with no
     samples (``outputs``: their heads, as a batch that ran gave them)."""
-    empty = []
-    for head in outputs:
-        none = pb.Tensor()
-        none.CopyFrom(head)
-        del none.shape[:], none.lengths[:]
-        none.shape.extend([0, *head.shape[1:]])
-        none.offset = 0
-        empty.append(none)
+    if outputs:
+        images = np.zeros((0,), dtype=np.uint8)  # an empty payload
+    else:
+        images = np.zeros((0, *sample_shape), dtype=dtype)
     return Result(
         seq=job.seq,
         ids=job.ids[:0],
-        images=np.zeros(
-            (0,) if outputs else (0, *sample_shape), dtype=np.uint8 if outputs else dtype
-        ),
+        images=images,
         labels=np.zeros((0,), dtype=np.int64),
         skipped=tuple(job.skipped),
-        outputs=tuple(empty),
+        outputs=none_of(outputs),
     )
 
 
-def read_job(dataset: Records, seq: int, ids: np.ndarray) -> Job[Any]:
+def read_job(
+    dataset: Records, seq: int, ids: np.ndarray, inputs: Sequence[tuple[str, str]] = ()
+) -> Job[Any]:
     """Batch ``seq``'s job: the records of ``ids`` that may reach a pipeline, read and
-    screened by the record path (:meth:`Dataset.read_screened`); the rest in
-    ``Job.skipped``."""
+    screened by the record path (:meth:`Dataset.read_screened`), with the fields
+    ``inputs`` names (name, kind) where the pipeline takes some; the rest in
+    ``Job.skipped`` (also a sample whose field is missing or malformed)."""
     kept, images, labels, skipped = dataset.read_screened(ids)
-    return Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)
+    job: Job[Any] = Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)
+    if not inputs or not len(kept):
+        return job
+    arrays, bad = field_arrays(dataset, kept, inputs)
+    keep = [i for i in range(len(kept)) if i not in bad]
+    job = job.only(keep, [int(kept[i]) for i in sorted(bad)])
+    return dataclasses.replace(
+        job, fields=tuple([arrays[i][n] for i in keep] for n in range(len(inputs)))
+    )
+
+
+def field_arrays(
+    dataset: Records, ids: np.ndarray, inputs: Sequence[tuple[str, str]]
+) -> tuple[list[list[np.ndarray]], set[int]]:
+    """Each sample's ``inputs`` fields as the arrays DALI takes (int64, float32, or the
+    bytes of a text, several joined by ``TEXT_SEPARATOR``, or of an encoded image), and the
+    positions of the samples whose field is missing or malformed (logged, one line each)."""
+    try:
+        values = dataset.fields(ids)
+    except ValueError:  # a record's fields damaged on disk: find which, sample by sample
+        values = []
+        for sample in ids.tolist():
+            try:
+                values += dataset.fields([sample])
+            except ValueError:
+                values.append({})
+    arrays: list[list[np.ndarray]] = []
+    bad: set[int] = set()
+    for position, (sample, fields) in enumerate(zip(ids.tolist(), values, strict=True)):
+        row = []
+        for name, kind in inputs:
+            array = _as_input(fields.get(name), kind)
+            if array is None:
+                log.warning(
+                    "sample %d of %s: field %r is missing or not %s; skipping it",
+                    sample,
+                    dataset.name,
+                    name,
+                    kind,
+                )
+                bad.add(position)
+                break
+            row.append(array)
+        arrays.append(row)
+    return arrays, bad
+
+
+def _as_input(value: object, kind: str) -> np.ndarray | None:
+    if kind in ("int", "float"):
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "iuf":
+            return None
+        return np.ascontiguousarray(value, np.int64 if kind == "int" else np.float32)
+    if isinstance(value, str) and kind == "text":
+        return np.frombuffer(value.encode("utf-8"), np.uint8)
+    if isinstance(value, bytes) and kind in ("bytes", "image"):
+        return np.frombuffer(value, np.uint8)
+    if isinstance(value, tuple) and value and kind == "text":
+        joined = TEXT_SEPARATOR.join(v.encode("utf-8") for v in value if isinstance(v, str))
+        return np.frombuffer(joined, np.uint8)
+    return None

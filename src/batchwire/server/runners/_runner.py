@@ -64,14 +64,14 @@ class _Source:
         self.empty: list[tuple[int, Job]] = []
         self.seconds = 0.0  # spent in this callback: waiting for and reading jobs
 
-    def __call__(self) -> tuple[Any, np.ndarray, np.ndarray]:
+    def __call__(self) -> tuple[Any, ...]:
         started = time.perf_counter()
         try:
             return self._next()
         finally:
             self.seconds += time.perf_counter() - started
 
-    def _next(self) -> tuple[Any, np.ndarray, np.ndarray]:
+    def _next(self) -> tuple[Any, ...]:
         while True:
             taken = self.retries.popleft() if self.retries else next(self.jobs, None)
             if taken is None:
@@ -81,8 +81,8 @@ class _Source:
                 self.empty.append(taken)
                 continue
             self.in_flight.append(taken)
-            images, labels, meta = taken[1].inputs()
-            return encoded_batch(images), labels, meta
+            images, *rest = taken[1].inputs()
+            return (encoded_batch(images), *rest)
 
 
 class Runner:
@@ -226,7 +226,7 @@ class Runner:
         ``labels``."""
         named = []
         for declared, made in zip(self._pipeline.outputs, outputs, strict=True):
-            data = samples(made) if declared.kind == "ragged" else view(made)
+            data = samples(made) if declared.kind in ("ragged", "text") else view(made)
             layout = declared.layout or (self.key.layout if declared.kind == "image" else "")
             named.append(Output(name=declared.name, kind=declared.kind, data=data, layout=layout))
         payload, heads = pack(named)
@@ -292,18 +292,13 @@ class Runner:
             error_line(exc),
         )
         probe = Probe(lambda source: self._build(len(job.ids), source, synchronous=True))
-        bad = find_culprits(job, exc, probe, pipeline=name, control=self._health.control())
+        # The control sample is an image and label alone: none for a pipeline of fields.
+        control = None if self._pipeline.inputs else self._health.control()
+        bad = find_culprits(job, exc, probe, pipeline=name, control=control)
         skipped = [int(job.ids[i]) for i in bad]
         log.warning("skipping sample ids %s: pipeline %r fails on them", skipped, name)
         keep = [i for i in range(len(job.ids)) if i not in set(bad)]
-        return dataclasses.replace(
-            job,
-            ids=job.ids[keep],
-            images=[job.images[i] for i in keep],
-            labels=job.labels[keep],
-            skipped=job.skipped + skipped,
-            attempts=job.attempts + 1,
-        )
+        return dataclasses.replace(job.only(keep, skipped), attempts=job.attempts + 1)
 
     def _fault(self, fault: PipelineFault, batches: int) -> None:
         """A fault ends this runner: the server's health learns of it."""

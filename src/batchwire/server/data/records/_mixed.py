@@ -18,6 +18,7 @@ import numpy as np
 
 from batchwire.common.mixture import split_ids
 from batchwire.server.data.records._dataset import Dataset
+from batchwire.server.data.records._fields import FieldValue
 
 __all__ = ["MixedDataset", "Records"]
 
@@ -40,6 +41,8 @@ class Records(Protocol):
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]: ...
 
     def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]: ...
+
+    def fields(self, ids: Sequence[int] | np.ndarray) -> list[dict[str, FieldValue]]: ...
 
 
 class MixedDataset:
@@ -74,6 +77,18 @@ class MixedDataset:
         for source in np.unique(sources).tolist():
             spans += self.sources[source].locate(local[sources == source])
         return spans
+
+    def fields(self, ids: Sequence[int] | np.ndarray) -> list[dict[str, FieldValue]]:
+        """:meth:`Dataset.fields` of mixed ids, in their order."""
+        sources, local = split_ids(np.asarray(ids, dtype=np.int64), self.sizes)
+        found: list[dict[str, FieldValue]] = [{} for _ in range(len(local))]
+        for source in np.unique(sources).tolist():
+            positions = np.flatnonzero(sources == source)
+            for position, values in zip(
+                positions.tolist(), self.sources[source].fields(local[positions]), strict=True
+            ):
+                found[position] = values
+        return found
 
     def read_screened(
         self, ids: np.ndarray

@@ -1,0 +1,215 @@
+"""Pipelines that take a sample's fields, against a real server and real LMDB datasets made
+from generated COCO files: ``detection`` crops, resizes and flips images and boxes
+together, ``captions`` keeps each caption with its image, a pipeline is refused for a
+dataset without its fields, and a sample whose field is malformed is skipped and
+reported."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from conftest import start_server
+
+from batchwire.client import InvalidArgumentError, RemoteLoader
+from batchwire.common.sampler import Plan
+from batchwire.server import BatchwireServer
+from batchwire.server.data import (
+    BOX_COLOURS,
+    Dataset,
+    Manifest,
+    encode_fields,
+    ingest,
+    sample_key,
+    write_coco_boxes,
+)
+from batchwire.v1 import datum_pb2
+
+IMAGES = 48
+BATCH = 8
+SIZE = 96  # the detection pipeline's output side
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """``boxes`` (COCO instances: boxes and classes) and ``captions`` (COCO captions) of
+    the same 48 generated pictures, and ``shapes`` without fields."""
+    coco = write_coco_boxes(tmp_path_factory.mktemp("coco"), count=IMAGES, seed=5)
+    root = tmp_path_factory.mktemp("data")
+    ingest(coco, root, name="boxes", images=coco.parent / "images", shard_size=16)
+    ingest(coco.parent / "captions.json", root, name="captions", images=coco.parent / "images")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(data_dir: pathlib.Path) -> Iterator[BatchwireServer]:
+    server = start_server(data_dir)
+    yield server
+    server.stop(grace=1.0)
+
+
+def detection(server: BatchwireServer, **kwargs: Any) -> RemoteLoader:
+    options: dict[str, Any] = {
+        "dataset": "boxes",
+        "pipeline": "detection",
+        "batch_size": BATCH,
+        "return_ids": True,
+        "normalize": False,
+        "params": {"size": SIZE},
+        "seed": 2,
+    }
+    return RemoteLoader(server.target, **{**options, **kwargs})
+
+
+def colours(manifest: Manifest) -> list[np.ndarray]:
+    """The colour of each class (by label): COCO's categories in id order."""
+    ids = sorted(BOX_COLOURS)
+    assert manifest.classes == tuple(BOX_COLOURS[i][0] for i in ids)
+    return [np.array(BOX_COLOURS[i][1], dtype=np.float32) for i in ids]
+
+
+def test_detection_keeps_every_box_over_its_colour_through_crop_resize_and_flip(
+    server: BatchwireServer, data_dir: pathlib.Path
+) -> None:
+    """Two epochs: each sample's image (uint8, SIZE square) and a target as torchvision's
+    detection models take them; under every box that is still a few pixels wide, the
+    pixels are its class's colour; every sample once, in the epoch's order."""
+    colour_of = colours(Manifest.load(data_dir / "boxes"))
+    checked = 0
+    with detection(server) as loader:
+        for epoch in range(2):
+            ids: list[int] = []
+            for images, targets, batch_ids in loader:
+                assert images.dtype == torch.uint8
+                assert images.shape == (len(batch_ids), 3, SIZE, SIZE)
+                assert isinstance(targets, list) and len(targets) == len(batch_ids)
+                for image, target in zip(images, targets, strict=True):
+                    boxes, labels = target["boxes"], target["labels"]
+                    assert boxes.dtype == torch.float32 and labels.dtype == torch.int64
+                    assert boxes.shape == (len(labels), 4)
+                    assert ((boxes >= 0) & (boxes <= SIZE)).all()
+                    for (left, top, right, bottom), label in zip(
+                        boxes.tolist(), labels.tolist(), strict=True
+                    ):
+                        # Inside the box, away from its edges (resizing blends them).
+                        x0, y0, x1, y1 = (
+                            int(left) + 2,
+                            int(top) + 2,
+                            int(right) - 2,
+                            int(bottom) - 2,
+                        )
+                        if x1 - x0 < 2 or y1 - y0 < 2:
+                            continue
+                        under = image[:, y0:y1, x0:x1].float().mean(dim=(1, 2)).numpy()
+                        assert np.abs(under - colour_of[label]).max() < 25, (under, label)
+                        checked += 1
+                ids += batch_ids.tolist()
+            plan = Plan(num_samples=IMAGES, batch_size=BATCH, seed=2, epoch=epoch, drop_last=False)
+            assert ids == plan.share().tolist()
+    assert checked > IMAGES  # most images keep a box or more
+
+
+def test_a_detection_state_resumes_exactly_the_rest(server: BatchwireServer) -> None:
+    loader = detection(server)
+    head = [i for _, (_, _, batch) in zip(range(2), loader, strict=False) for i in batch.tolist()]
+    state = loader.state_dict()
+    loader.close()
+    resumed = detection(server)
+    resumed.load_state_dict(state)
+    rest = [i for _, _, batch in resumed for i in batch.tolist()]
+    resumed.close()
+    plan = Plan(num_samples=IMAGES, batch_size=BATCH, seed=2, drop_last=False)
+    assert head + rest == plan.share().tolist()
+
+
+def test_a_torchvision_detection_model_trains_a_step_on_a_served_batch(
+    server: BatchwireServer,
+) -> None:
+    detection_models = pytest.importorskip(
+        "torchvision.models.detection", reason="torchvision is not installed"
+    )
+    model = detection_models.fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None, weights_backbone=None, num_classes=len(BOX_COLOURS) + 1
+    )
+    model.train()
+    with detection(server, return_ids=False) as loader:
+        images, targets = next(iter(loader))
+    # torchvision's models normalize 0..1 images themselves; their labels start at 1.
+    targets = [{"boxes": t["boxes"], "labels": t["labels"] + 1} for t in targets]
+    losses = model(list(images.float() / 255), targets)
+    loss = sum(losses.values())
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_captions_come_with_their_images(server: BatchwireServer, data_dir: pathlib.Path) -> None:
+    """Each sample's caption (or its two) as ingested, beside its image."""
+    with Dataset(data_dir / "captions") as dataset:
+        stored = {i: f["caption"] for i, f in enumerate(dataset.fields(range(IMAGES)))}
+    seen = 0
+    with RemoteLoader(
+        server.target,
+        dataset="captions",
+        pipeline="captions",
+        batch_size=BATCH,
+        return_ids=True,
+        params={"size": 32, "resize": 40},
+    ) as loader:
+        for images, captions, ids in loader:
+            assert images.shape == (len(ids), 3, 32, 32) and images.dtype == torch.float32
+            for caption, sample in zip(captions, ids.tolist(), strict=True):
+                want = stored[sample]  # a caption, or a tuple of them
+                texts = list(want) if isinstance(want, tuple) else [want]
+                assert caption == (texts[0] if len(texts) == 1 else texts)
+                seen += 1
+    assert seen == IMAGES
+    assert any(isinstance(c, tuple) and len(c) == 2 for c in stored.values())  # some have two
+
+
+def test_a_pipeline_is_refused_for_a_dataset_without_its_fields(
+    server: BatchwireServer,
+) -> None:
+    with (
+        detection(server, dataset="captions") as loader,
+        pytest.raises(InvalidArgumentError, match=r"'boxes'.*'captions'.*caption \(text\)"),
+    ):
+        next(iter(loader))
+
+
+def test_a_sample_whose_fields_are_malformed_is_skipped_and_reported(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Sample 5's boxes are stored as text, sample 9's fields are bytes that are no
+    Fields message: both are skipped and reported, the rest of the epoch comes."""
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    dataset = copy / "boxes"
+    manifest = Manifest.load(dataset)
+    env = lmdb.open(str(dataset / manifest.shards[0].path), lock=False)
+    with env.begin(write=True) as txn:
+        datum = datum_pb2.Datum.FromString(txn.get(sample_key(5)))
+        datum.fields.CopyFrom(
+            encode_fields({"boxes": ("text", "four numbers"), "labels": ("int", [0])})
+        )
+        txn.put(sample_key(5), datum.SerializeToString())
+        raw = txn.get(sample_key(9))
+        damaged = datum_pb2.Datum.FromString(raw)
+        damaged.ClearField("fields")
+        # Field 100 (fields) holding bytes that do not parse as a Fields message.
+        txn.put(sample_key(9), damaged.SerializeToString() + b"\xa2\x06\x03\xff\xff\xff")
+    env.close()
+    server = start_server(copy)
+    try:
+        with detection(server, shuffle=False) as loader:
+            ids = [i for _, _, batch in loader for i in batch.tolist()]
+            skipped = sorted(loader.skipped_ids)
+    finally:
+        server.stop(grace=1.0)
+    assert skipped == [5, 9]
+    assert ids == [i for i in range(IMAGES) if i not in (5, 9)]
