@@ -20,7 +20,7 @@ from test_corrupt import bad_huffman_table, corrupt
 
 from batchwire.client import InvalidArgumentError, RemoteLoader
 from batchwire.common.sampler import Plan
-from batchwire.server import BatchwireServer
+from batchwire.server import BatchwireServer, ConfigError, load_file, pipelines_from_config
 from batchwire.server.data import Manifest
 from batchwire.server.pipelines import PRESETS, BuildContext, Output, PipelineSpec
 from batchwire.v1 import datum_pb2
@@ -203,3 +203,66 @@ def test_views_survive_a_server_sigkilled_mid_epoch(
                 if n == 4:
                     a.process.send_signal(signal.SIGKILL)
     assert ids == share(0)
+
+
+PAIR_MODULE = """
+import nvidia.dali.fn as fn
+import nvidia.dali.types as types
+
+
+def pair(encoded, labels, ctx, params):
+    images = fn.decoders.image(encoded, **ctx.decoder_args(), output_type=types.RGB)
+    small = fn.resize(images, device=ctx.device, resize_x=24, resize_y=24)
+    return {"small": ctx.finish(small), "encoded": encoded}
+
+
+def sized(encoded, labels, ctx, params, fields):
+    return {"boxes": fields["boxes"]}
+"""
+
+
+def test_a_config_declares_outputs_and_inputs(
+    data_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """[pipelines.*] outputs, form and inputs, as docs/server.md shows them: served as
+    declared; a malformed declaration names the pipeline."""
+    (tmp_path / "pairs.py").write_text(PAIR_MODULE)
+    config = tmp_path / "pairs.toml"
+    config.write_text(
+        "[pipelines.pair]\n"
+        'function = "pairs.py:pair"\n'
+        'outputs = ["small", { name = "encoded", kind = "ragged" }]\n'
+        "[pipelines.sized]\n"
+        'function = "pairs.py:sized"\n'
+        'outputs = [{ name = "boxes", kind = "ragged" }]\n'
+        'inputs = [{ name = "boxes", kind = "float" }]\n'
+    )
+    pipelines = pipelines_from_config(load_file(config)["pipelines"], base_dir=tmp_path)
+    assert [(o.name, o.kind) for o in pipelines["pair"].outputs] == [
+        ("small", "image"),
+        ("encoded", "ragged"),
+    ]
+    assert pipelines["pair"].form == "named" and pipelines["sized"].inputs[0].kind == "float"
+    server = start_server(data_dir, pipelines=pipelines)
+    try:
+        with make(server, pipeline="pair", params={}, normalize=False) as loader:
+            outputs, labels, ids = next(iter(loader))
+        assert len(labels) == len(ids) == BATCH
+        assert outputs["small"].shape == (BATCH, 3, 24, 24) and len(outputs["encoded"]) == BATCH
+        with (
+            make(server, pipeline="sized", params={}) as loader,
+            pytest.raises(InvalidArgumentError, match="'sized' takes the field 'boxes'"),
+        ):
+            next(iter(loader))
+    finally:
+        server.stop(grace=1.0)
+    for bad, words in {
+        'outputs = [{ title = "x" }]': "an output is a name or a table",
+        'outputs = ["x"]\nform = "pictures"': "form must be one of",
+        'inputs = [{ name = "boxes", kind = "box" }]': "kind must be one of",
+        'inputs = ["boxes"]': "an input is a table of name and kind",
+    }.items():
+        config.write_text(f'[pipelines.x]\nfunction = "pairs.py:pair"\n{bad}\n')
+        with pytest.raises(ConfigError, match=r"\[pipelines\.x\]") as caught:
+            pipelines_from_config(load_file(config)["pipelines"], base_dir=tmp_path)
+        assert words in str(caught.value)

@@ -45,6 +45,7 @@ from typing import Any
 from batchwire.server.config._settings import ConfigError, ServerConfig, settings
 from batchwire.server.pipelines import (
     PRESETS,
+    Input,
     Output,
     Param,
     ParamError,
@@ -167,6 +168,16 @@ def _custom(name: str, entry: dict[str, Any], base_dir: pathlib.Path | None = No
         outputs.append(Output(**{k: str(v) for k, v in fields.items()}))
     if outputs:
         kwargs.update(outputs=tuple(outputs), form=str(entry.pop("form", "named")))
+    # Dataset fields it takes: a table each, of name and kind (Input).
+    inputs = []
+    for decl in entry.pop("inputs", ()):
+        if not isinstance(decl, Mapping) or set(decl) != {"name", "kind"}:
+            raise ConfigError(
+                f"[pipelines.{name}] an input is a table of name and kind, not {decl!r}"
+            )
+        inputs.append(Input(name=str(decl["name"]), kind=str(decl["kind"])))
+    if inputs:
+        kwargs["inputs"] = tuple(inputs)
     if entry:
         raise ConfigError(f"[pipelines.{name}]: unknown keys {sorted(entry)}")
     spec = PipelineSpec(
