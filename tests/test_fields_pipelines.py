@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import start_server
 
-from batchwire.client import InvalidArgumentError, RemoteLoader
+from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
 from batchwire.server.data import (
@@ -28,10 +28,12 @@ from batchwire.server.data import (
     ingest,
     sample_key,
     write_coco_boxes,
+    write_image_folders,
 )
 from batchwire.v1 import datum_pb2
 
 IMAGES = 48
+PLAIN = 24  # samples of "plain": 4 classes of images without fields
 BATCH = 8
 SIZE = 96  # the detection pipeline's output side
 
@@ -39,11 +41,14 @@ SIZE = 96  # the detection pipeline's output side
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """``boxes`` (COCO instances: boxes and classes) and ``captions`` (COCO captions) of
-    the same 48 generated pictures, and ``shapes`` without fields."""
+    the same 48 generated pictures, and ``plain``, images of classes without fields."""
     coco = write_coco_boxes(tmp_path_factory.mktemp("coco"), count=IMAGES, seed=5)
     root = tmp_path_factory.mktemp("data")
     ingest(coco, root, name="boxes", images=coco.parent / "images", shard_size=16)
     ingest(coco.parent / "captions.json", root, name="captions", images=coco.parent / "images")
+    plain = tmp_path_factory.mktemp("plain")
+    write_image_folders(plain, per_class=PLAIN // 4, size=48, seed=1)
+    ingest(plain, root, name="plain")
     return root
 
 
@@ -213,3 +218,26 @@ def test_a_sample_whose_fields_are_malformed_is_skipped_and_reported(
         server.stop(grace=1.0)
     assert skipped == [5, 9]
     assert ids == [i for i in range(IMAGES) if i not in (5, 9)]
+
+
+def test_a_mixture_of_a_classification_and_a_detection_source(server: BatchwireServer) -> None:
+    """Per-source batches: those of ``boxes`` through detection (images and targets),
+    those of ``plain`` through val (images and labels); each sample of both once an epoch."""
+    mixture = Mixture(
+        counts={"boxes": IMAGES, "plain": PLAIN},
+        batching="per_source",
+        per_source={"plain": {"pipeline": "val", "params": {"size": 32}}},
+    )
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    with detection(server, dataset=mixture) as loader:
+        for images, second, ids in loader:
+            sources, local = loader.split_ids(ids)
+            source = int(sources[0])
+            assert (sources == source).all()
+            if source == 0:
+                assert images.shape[2:] == (SIZE, SIZE)
+                assert isinstance(second, list) and all("boxes" in t for t in second)
+            else:
+                assert images.shape[2:] == (32, 32) and second.dtype == torch.int64
+            seen[source] += local.tolist()
+    assert sorted(seen[0]) == list(range(IMAGES)) and sorted(seen[1]) == list(range(PLAIN))
