@@ -6,8 +6,9 @@ directory of its own that holds what its text assumes:
 
 * ``my-images/``: a folder of images in class subfolders (generated JPEGs), and the
   checkout's ``examples/``;
-* for docs/ pages, ``datasets/pets`` ingested from it and a real ``batchwire serve`` process
-  serving ``datasets/`` (CPU DALI), which the pages call ``localhost:50051``; README's quick
+* for docs/ pages, ``datasets/pets`` ingested from it (and ``boxes`` and ``captions``, of
+  generated COCO files) and a real ``batchwire serve`` process serving ``datasets/`` (CPU
+  DALI), which the pages call ``localhost:50051``; README's quick
   starts ingest and serve for themselves;
 * for the security page, a CA, server and client certificates and a token file.
 
@@ -52,7 +53,7 @@ from processes import serve_process
 from sybil import Example, Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
-from batchwire.server.data import ingest, write_photo_folders
+from batchwire.server.data import ingest, write_coco_boxes, write_photo_folders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -178,15 +179,24 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def served(
     tmp_path_factory: pytest.TempPathFactory, images: pathlib.Path
 ) -> Iterator[tuple[pathlib.Path, str]]:
-    """``datasets/pets`` and a `batchwire serve` process serving it: docs' localhost:50051."""
+    """``datasets/pets``, ``datasets/boxes`` and ``datasets/captions`` (COCO instances and
+    captions of ``write_coco_boxes``' pictures, as docs/datasets.md ingests them) and a
+    `batchwire serve` process serving them: docs' localhost:50051."""
     root = tmp_path_factory.mktemp("served")
-    command = ["ingest", str(images), str(root / "datasets"), "--name", "pets"]
-    subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", *command],
-        check=True,
-        capture_output=True,
-        timeout=400,
-    )
+    coco = write_coco_boxes(root / "coco-demo", count=16)
+    datasets, pictures = str(root / "datasets"), ["--images", str(coco.parent / "images")]
+    commands = [
+        ["ingest", str(images), datasets, "--name", "pets"],
+        ["ingest", str(coco), datasets, "--name", "boxes", *pictures],
+        ["ingest", str(coco.parent / "captions.json"), datasets, "--name", "captions", *pictures],
+    ]
+    for command in commands:
+        subprocess.run(
+            [sys.executable, "-m", "batchwire.cli", *command],
+            check=True,
+            capture_output=True,
+            timeout=400,
+        )
     with serve_process(root / "datasets", root / "serve.log") as process:
         yield root / "datasets", process.address
 
