@@ -21,6 +21,7 @@ from batchwire.client import (
     UnavailableError,
 )
 from batchwire.server import BatchwireServer
+from batchwire.server.pipelines import PRESETS
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
 
@@ -93,7 +94,7 @@ def test_describe_unknown_dataset_is_not_found(stub: pb_grpc.BatchwireStub) -> N
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
     listing = stub.ListDatasets(pb.ListDatasetsRequest(), timeout=10)
     assert [d.name for d in listing.datasets] == ["shapes"]
-    assert {p.name for p in listing.datasets[0].pipelines} == {"train", "val"}
+    assert {p.name for p in listing.datasets[0].pipelines} == set(PRESETS)
 
 
 def test_client_raises_its_own_errors_with_codes(server: BatchwireServer) -> None:
