@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from batchwire.common.outputs import Payload, fill
 from batchwire.common.tensors import DTYPES, to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -105,27 +106,30 @@ def _split(buffer: memoryview, wanted: int) -> tuple[bytes, tuple[int, int] | No
     return b"".join(rest), found
 
 
-def images_head(images: np.ndarray, layout: str) -> pb.Tensor:
+def images_head(images: np.ndarray | Payload, layout: str) -> pb.Tensor:
     """The images Tensor of ``images`` without its data: name, dtype, shape, layout."""
-    tensor = to_proto("images", images[:0], layout)
+    tensor = to_proto("images", np.zeros((0,), images.dtype), layout)
     del tensor.shape[:]
     tensor.shape.extend(images.shape)
     return tensor
 
 
-def encode_batch(header: pb.Batch, images: np.ndarray, layout: str) -> bytes:
-    """``header`` (every field but images) plus ``images``, as Batch message bytes. The
-    images are copied once, into the message, without the interpreter lock where they
-    are large (:func:`_filled_bytes`)."""
+def encode_batch(header: pb.Batch, images: np.ndarray | Payload, layout: str) -> bytes:
+    """``header`` (every field but images) plus ``images`` (an array, or the
+    :class:`~batchwire.common.outputs.Payload` of a batch's named outputs), as Batch
+    message bytes. The images are copied once, into the message, without the interpreter
+    lock where they are large (:func:`_filled_bytes`)."""
     tensor = images_head(images, layout)
+    tensor_head = tensor.SerializeToString()
+    data_key = _varint(_TENSOR_DATA << 3 | _LENGTH_DELIMITED) + _varint(images.nbytes)
+    tensor_length = len(tensor_head) + len(data_key) + images.nbytes
+    images_key = _varint(_BATCH_IMAGES << 3 | _LENGTH_DELIMITED) + _varint(tensor_length)
+    head = b"".join((header.SerializeToString(), images_key, tensor_head, data_key))
+    if isinstance(images, Payload):
+        return _filled_bytes(head, images)
     # The bytes as a flat uint8 view (no copy); memoryview.cast refuses an empty batch's
     # zero-length dimension.
     data = np.ascontiguousarray(images).reshape(-1).view(np.uint8)
-    tensor_head = tensor.SerializeToString()
-    data_key = _varint(_TENSOR_DATA << 3 | _LENGTH_DELIMITED) + _varint(len(data))
-    tensor_length = len(tensor_head) + len(data_key) + len(data)
-    images_key = _varint(_BATCH_IMAGES << 3 | _LENGTH_DELIMITED) + _varint(tensor_length)
-    head = b"".join((header.SerializeToString(), images_key, tensor_head, data_key))
     if len(data) < _UNLOCKED_COPY_BYTES:
         return b"".join((head, memoryview(data)))  # type: ignore[arg-type]  # a buffer
     return _filled_bytes(head, data)
@@ -142,17 +146,17 @@ _bytes_address.restype = ctypes.c_void_p
 _bytes_address.argtypes = (ctypes.py_object,)
 
 
-def _filled_bytes(head: bytes, data: np.ndarray) -> bytes:
+def _filled_bytes(head: bytes, data: np.ndarray | Payload) -> bytes:
     """``head + data`` as a new bytes object, ``data`` copied by NumPy, which releases the
     interpreter lock while it copies: the server's event loop writes other streams'
     messages meanwhile (``bytes.join`` holds the lock for the whole copy). The object is
     made as C code makes one it fills, ``PyBytes_FromStringAndSize(NULL, n)``, and is
     written only before anything else sees it, as the C API allows."""
-    size = len(head) + len(data)
+    size = len(head) + data.nbytes
     message = _new_bytes(None, size)
     out = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(_bytes_address(message)))
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    np.copyto(out[len(head) :], data)
+    fill(out[len(head) :], data)
     return message  # type: ignore[no-any-return]
 
 

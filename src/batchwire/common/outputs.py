@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from batchwire.common.tensors import to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["ALIGN", "KINDS", "TEXT_SEPARATOR", "Output", "none_of", "pack"]
+__all__ = ["ALIGN", "KINDS", "TEXT_SEPARATOR", "Output", "Payload", "fill", "none_of", "pack"]
 
 # Where each output begins in a payload: a multiple of this many bytes.
 ALIGN = 16
@@ -55,9 +56,54 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def pack(outputs: Sequence[Output]) -> tuple[np.ndarray, tuple[pb.Tensor, ...]]:
-    """The payload of ``outputs`` (each copied once, into it) and their heads for
-    ``Batch.outputs``, in order."""
+class Payload:
+    """A batch's named outputs laid out as one flat uint8 payload, not yet copied: each
+    output's data lies where it was made (DALI's buffers, valid while the batch's
+    ``finish`` runs), and is copied once, to wherever the payload goes (:meth:`copy_into`:
+    a message, shared memory, a bulk connection's buffer). As an array (``np.asarray``) it
+    is copied into memory of its own."""
+
+    dtype = np.dtype(np.uint8)
+    ndim = 1
+
+    def __init__(self, pieces: Sequence[tuple[int, np.ndarray]], nbytes: int) -> None:
+        self._pieces = tuple(pieces)
+        self.nbytes = self.size = nbytes
+        self.shape = (nbytes,)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def copy_into(self, out: np.ndarray) -> None:
+        """Copy the payload into ``out`` (``nbytes`` bytes, any dtype: its memory is
+        written byte for byte); the alignment's padding is zeroed."""
+        flat = out.reshape(-1).view(np.uint8)
+        at = 0
+        for start, data in self._pieces:
+            flat[at:start] = 0
+            end = start + data.nbytes
+            np.copyto(flat[start:end], np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            at = end
+        flat[at:] = 0
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = np.empty(self.nbytes, np.uint8)
+        self.copy_into(array)
+        return array if dtype is None else array.astype(dtype)
+
+
+def fill(out: np.ndarray, images: np.ndarray | Payload) -> None:
+    """Copy a batch's ``images`` (an array, or a :class:`Payload`) into ``out``, which
+    holds as many bytes, viewed as their dtype and shape: the one copy of its pixels."""
+    if isinstance(images, Payload):
+        images.copy_into(out)
+    else:
+        np.copyto(out.view(images.dtype).reshape(images.shape), images)
+
+
+def pack(outputs: Sequence[Output]) -> tuple[Payload, tuple[pb.Tensor, ...]]:
+    """The payload of ``outputs`` (nothing copied yet: :class:`Payload`) and their heads
+    for ``Batch.outputs``, in order. A ragged output's samples lie one after the other."""
     heads: list[pb.Tensor] = []
     pieces: list[tuple[int, np.ndarray]] = []
     offset = 0
@@ -67,26 +113,23 @@ def pack(outputs: Sequence[Output]) -> tuple[np.ndarray, tuple[pb.Tensor, ...]]:
             lengths = [len(a) if a.ndim else 1 for a in samples]
             rest = next((a.shape[1:] for a in samples if a.ndim), ())
             dtype = samples[0].dtype if samples else np.dtype(np.float32)
-            flat = (
-                np.concatenate([a.reshape(-1, *rest) for a in samples])
-                if samples
-                else np.zeros((0, *rest), dtype)
-            )
+            shape = (sum(lengths), *rest)
+            parts = [a.reshape(-1, *rest) for a in samples]
         else:
-            flat = np.ascontiguousarray(output.data)
-            lengths = []
-        head = to_proto(output.name, flat[:0], output.layout)
+            data = np.asarray(output.data)
+            dtype, shape, lengths, parts = data.dtype, data.shape, [], [data]
+        head = to_proto(output.name, np.zeros((0,), dtype), output.layout)
         del head.shape[:]
-        head.shape.extend(flat.shape)
+        head.shape.extend(shape)
         head.offset, head.kind = offset, output.kind
         head.lengths.extend(lengths)
         heads.append(head)
-        pieces.append((offset, flat))
-        offset = _aligned(offset + flat.nbytes)
-    payload = np.empty(offset, np.uint8)
-    for start, flat in pieces:
-        payload[start : start + flat.nbytes] = flat.reshape(-1).view(np.uint8)
-    return payload, tuple(heads)
+        at = offset
+        for part in parts:
+            pieces.append((at, part))
+            at += part.nbytes
+        offset = _aligned(at)
+    return Payload(pieces, offset), tuple(heads)
 
 
 def none_of(heads: Sequence[pb.Tensor]) -> tuple[pb.Tensor, ...]:

@@ -364,6 +364,7 @@ class PreprocessBatcher:
         with self._lock:
             self.batches_run += 1
             self.images_run += sum(len(part.images) for part in parts)
+        assert isinstance(result.images, np.ndarray)  # Preprocess refuses named outputs
         rows = dict(zip(result.ids.tolist(), result.images, strict=True))
         skipped = set(result.skipped)
         start = 0

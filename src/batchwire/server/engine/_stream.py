@@ -67,6 +67,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from batchwire.common.mixture import MixturePlan, split_ids
+from batchwire.common.outputs import Payload
 from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.data.records import Records, StreamReadAhead
 from batchwire.server.errors import Draining, InvalidRequest
@@ -88,7 +89,7 @@ class Batch:
 
     index: int
     ids: np.ndarray
-    images: np.ndarray
+    images: np.ndarray | Payload
     labels: np.ndarray
     cursor: int
     skipped_ids: tuple[int, ...]
@@ -104,7 +105,10 @@ class Batch:
 
 def own(batch: Batch) -> Batch:
     """``batch`` with images of its own: the encode of a stream that hands out Batches."""
-    return dataclasses.replace(batch, images=np.array(batch.images))
+    images = batch.images  # a payload of named outputs is copied by being made an array
+    return dataclasses.replace(
+        batch, images=np.asarray(images) if isinstance(images, Payload) else np.array(images)
+    )
 
 
 def share_batches(plan: Plan) -> range:

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from batchwire.common.outputs import TEXT_SEPARATOR, none_of
+from batchwire.common.outputs import TEXT_SEPARATOR, Payload, none_of
 from batchwire.server.data.records import Records
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -74,7 +74,7 @@ class Result:
 
     seq: int
     ids: np.ndarray
-    images: np.ndarray
+    images: np.ndarray | Payload
     labels: np.ndarray
     skipped: tuple[int, ...]
     outputs: tuple[pb.Tensor, ...] = ()
@@ -82,7 +82,7 @@ class Result:
 
 def keep(result: Result) -> Result:
     """``result`` with images that own their memory: a job's ``finish`` by default."""
-    if result.images.flags.owndata:
+    if isinstance(result.images, np.ndarray) and result.images.flags.owndata:
         return result
     return dataclasses.replace(result, images=np.array(result.images))
 

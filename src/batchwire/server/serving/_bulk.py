@@ -39,6 +39,7 @@ from collections.abc import Callable
 import numpy as np
 
 from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, KEY_BYTES, receive_into
+from batchwire.common.outputs import fill
 from batchwire.common.shared_memory import warn_once
 from batchwire.server.engine import Batch
 from batchwire.server.errors import ConnectionLost
@@ -101,7 +102,7 @@ class BulkLink:
         if not self.claimed or not images.nbytes:
             return None
         data = self._buffer(images.nbytes)
-        np.copyto(data.view(images.dtype).reshape(images.shape), images)
+        fill(data, images)
         return encode_elsewhere(batch, bulk=data)
 
     def _buffer(self, nbytes: int) -> np.ndarray:

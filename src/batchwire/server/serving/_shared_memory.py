@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from batchwire.common.outputs import fill
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
@@ -251,8 +252,8 @@ class SharedRing:
         assert self._memory is not None
         offset = buffer * self._buffer_bytes
         try:
-            target = np.frombuffer(self._memory, images.dtype, images.size, offset)
-            np.copyto(target.reshape(images.shape), images)
+            target = np.frombuffer(self._memory, np.uint8, images.nbytes, offset)
+            fill(target, images)
             del target
         finally:
             self._written()

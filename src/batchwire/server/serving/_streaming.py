@@ -68,17 +68,18 @@ class EncodedBatch:
 def encode_parts(batch: Batch, max_message_bytes: int) -> EncodedBatch:
     """Batch message bytes, split into parts of at most ``max_message_bytes`` of
     images each (at least one sample per part); each image byte is copied once."""
-    total = len(batch.ids)
-    per_sample = max(1, batch.images[:1].nbytes)
-    # A batch of named outputs is one payload: one part (Batch.outputs).
-    step = total if batch.outputs else max(1, max_message_bytes // per_sample)
-    parts = max(1, -(-total // max(1, step)))
-    messages = []
-    for part in range(parts):
-        lo, hi = part * step, min(total, (part + 1) * step)
-        header = batch_header(batch, slice(lo, hi), part, parts)
-        images = batch.images if batch.outputs else batch.images[lo:hi]
-        messages.append(encode_batch(header, images, "" if batch.outputs else batch.layout))
+    total, images = len(batch.ids), batch.images
+    if not isinstance(images, np.ndarray):  # named outputs' payload: one part (Batch.outputs)
+        header = batch_header(batch, slice(None), 0, 1)
+        messages = [encode_batch(header, images, "")]
+    else:
+        step = max(1, max_message_bytes // max(1, images[:1].nbytes))
+        parts = max(1, -(-total // step))
+        messages = []
+        for part in range(parts):
+            lo, hi = part * step, min(total, (part + 1) * step)
+            header = batch_header(batch, slice(lo, hi), part, parts)
+            messages.append(encode_batch(header, images[lo:hi], batch.layout))
     return EncodedBatch(
         messages,
         total,
