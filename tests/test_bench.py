@@ -80,6 +80,11 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "stratified/one dataset images/s",
         "no-decode: per-source batches -> RL",
         "per-source/one dataset images/s",
+        "multicrop: DALI's own in-process",
+        "multicrop remote/DALI images/s",
+        "detection: DALI's own (COCO reader)",
+        "detection server/DALI CPU",
+        "bytes per image",
     ):
         assert label in out
     summary = json.loads(result.read_text())["summary"]
@@ -99,6 +104,10 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "remote-mixture",
         "remote-stratified",
         "remote-per-source",
+        "dali-multicrop",
+        "remote-multicrop",
+        "dali-detection",
+        "remote-detection",
     }
     for name, row in summary.items():
         # CPU figures are measured, not tested: tiny runs fall within a clock tick.

@@ -43,6 +43,12 @@ preset = "train"
 [pipelines.val]
 preset = "val"
 
+[pipelines.multicrop]
+preset = "multicrop"
+
+[pipelines.detection]
+preset = "detection"
+
 [pipelines.nodecode]
 function = "batchwire.bench._dali:no_decode"
 description = "a record's bytes cut or padded to one size x size x 3 image: no decoding"
@@ -86,11 +92,13 @@ def run_dali(
     device: str = "auto",
     num_threads: int = 0,
     hw_decoder_load: float | None = None,
+    coco: pathlib.Path | None = None,
 ) -> RunResult:
-    """``images`` images of ``pipeline``'s graph fed by DALI's caffe reader in this process,
-    iterated with DALI's PyTorch iterator (outputs left on the device they are made on).
-    Threads as the server gives a pipeline (``num_threads`` 0: its default), and the
-    server's ``hw_decoder_load`` unless given."""
+    """``images`` images of ``pipeline``'s graph fed by DALI's caffe reader in this process
+    (or, with ``coco``, an ``instances.json`` beside its ``images/``, by DALI's COCO reader,
+    as a DALI user reads a detection dataset), iterated with DALI's PyTorch iterator
+    (outputs left on the device they are made on). Threads as the server gives a pipeline
+    (``num_threads`` 0: its default), and the server's ``hw_decoder_load`` unless given."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     from batchwire.server.engine import visible_gpu_count
@@ -98,12 +106,15 @@ def run_dali(
     gpu = device == "gpu" or (device == "auto" and visible_gpu_count() > 0)
     with RssSampler(os.getpid()) as rss:
         started = time.perf_counter()
-        pipe = _caffe_pipeline(
-            dataset_dir, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
-        )
+        if coco is not None:
+            pipe, names = _coco_pipeline(coco, pipeline, params, batch_size, gpu, num_threads)
+        else:
+            pipe, names = _caffe_pipeline(
+                dataset_dir, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
+            )
         batches = DALIGenericIterator(
             [pipe],
-            ["images", "labels"],
+            names,
             reader_name="Reader",
             last_batch_policy=LastBatchPolicy.DROP,
             auto_reset=True,
@@ -113,7 +124,7 @@ def run_dali(
         measured_from = time.perf_counter()
         while done < images:
             for batch in batches:
-                done += int(batch[0]["images"].shape[0])
+                done += int(batch[0]["labels"].shape[0])
                 first = first or time.perf_counter() - started
                 if done >= images:
                     break
@@ -134,30 +145,79 @@ def _caffe_pipeline(
     gpu: bool,
     num_threads: int,
     hw_decoder_load: float | None,
-) -> Any:
+) -> tuple[Any, list[str]]:
     """A built DALI pipeline: the caffe reader over the dataset's shards (shuffled), then
-    ``pipeline``'s graph as the server builds it."""
-    from nvidia.dali import Pipeline, fn
+    ``pipeline``'s graph as the server builds it; and its outputs' names."""
+    from nvidia.dali import fn
 
     from batchwire.server import ServerConfig
     from batchwire.server.data import Manifest
-    from batchwire.server.engine import pipeline_threads, usable_cpus
     from batchwire.server.pipelines import BuildContext, OutputSpec
 
     spec = pipeline_spec(pipeline)
     load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
     ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
     shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]
-    pipe = Pipeline(
+    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
+    with pipe:
+        encoded, labels = fn.readers.caffe(path=shards, random_shuffle=True, name="Reader")
+        made = spec.function(encoded, labels, ctx, spec.resolve(params))
+        names = [o.name for o in spec.outputs] or ["images"]
+        outputs = [made[name] for name in names] if spec.outputs else [made[0]]
+        pipe.set_outputs(*outputs, labels)
+    pipe.build()
+    return pipe, [*names, "labels"]
+
+
+def _coco_pipeline(
+    coco: pathlib.Path,
+    pipeline: str,
+    params: Mapping[str, float] | None,
+    batch_size: int,
+    gpu: bool,
+    num_threads: int,
+) -> tuple[Any, list[str]]:
+    """A built DALI pipeline: DALI's COCO reader over ``coco`` (boxes as absolute
+    ``ltrb``, shuffled), then ``pipeline``'s graph as the server builds it, its ragged
+    outputs padded to the batch's longest (as DALI's iterator takes them)."""
+    from nvidia.dali import fn
+
+    from batchwire.server.pipelines import BuildContext, OutputSpec
+
+    spec = pipeline_spec(pipeline)
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec())
+    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
+    with pipe:
+        encoded, boxes, classes = fn.readers.coco(
+            file_root=str(coco.parent / "images"),
+            annotations_file=str(coco),
+            ltrb=True,
+            random_shuffle=True,
+            name="Reader",
+        )
+        made = spec.function(
+            encoded, classes, ctx, spec.resolve(params), {"boxes": boxes, "labels": classes}
+        )
+        names = [o.name for o in spec.outputs]
+        outputs = [
+            fn.pad(made[o.name], fill_value=-1) if o.kind == "ragged" else made[o.name]
+            for o in spec.outputs
+        ]
+        pipe.set_outputs(*outputs)
+    pipe.build()
+    # "labels": the boxes' classes, one list a sample: the samples are counted by it.
+    return pipe, names
+
+
+def _pipeline(batch_size: int, gpu: bool, num_threads: int, device: str) -> Any:
+    from nvidia.dali import Pipeline
+
+    from batchwire.server.engine import pipeline_threads, usable_cpus
+
+    return Pipeline(
         batch_size=batch_size,
-        num_threads=pipeline_threads(num_threads, ctx.device, 1, usable_cpus()),
+        num_threads=pipeline_threads(num_threads, device, 1, usable_cpus()),
         device_id=0 if gpu else None,
         prefetch_queue_depth=2,
         seed=int(time.time() * 1000) % (1 << 31),
     )
-    with pipe:
-        encoded, labels = fn.readers.caffe(path=shards, random_shuffle=True, name="Reader")
-        out, labels = spec.function(encoded, labels, ctx, spec.resolve(params))
-        pipe.set_outputs(out, labels)
-    pipe.build()
-    return pipe

@@ -28,7 +28,28 @@ LABELS = {
     "remote-mixture": "no-decode: a mixture -> RemoteLoader",
     "remote-stratified": "no-decode: stratified batches -> RL",
     "remote-per-source": "no-decode: per-source batches -> RL",
+    "dali-multicrop": "multicrop: DALI's own in-process",
+    "remote-multicrop": "multicrop: server -> RemoteLoader",
+    "dali-detection": "detection: DALI's own (COCO reader)",
+    "remote-detection": "detection: server -> RemoteLoader",
 }
+
+
+def _against_dali(
+    preset: str,
+) -> tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...]:
+    """A preset's two targets against DALI's own pipeline of the same graph in process: at
+    least 0.9 of its images/s, at most 1.2 times its CPU per image (the server's)."""
+    remote, dali = f"remote-{preset}", f"dali-{preset}"
+    return (
+        (f"{preset} remote/DALI images/s", lambda m: _rate(m, remote) / _rate(m, dali), 0.9, True),
+        (
+            f"{preset} server/DALI CPU",
+            lambda m: m[remote]["server_cpu_per_1000"] / m[dali]["trainer_cpu_per_1000"],
+            1.2,
+            False,
+        ),
+    )
 
 
 def _rate(m: dict[str, Any], name: str) -> float:
@@ -88,6 +109,8 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
             ("per-source", "remote-per-source"),
         )
     ),
+    *_against_dali("multicrop"),
+    *_against_dali("detection"),
 )
 
 
@@ -113,6 +136,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
             "trainer_peak_rss_mib": max(r.trainer_rss_mib for r in runs),
             "server_peak_rss_mib": _median([r.server_rss_mib for r in runs]),
             "first_batch_s": _median([r.first_batch_seconds for r in runs]),
+            "bytes_per_image": _median([r.bytes_per_image for r in runs]),
         }
     return summary
 
@@ -152,6 +176,10 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             f"{_fmt(row['trainer_peak_rss_mib'], '12.0f')} {_fmt(row['server_peak_rss_mib'], '11.0f')}"
         )
     lines.append("")
+    for name in ("remote-multicrop", "remote-detection"):
+        if summary.get(name, {}).get("bytes_per_image"):
+            per_image = summary[name]["bytes_per_image"]
+            lines.append(f"{LABELS[name]}: {per_image:,.0f} bytes per image, as the loop takes it")
     for name, value, target, meets in ratios(summary):
         verdict = "-" if value is None else ("meets" if meets else "MISSES")
         lines.append(f"{name:<32} {_fmt(value, '8.2f')}   target {target:<7}  {verdict}")

@@ -48,6 +48,7 @@ __all__ = [
     "RunResult",
     "ServerStartError",
     "add_run_arguments",
+    "bench_coco",
     "bench_dataset",
     "cache_dir",
     "machine",
@@ -106,6 +107,23 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="generated photos (default 4096, so that a run is one epoch, not several short ones)",
     )
+
+
+def bench_coco(images: int, *, progress: bool = True) -> tuple[pathlib.Path, pathlib.Path, str]:
+    """A generated detection dataset of ``images`` pictures (``write_coco_boxes``, 320x240),
+    built once in :func:`cache_dir`: its COCO ``instances.json`` (beside ``images/``), which
+    DALI's COCO reader reads, and the data directory and name of its ingested dataset, which
+    a server serves."""
+    from batchwire.server.data import ingest, write_coco_boxes
+
+    name = f"coco-{images}"
+    root = cache_dir() / "coco" / name
+    data_dir = cache_dir() / "datasets"
+    if not (data_dir / name / "manifest.json").is_file():
+        print(f"generating {images} COCO pictures into {root}, once", file=sys.stderr, flush=True)
+        coco = write_coco_boxes(root, count=images, size=(320, 240))
+        ingest(coco, data_dir, name=name, images=root / "images", overwrite=True, progress=progress)
+    return root / "instances.json", data_dir, name
 
 
 def bench_dataset(
@@ -185,6 +203,9 @@ class RunResult:
     trainer_rss_mib: float
     server_rss_mib: float | None
     first_batch_seconds: float | None = None
+    # Bytes of a batch as the loop takes it, per image (a RemoteLoader's runs, served as
+    # uint8: images, labels, and the outputs of a pipeline of several).
+    bytes_per_image: float | None = None
 
     @property
     def images_per_second(self) -> float:
@@ -399,20 +420,46 @@ def run_remote(
     loader.set_epoch(random.randrange(1 << 20))
     server_clocks = [CpuClock(pid) for pid in server_pids]
     cpu = CpuClock()
-    done, first = 0, None
+    done, first, received = 0, None, 0
     with RssSampler(os.getpid(), *server_pids) as rss:
         started = time.perf_counter()
         while done < images:
-            for batch, _ in loader:
-                done += len(batch)
+            for batch in loader:
+                # A batch's second part has an entry a sample: its labels, or its targets
+                # or captions (a pipeline of several outputs).
+                done += len(batch[1])
+                received += _nbytes(batch)
                 first = first or time.perf_counter() - started
                 if progress is not None:
-                    progress(len(batch))
+                    progress(len(batch[1]))
                 if done >= images:
                     break
         seconds = time.perf_counter() - started
     loader.close()
     server_cpu = sum(clock.seconds() for clock in server_clocks)
     return RunResult(
-        name, done, seconds, cpu.seconds(), server_cpu, rss.peaks[0], sum(rss.peaks[1:]), first
+        name,
+        done,
+        seconds,
+        cpu.seconds(),
+        server_cpu,
+        rss.peaks[0],
+        sum(rss.peaks[1:]),
+        first,
+        received / max(done, 1),
     )
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of a batch as the loop takes it: its tensors, however nested, and texts."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0

@@ -18,8 +18,10 @@
   (records cut to one image, no decoding), socket (the same from a server without shared
   memory: a trainer on another host's path) and small (48-pixel JPEGs), each beside DALI's
   own pipeline, and mixture: a mixture of two datasets (the same records under two names)
-  beside one of them, both without decoding, so that what mixing costs shows. It prints
-  the ratios against their targets. Without --data-dir it builds
+  beside one of them, both without decoding, so that what mixing costs shows; and the
+  presets of several outputs, each beside DALI's own pipeline of the same graph: multicrop
+  (DINO's ten views of each photo) and detection (generated COCO pictures, DALI's COCO
+  reader for DALI's own). It prints the ratios against their targets. Without --data-dir it builds
   generated ImageNet-sized photos once in the cache (~/.cache/batchwire/bench).
 
 More benchmarks (message sizes, scaling, many streams, profiles) run from a checkout of
@@ -234,6 +236,8 @@ _RUNS = (
     "socket",
     "small",
     "mixture",
+    "multicrop",
+    "detection",
 )
 # A stand-in is two measured runs: DALI's own pipeline in-process and the server's; the
 # mixture, one dataset and a mixture (batched at random, stratified and per source) through
@@ -243,6 +247,8 @@ _PAIRS = {
     "socket": ("dali-nodecode", "remote-socket"),
     "small": ("dali-small", "remote-small"),
     "mixture": ("remote-one", "remote-mixture", "remote-stratified", "remote-per-source"),
+    "multicrop": ("dali-multicrop", "remote-multicrop"),
+    "detection": ("dali-detection", "remote-detection"),
 }
 
 
@@ -254,6 +260,7 @@ def _compare(args: argparse.Namespace) -> int:
         NO_DECODE_TOML,
         SMALL_PHOTO,
         LocalServer,
+        bench_coco,
         bench_dataset,
         raw_server,
         transport_server,
@@ -302,7 +309,15 @@ def _compare(args: argparse.Namespace) -> int:
                 (mixed / name).symlink_to((data_dir / dataset).resolve(), target_is_directory=True)
             mixed_server = stack.enter_context(LocalServer(mixed, work, pipelines=NO_DECODE_TOML))
             servers["mixture"] = (mixed_server.address, mixed_server.pid)
-        runs = _compare_runs(args, data_dir / dataset, small_dir / small, servers, transport, raw)
+        coco = None
+        if "detection" in wanted:
+            coco, coco_dir, coco_name = bench_coco(args.photos, progress=show)
+            coco_server = stack.enter_context(LocalServer(coco_dir, work, pipelines=NO_DECODE_TOML))
+            servers["detection"] = (coco_server.address, coco_server.pid)
+            servers["detection-dataset"] = (coco_name, 0)
+        runs = _compare_runs(
+            args, data_dir / dataset, small_dir / small, servers, transport, raw, coco
+        )
         chosen = [run for name in _RUNS if name in wanted for run in _PAIRS.get(name, (name,))]
         results = _alternate({run: runs[run] for run in chosen}, args.repeats)
     _report_compare(args, results)
@@ -311,6 +326,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 # The mixture run's two datasets, and how it mixes them.
 _MIXED = ("first", "second")
+# The presets' sizes in their runs: DINO's 224 and 96 pixel views, SSD's 320 (the detection
+# run's pictures are --photos generated COCO pictures).
+_MULTICROP = {"global_size": 224.0, "local_size": 96.0}
+_DETECTION = {"size": 320.0}
 
 
 def _per_message(batch_size: int) -> int:
@@ -328,6 +347,7 @@ def _compare_runs(
     servers: dict[str, tuple[str, int]],
     transport: tuple[str, int],
     raw: tuple[str, int],
+    coco: pathlib.Path | None = None,
 ) -> dict[str, Callable[[], RunResult]]:
     """Each run as a function that measures one run of it; servers as (address, pid)."""
     from batchwire.bench import (
@@ -386,6 +406,23 @@ def _compare_runs(
         ),
         "remote-per-source": lambda: remote(
             "remote-per-source", servers["mixture"], per_source, "nodecode", standin
+        ),
+        "dali-multicrop": lambda: run_dali(
+            "dali-multicrop", dataset_dir, "multicrop", batch, images, params=_MULTICROP
+        ),
+        "remote-multicrop": lambda: remote(
+            "remote-multicrop", servers[""], dataset, "multicrop", images, params=_MULTICROP
+        ),
+        "dali-detection": lambda: run_dali(
+            "dali-detection", dataset_dir, "detection", batch, images, params=_DETECTION, coco=coco
+        ),
+        "remote-detection": lambda: remote(
+            "remote-detection",
+            servers["detection"],
+            servers["detection-dataset"][0],
+            "detection",
+            images,
+            params=_DETECTION,
         ),
     }
 
