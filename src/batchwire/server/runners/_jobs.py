@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -117,11 +117,12 @@ def read_job(
     screened by the record path (:meth:`Dataset.read_screened`), with the fields
     ``inputs`` names (name, kind) where the pipeline takes some; the rest in
     ``Job.skipped`` (also a sample whose field is missing or malformed)."""
-    kept, images, labels, skipped = dataset.read_screened(ids)
+    if not inputs:
+        kept, images, labels, skipped = dataset.read_screened(ids)
+        return Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)
+    kept, images, labels, skipped, values = dataset.read_screened_fields(ids)
     job: Job[Any] = Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)
-    if not inputs or not len(kept):
-        return job
-    arrays, bad = field_arrays(dataset, kept, inputs)
+    arrays, bad = field_arrays(dataset.name, kept, values, inputs)
     keep = [i for i in range(len(kept)) if i not in bad]
     job = job.only(keep, [int(kept[i]) for i in sorted(bad)])
     return dataclasses.replace(
@@ -130,20 +131,15 @@ def read_job(
 
 
 def field_arrays(
-    dataset: Records, ids: np.ndarray, inputs: Sequence[tuple[str, str]]
+    dataset: str,
+    ids: np.ndarray,
+    values: Sequence[Mapping[str, object]],
+    inputs: Sequence[tuple[str, str]],
 ) -> tuple[list[list[np.ndarray]], set[int]]:
-    """Each sample's ``inputs`` fields as the arrays DALI takes (int64, float32, or the
-    bytes of a text, several joined by ``TEXT_SEPARATOR``, or of an encoded image), and the
-    positions of the samples whose field is missing or malformed (logged, one line each)."""
-    try:
-        values = dataset.fields(ids)
-    except ValueError:  # a record's fields damaged on disk: find which, sample by sample
-        values = []
-        for sample in ids.tolist():
-            try:
-                values += dataset.fields([sample])
-            except ValueError:
-                values.append({})
+    """Each sample's ``inputs`` fields (of ``values``, the samples' fields as the record
+    path read them) as the arrays DALI takes (int64, float32, or the bytes of a text,
+    several joined by ``TEXT_SEPARATOR``, or of an encoded image), and the positions of the
+    samples whose field is missing or malformed (logged, one line each)."""
     arrays: list[list[np.ndarray]] = []
     bad: set[int] = set()
     for position, (sample, fields) in enumerate(zip(ids.tolist(), values, strict=True)):
@@ -154,7 +150,7 @@ def field_arrays(
                 log.warning(
                     "sample %d of %s: field %r is missing or not %s; skipping it",
                     sample,
-                    dataset.name,
+                    dataset,
                     name,
                     kind,
                 )

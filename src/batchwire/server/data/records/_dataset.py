@@ -272,18 +272,7 @@ class Dataset:
         them at once (:func:`advise`) before the first is waited for, so that a batch's
         misses cost about one disk latency, not one each.
         """
-        ids = np.asarray(ids, dtype=np.int64)
-        records = self._records(ids)
-        images: list[np.ndarray | None] = []
-        labels = np.full(len(ids), -1, dtype=np.int64)
-        for i, record in enumerate(records):
-            found = datum_image(record)
-            if found is None:
-                images.append(None)
-                continue
-            start, end, labels[i] = found
-            images.append(np.frombuffer(record[start:end], dtype=np.uint8))
-        return images, labels
+        return _images(self._records(np.asarray(ids, dtype=np.int64)))
 
     def fields(self, ids: Sequence[int] | np.ndarray) -> list[dict[str, FieldValue]]:
         """The named fields of the records of ``ids``, in order: name → value as
@@ -334,8 +323,22 @@ class Dataset:
         images and labels, in order, and the ids left out. This is the server's whole
         record path. Records that are missing, not a ``Datum`` or not a decodable image
         are left out and logged."""
-        ids = np.asarray(ids, dtype=np.int64)
-        images, labels = self.read(ids)
+        kept, images, labels, skipped, _ = self._read_screened(np.asarray(ids, np.int64), False)
+        return kept, images, labels, skipped
+
+    def read_screened_fields(
+        self, ids: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
+        """:meth:`read_screened`, and each kept record's fields (:meth:`fields`) parsed from
+        the same read: empty for a record whose fields are damaged (whoever needs them
+        skips that sample)."""
+        return self._read_screened(np.asarray(ids, np.int64), True)
+
+    def _read_screened(
+        self, ids: np.ndarray, with_fields: bool
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
+        records = self._records(ids)
+        images, labels = _images(records)
         found = [i for i, image in enumerate(images) if image is not None]
         present = [image for image in images if image is not None]
         screened = iter(self.screened.reasons(ids[found], present))
@@ -349,7 +352,9 @@ class Dataset:
                 continue
             skipped.append(int(ids[i]))
             log.warning("dataset %r: skipping sample %d: %s", self.name, ids[i], reason)
-        return ids[good], [images[i] for i in good], labels[good], skipped  # type: ignore[misc]
+        fields = [_fields_or_none(records[i]) for i in good] if with_fields else []
+        kept_images = [images[i] for i in good]
+        return ids[good], kept_images, labels[good], skipped, fields  # type: ignore[return-value]
 
     def _check_index(self, shard: int) -> None:
         """Forget ``shard``'s index where the shard was written since it was made (its
@@ -488,3 +493,26 @@ def _pread_rest(fd: int, buffer: memoryview, offset: int) -> int:
             break
         got += read
     return got
+
+
+def _images(records: list[memoryview]) -> tuple[list[np.ndarray | None], np.ndarray]:
+    """Each record's encoded image, a view of its bytes (None where it is not a Datum),
+    and labels (-1 there)."""
+    images: list[np.ndarray | None] = []
+    labels = np.full(len(records), -1, dtype=np.int64)
+    for i, record in enumerate(records):
+        found = datum_image(record)
+        if found is None:
+            images.append(None)
+            continue
+        start, end, labels[i] = found
+        images.append(np.frombuffer(record[start:end], dtype=np.uint8))
+    return images, labels
+
+
+def _fields_or_none(record: memoryview) -> dict[str, FieldValue]:
+    """A record's fields; none where they are damaged (a malformed Fields message)."""
+    try:
+        return decode_fields(record)
+    except ValueError:
+        return {}

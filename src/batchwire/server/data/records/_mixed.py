@@ -42,7 +42,11 @@ class Records(Protocol):
 
     def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]: ...
 
-    def fields(self, ids: Sequence[int] | np.ndarray) -> list[dict[str, FieldValue]]: ...
+    def read_screened_fields(
+        self, ids: np.ndarray
+    ) -> tuple[
+        np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]
+    ]: ...
 
 
 class MixedDataset:
@@ -78,24 +82,24 @@ class MixedDataset:
             spans += self.sources[source].locate(local[sources == source])
         return spans
 
-    def fields(self, ids: Sequence[int] | np.ndarray) -> list[dict[str, FieldValue]]:
-        """:meth:`Dataset.fields` of mixed ids, in their order."""
-        sources, local = split_ids(np.asarray(ids, dtype=np.int64), self.sizes)
-        found: list[dict[str, FieldValue]] = [{} for _ in range(len(local))]
-        for source in np.unique(sources).tolist():
-            positions = np.flatnonzero(sources == source)
-            for position, values in zip(
-                positions.tolist(), self.sources[source].fields(local[positions]), strict=True
-            ):
-                found[position] = values
-        return found
-
     def read_screened(
         self, ids: np.ndarray
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int]]:
         """:meth:`Dataset.read_screened` of a batch of mixed ids: the mixed ids that may
         reach a decoder, their encoded images and labels (each in its source's classes),
         in the batch's order, and the mixed ids left out."""
+        kept, images, labels, skipped, _ = self._read_screened(ids, False)
+        return kept, images, labels, skipped
+
+    def read_screened_fields(
+        self, ids: np.ndarray
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
+        """:meth:`read_screened`, and each kept record's fields (``Dataset.fields``)."""
+        return self._read_screened(ids, True)
+
+    def _read_screened(
+        self, ids: np.ndarray, with_fields: bool
+    ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
         ids = np.asarray(ids, dtype=np.int64)
         sources, local = split_ids(ids, self.sizes)
         # Each record asked for is kept or left out by its source: where the kept ones lie
@@ -104,24 +108,32 @@ class MixedDataset:
         position_of_kept: list[np.ndarray] = []
         images: list[np.ndarray] = []
         labels: list[np.ndarray] = []
+        fields: list[dict[str, FieldValue]] = []
         for source in range(len(self.sources)):
             positions = np.flatnonzero(sources == source)
             if not len(positions):
                 continue
-            found_ids, found, found_labels, _ = self.sources[source].read_screened(local[positions])
+            dataset = self.sources[source]
+            found_ids, found, found_labels, _, found_fields = (
+                dataset.read_screened_fields(local[positions])
+                if with_fields
+                else (*dataset.read_screened(local[positions]), [])
+            )
             position_of_kept.append(positions[_kept_positions(local[positions], found_ids)])
             images += found
             labels.append(found_labels)
+            fields += found_fields
         if not position_of_kept:
-            return ids[:0], [], np.zeros(0, dtype=np.int64), []
+            return ids[:0], [], np.zeros(0, dtype=np.int64), [], []
         kept_positions = np.concatenate(position_of_kept)
-        order = np.argsort(kept_positions, kind="stable")
+        order = np.argsort(kept_positions, kind="stable").tolist()
         kept[kept_positions] = True
         return (
             ids[kept],
-            [images[i] for i in order.tolist()],
+            [images[i] for i in order],
             np.concatenate(labels)[order],
             ids[~kept].tolist(),
+            [fields[i] for i in order] if with_fields else [],
         )
 
 
