@@ -6,8 +6,8 @@ directory of its own that holds what its text assumes:
 
 * ``my-images/``: a folder of images in class subfolders (generated JPEGs), and the
   checkout's ``examples/``;
-* for docs/ pages, ``datasets/pets`` ingested from it (and ``boxes`` and ``captions``, of
-  generated COCO files) and a real ``batchwire serve`` process serving ``datasets/`` (CPU
+* for docs/ pages, ``datasets/pets`` ingested from it (and ``boxes``, ``masked`` and
+  ``captions``, of generated COCO files) and a real ``batchwire serve`` process serving ``datasets/`` (CPU
   DALI), which the pages call ``localhost:50051``; README's quick
   starts ingest and serve for themselves;
 * for the security page, a CA, server and client certificates and a token file.
@@ -179,8 +179,9 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def served(
     tmp_path_factory: pytest.TempPathFactory, images: pathlib.Path
 ) -> Iterator[tuple[pathlib.Path, str]]:
-    """``datasets/pets``, ``datasets/boxes`` and ``datasets/captions`` (COCO instances and
-    captions of ``write_coco_boxes``' pictures, as docs/datasets.md ingests them) and a
+    """``datasets/pets``, ``datasets/boxes``, ``datasets/masked`` and ``datasets/captions``
+    (COCO instances, with masks, and captions of ``write_coco_boxes``' pictures, as
+    docs/datasets.md ingests them) and a
     `batchwire serve` process serving them: docs' localhost:50051."""
     root = tmp_path_factory.mktemp("served")
     coco = write_coco_boxes(root / "coco-demo", count=16)
@@ -188,6 +189,7 @@ def served(
     commands = [
         ["ingest", str(images), datasets, "--name", "pets"],
         ["ingest", str(coco), datasets, "--name", "boxes", *pictures],
+        ["ingest", str(coco), datasets, "--name", "masked", *pictures, "--masks"],
         ["ingest", str(coco.parent / "captions.json"), datasets, "--name", "captions", *pictures],
     ]
     for command in commands:

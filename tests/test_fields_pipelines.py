@@ -21,8 +21,10 @@ from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
 from batchwire.server.data import (
+    BACKGROUND,
     BOX_COLOURS,
     Dataset,
+    IngestError,
     Manifest,
     encode_fields,
     ingest,
@@ -46,6 +48,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("data")
     ingest(coco, root, name="boxes", images=coco.parent / "images", shard_size=16)
     ingest(coco.parent / "captions.json", root, name="captions", images=coco.parent / "images")
+    ingest(coco, root, name="masked", images=coco.parent / "images", masks=True)
     plain = tmp_path_factory.mktemp("plain")
     write_image_folders(plain, per_class=PLAIN // 4, size=48, seed=1)
     ingest(plain, root, name="plain")
@@ -241,3 +244,47 @@ def test_a_mixture_of_a_classification_and_a_detection_source(server: BatchwireS
                 assert images.shape[2:] == (32, 32) and second.dtype == torch.int64
             seen[source] += local.tolist()
     assert sorted(seen[0]) == list(range(IMAGES)) and sorted(seen[1]) == list(range(PLAIN))
+
+
+def test_masks_follow_their_images_pixel_for_pixel(
+    server: BatchwireServer, data_dir: pathlib.Path
+) -> None:
+    """segmentation crops, resizes and flips each image and its mask together: inside
+    every region of one colour (away from its edges, which resizing blends), the mask is
+    1 + the class of that colour, and 0 on the grey background."""
+    colour_of = colours(Manifest.load(data_dir / "masked"))
+    checked = 0
+    with RemoteLoader(
+        server.target,
+        dataset="masked",
+        pipeline="segmentation",
+        batch_size=BATCH,
+        normalize=False,
+        params={"size": 64},
+        seed=4,
+    ) as loader:
+        for images, masks in loader:
+            assert images.shape == (len(masks), 3, 64, 64) and masks.shape == (len(masks), 64, 64)
+            assert masks.dtype == torch.int64
+            for image, mask in zip(images.numpy(), masks.numpy(), strict=True):
+                pixels = image.transpose(1, 2, 0).astype(np.float32)
+                expected = np.full(mask.shape, -1)
+                for label, colour in enumerate([np.array(BACKGROUND, np.float32), *colour_of]):
+                    expected[np.abs(pixels - colour).max(axis=2) < 8] = label
+                # Pixels whose 3x3 neighbourhood is of one class in the mask: not an edge.
+                padded = np.pad(mask, 1, mode="edge")
+                uniform = np.ones(mask.shape, bool)
+                for dy in range(3):
+                    for dx in range(3):
+                        uniform &= padded[dy : dy + 64, dx : dx + 64] == mask
+                inside = uniform & (expected >= 0)
+                assert (mask[inside] == expected[inside]).mean() > 0.99
+                checked += int(inside.sum())
+    assert checked > IMAGES * 64 * 64 // 2
+
+
+def test_ingest_masks_only_from_coco_instances(tmp_path: pathlib.Path) -> None:
+    plain = tmp_path / "plain"
+    write_image_folders(plain, per_class=2, size=32, seed=1)
+    with pytest.raises(IngestError, match="--masks is for COCO"):
+        ingest(plain, tmp_path / "out", name="x", masks=True)

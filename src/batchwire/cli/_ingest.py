@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the manifest's folder)",
     )
     parser.add_argument(
+        "--masks",
+        action="store_true",
+        help="COCO instances: each image's segmentations as a mask field (a PNG, each pixel "
+        "1 + its class, 0 the background), for the segmentation pipeline",
+    )
+    parser.add_argument(
         "--shard-size", type=int, default=None, metavar="N", help="samples per shard (10000)"
     )
     parser.add_argument(
@@ -90,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             file_list=args.file_list,
             source_format=args.format,
             images=args.images,
+            masks=args.masks,
             shard_size=DEFAULT_SHARD_SIZE if args.shard_size is None else args.shard_size,
             overwrite=args.overwrite,
             num_threads=args.threads,

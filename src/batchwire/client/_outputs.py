@@ -72,7 +72,8 @@ def arrange(
     """What the loop yields: ``(views, labels)`` for the "views" form (the image outputs in
     the pipeline's order); ``(images, targets)`` for "detection", a target a sample as
     torchvision's detection models take them (``{"boxes": [n, 4] float32 left, top, right,
-    bottom pixels, "labels": [n] int64}``); ``(images, captions)`` for "captions" (a
+    bottom pixels, "labels": [n] int64}``); ``(images, masks)`` for "segmentation" (int64
+    ``[B, H, W]``, a pixel 1 + its class, 0 the background); ``(images, captions)`` for "captions" (a
     sample's caption, or its list of them); else ``(outputs, labels)``, a dict of every
     output by name."""
     if form == "views":
@@ -82,6 +83,8 @@ def arrange(
         assert isinstance(boxes, list) and isinstance(classes, list)
         targets = [{"boxes": b, "labels": c} for b, c in zip(boxes, classes, strict=True)]
         return named["images"], targets
+    if form == "segmentation":
+        return named["images"], named["mask"].long()
     if form == "captions":
         return named["images"], named["caption"]
     return dict(named), labels

@@ -1,10 +1,10 @@
 """The preset pipelines every server serves: ``train`` and ``val`` (classification),
-``multicrop`` (self-supervised views), ``detection`` and ``captions`` (samples with
-fields)."""
+``multicrop`` (self-supervised views), ``detection``, ``segmentation`` and ``captions``
+(samples with fields)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from batchwire.server.pipelines._spec import (
@@ -163,6 +163,34 @@ def _check_detection(p: Mapping[str, float]) -> None:
         raise ParamError("detection: aspect_min must not exceed aspect_max")
 
 
+def _segmentation(
+    encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float], fields: Any
+) -> dict[str, Any]:
+    """A random-resized crop of the image and its mask with one window, resized to
+    ``size`` square (the image smoothly, the mask to its nearest pixel, so that it keeps
+    its classes), and flipped together."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.types as types
+
+    anchor, window = fn.random_crop_generator(
+        fn.peek_image_shape(encoded),
+        random_area=[p["area_min"], p["area_max"]],
+        random_aspect_ratio=[p["aspect_min"], p["aspect_max"]],
+    )
+    images = fn.decoders.image(encoded, **ctx.decoder_args(), output_type=types.RGB)
+    masks = fn.decoders.image(fields["mask"], device="cpu", output_type=types.GRAY)
+    images = fn.slice(images, anchor, window, axis_names="HW")
+    masks = fn.slice(masks, anchor, window, axis_names="HW")
+    size = int(p["size"])
+    images = fn.resize(images, device=ctx.device, resize_x=size, resize_y=size, antialias=True)
+    masks = fn.resize(
+        masks, resize_x=size, resize_y=size, interp_type=types.INTERP_NN, antialias=False
+    )
+    flip = fn.random.coin_flip(probability=p["flip"])
+    masks = fn.flip(masks, horizontal=flip)
+    return {"images": ctx.finish(images, mirror=flip), "mask": fn.squeeze(masks, axes=[2])}
+
+
 def _captions(
     encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float], fields: Any
 ) -> dict[str, Any]:
@@ -172,11 +200,19 @@ def _captions(
     return {"images": images, "caption": fields["caption"]}
 
 
-def _check_train(p: Mapping[str, float]) -> None:
-    if p["area_min"] > p["area_max"]:
-        raise ParamError("train: area_min must not exceed area_max")
-    if p["aspect_min"] > p["aspect_max"]:
-        raise ParamError("train: aspect_min must not exceed aspect_max")
+def _crop_check(name: str) -> Callable[[Mapping[str, float]], None]:
+    """The check of a random-resized crop's bounds, for pipeline ``name``."""
+
+    def check(p: Mapping[str, float]) -> None:
+        if p["area_min"] > p["area_max"]:
+            raise ParamError(f"{name}: area_min must not exceed area_max")
+        if p["aspect_min"] > p["aspect_max"]:
+            raise ParamError(f"{name}: aspect_min must not exceed aspect_max")
+
+    return check
+
+
+_check_train = _crop_check("train")
 
 
 def _check_multicrop(p: Mapping[str, float]) -> None:
@@ -235,6 +271,26 @@ PRESETS: dict[str, PipelineSpec] = {
         outputs=_DETECTION_OUTPUTS,
         form="detection",
         inputs=_DETECTION_INPUTS,
+    ),
+    "segmentation": PipelineSpec(
+        name="segmentation",
+        function=_segmentation,
+        description=(
+            "a random-resized crop, resize to size and flip of each image and its mask "
+            "together; the client gets the masks as class maps"
+        ),
+        params={
+            "size": Param(default=512, low=8, high=2048, integer=True, help="output side"),
+            "area_min": Param(default=0.25, low=0.01, high=1.0, help="smallest crop area"),
+            "area_max": Param(default=1.0, low=0.01, high=1.0, help="largest crop area"),
+            "aspect_min": Param(default=3 / 4, low=0.1, high=10.0, help="smallest aspect"),
+            "aspect_max": Param(default=4 / 3, low=0.1, high=10.0, help="largest aspect"),
+            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+        },
+        check=_crop_check("segmentation"),
+        outputs=(Output(name="images"), Output(name="mask", kind="tensor")),
+        form="segmentation",
+        inputs=(Input(name="mask", kind="image"),),
     ),
     "captions": PipelineSpec(
         name="captions",

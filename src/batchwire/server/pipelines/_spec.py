@@ -151,12 +151,13 @@ PipelineFn = Callable[..., Any]
 # How a client hands the batches of a pipeline with named outputs to the loop: its image
 # outputs as a list (the views of self-supervised training) and the labels; the images and
 # a target a sample as torchvision's detection models take them (outputs images, boxes,
-# labels); the images and their captions (outputs images, caption); or a dict of every
-# output by name and the labels.
-FORMS = ("views", "detection", "captions", "named")
+# labels); the images and their masks (outputs images, mask); the images and their captions
+# (outputs images, caption); or a dict of every output by name and the labels.
+FORMS = ("views", "detection", "segmentation", "captions", "named")
 # The outputs each form arranges, by name and kind (the views form: image outputs alone).
 FORM_OUTPUTS = {
     "detection": {"images": "image", "boxes": "ragged", "labels": "ragged"},
+    "segmentation": {"images": "image", "mask": "tensor"},
     "captions": {"images": "image", "caption": "text"},
 }
 # A dataset field's kind (the manifest's schema) as a pipeline receives it: a DALI node of

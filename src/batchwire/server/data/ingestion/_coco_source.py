@@ -10,7 +10,9 @@ captions.
 - instances: ``boxes`` (float32 ``[n, 4]``, absolute pixel ``ltrb``: COCO's ``bbox``
   ``[x, y, w, h]`` becomes ``[x, y, x + w, y + h]``), ``labels`` (int64 ``[n]``, the
   category as a class index) and ``iscrowd`` (int64 ``[n]``), both along ``boxes``;
-- captions: ``caption`` (text ``[n]``).
+- captions: ``caption`` (text ``[n]``);
+- with ``masks``: ``mask`` (an image: a PNG of the image's size, each pixel 1 + the class
+  of the annotation covering it, 0 for none; ``_coco_masks``).
 
 Categories, sorted by id, are the classes ``0..K-1`` (their names), the COCO ids kept as
 the manifest's ``class_ids``. An image has no image-level label (``NO_LABEL``). An
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from batchwire.server.data.ingestion._batches import Rejected
+from batchwire.server.data.ingestion._coco_masks import MASK_FORMAT, CocoMask, segmentation_problem
 from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._sample_source import NO_LABEL, SampleSource, SourceSample
 from batchwire.server.data.records import BOX_FORMAT, CLASS_FORMAT, FieldSpec
@@ -47,6 +50,7 @@ _CAPTIONS = (
     FieldSpec(name="image_id", kind="int"),
     FieldSpec(name="caption", kind="text", shape=(-1,)),
 )
+_MASK = FieldSpec(name="mask", kind="image", format=MASK_FORMAT)
 
 
 def is_coco(body: object) -> bool:
@@ -58,8 +62,9 @@ def is_coco(body: object) -> bool:
     )
 
 
-def read_coco(path: pathlib.Path, images_dir: pathlib.Path) -> SampleSource:
-    """The samples of the COCO file ``path``, their images under ``images_dir``."""
+def read_coco(path: pathlib.Path, images_dir: pathlib.Path, *, masks: bool = False) -> SampleSource:
+    """The samples of the COCO file ``path``, their images under ``images_dir``; with
+    ``masks``, each instances sample's ``mask`` too (``_coco_masks``)."""
     body = _load(path)
     captions = "categories" not in body
     categories = [] if captions else _categories(body["categories"], path)
@@ -86,6 +91,9 @@ def read_coco(path: pathlib.Path, images_dir: pathlib.Path) -> SampleSource:
             fields, bad = _captions(annotations)
         else:
             fields, bad = _instances(annotations, label_of)
+            if masks:
+                fields["mask"], unpainted = _mask(annotations, label_of)
+                bad += unpainted
         rejected.extend(Rejected(file_name, reason, part=part) for part, reason in bad)
         samples.append(
             SourceSample(
@@ -98,7 +106,7 @@ def read_coco(path: pathlib.Path, images_dir: pathlib.Path) -> SampleSource:
     return SampleSource(
         classes=tuple(str(c.get("name", c["id"])) for c in categories),
         class_ids=tuple(label_of),
-        specs=_CAPTIONS if captions else _INSTANCES,
+        specs=_CAPTIONS if captions else (*_INSTANCES, *((_MASK,) if masks else ())),
         samples=tuple(samples),
         ignored=tuple(rejected),
     )
@@ -173,6 +181,24 @@ def _instances(
         "iscrowd": np.array(crowd, dtype=np.int64),
     }
     return fields, bad
+
+
+def _mask(
+    annotations: list[Mapping[str, Any]], label_of: dict[int, int]
+) -> tuple[CocoMask, list[tuple[str, str]]]:
+    """The image's mask, of its annotations whose segmentation can be rasterized (the
+    others reported: their boxes are kept)."""
+    painted, labels, bad = [], [], []
+    for annotation in annotations:
+        if annotation.get("category_id") not in label_of:
+            continue  # reported with its box
+        problem = segmentation_problem(annotation)
+        if problem is not None:
+            bad.append((f"annotation {_id(annotation)}", f"not in the mask: {problem}"))
+            continue
+        painted.append(annotation["segmentation"])
+        labels.append(label_of[annotation["category_id"]])
+    return CocoMask(painted, labels), bad
 
 
 def _captions(

@@ -159,12 +159,15 @@ def _batches(
 
 
 def _fields(item: _Item, image: Decoded, sources: _Source, tally: _Tally) -> dict[str, object]:
-    """The fields of ``item`` to store, its bad boxes dropped and reported."""
+    """The fields of ``item`` to store, its bad boxes dropped and reported; a field made
+    from the image's size (a callable: a COCO mask) made now."""
     if not isinstance(item, SourceSample) or not isinstance(sources, SampleSource):
         return {}
-    fields, dropped = check_boxes(
-        item.fields, sources.specs, width=image.width, height=image.height
-    )
+    values = {
+        name: value(image.width, image.height) if callable(value) else value
+        for name, value in item.fields.items()
+    }
+    fields, dropped = check_boxes(values, sources.specs, width=image.width, height=image.height)
     for part, reason in dropped:
         tally.reject(item, reason, part)
     return fields

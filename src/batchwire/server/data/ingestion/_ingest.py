@@ -93,6 +93,7 @@ def ingest(
     file_list: pathlib.Path | str | None = None,
     source_format: str | None = None,
     images: pathlib.Path | str | None = None,
+    masks: bool = False,
     shard_size: int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -107,7 +108,7 @@ def ingest(
     ``.tar``, or a folder of them or of ``key.ext`` files), recognised by its contents
     or extension, or named by ``source_format`` (one of :data:`FORMATS`). ``images`` is
     the folder a COCO or table manifest's image paths are relative to (default: the
-    manifest's folder).
+    manifest's folder); ``masks`` adds COCO instances' segmentations, a mask an image.
 
     Ids ``0..N-1`` follow the source order, counting only files that decode.
     ``shard_size`` is samples per shard; ``batch_size`` bounds how many images
@@ -134,6 +135,7 @@ def ingest(
         file_list=None if file_list is None else pathlib.Path(file_list),
         source_format=source_format,
         images=None if images is None else pathlib.Path(images),
+        masks=masks,
         final=final,
     )
     try:
@@ -164,6 +166,7 @@ def _open(
     file_list: pathlib.Path | None,
     source_format: str | None,
     images: pathlib.Path | None,
+    masks: bool,
     final: pathlib.Path,
 ) -> Sources | LmdbSource | SampleSource:
     """The source in ``source_format``, or in the format told from ``src``."""
@@ -172,14 +175,15 @@ def _open(
     if source_format is None and file_list is None:
         source_format = detect_format(src)
     if source_format not in FIELD_FORMATS:
-        if images is not None:
-            raise IngestError("--images is for COCO, JSON-lines and CSV sources: drop it")
+        if images is not None or masks:
+            flag = "--images is for COCO, JSON-lines and CSV" if images else "--masks is for COCO"
+            raise IngestError(f"{flag} sources: drop it")
         if source_format == "folder":
             return _scan(src, file_list, final)
         return _open_sources(src, file_list, final)
     if file_list is not None:
         raise IngestError(f"--file-list is for folders of images, not {source_format} sources")
-    sources = open_sample_source(src, source_format, images)
+    sources = open_sample_source(src, source_format, images, masks=masks)
     logger.debug(
         "ingesting %d samples with fields %s from %s (%s) into %s",
         sources.total,

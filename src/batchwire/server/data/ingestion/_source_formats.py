@@ -50,16 +50,18 @@ def detect_format(src: pathlib.Path) -> str | None:
 
 
 def open_sample_source(
-    src: pathlib.Path, source_format: str, images: pathlib.Path | None
+    src: pathlib.Path, source_format: str, images: pathlib.Path | None, *, masks: bool = False
 ) -> SampleSource:
     """The samples of ``src`` in ``source_format`` (one of :data:`FIELD_FORMATS`); image
     paths of COCO and table manifests are relative to ``images`` (default: the file's
-    folder)."""
+    folder); ``masks``: COCO instances' segmentations as a mask an image."""
     if source_format != "webdataset" and not src.is_file():
         raise IngestError(f"--format {source_format} reads a file, and {src} is not one")
+    if masks and source_format != "coco":
+        raise IngestError(f"--masks is for COCO instances, not {source_format} sources")
     images_dir = images if images is not None else src.parent
     if source_format == "coco":
-        return read_coco(src, images_dir)
+        return read_coco(src, images_dir, masks=masks)
     if source_format == "jsonl":
         return read_jsonl(src, images_dir)
     if source_format == "csv":

@@ -62,6 +62,8 @@ def write_coco_boxes(
                     "image_id": image_id,
                     "category_id": category,
                     "bbox": [x, y, w, h],
+                    # The rectangle as COCO's polygon: its mask is the box's pixels.
+                    "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]],
                     "area": w * h,
                     "iscrowd": 0,
                 }
