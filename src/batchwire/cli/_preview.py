@@ -1,38 +1,56 @@
 """``batchwire preview --address A --dataset D --pipeline P --out grid.png``: see a served batch.
 
-Streams one batch exactly as a trainer would receive it and writes it as a PNG
-grid: one tile per image, captioned with its label and class name. Use it to
-check what an augmentation does (``--pipeline train``, ``--param size=160``)
-before training on it.
+Streams one batch exactly as a trainer would receive it and writes it as a PNG, drawn as
+the pipeline's form says (``_preview_layout`` gives the layouts):
 
-Layout of the PNG, for people and tests: tiles sit in a grid of ``--columns``
-columns (default: the smallest square that holds the batch) separated and
-surrounded by ``GAP`` pixels of white. A tile is ``max(W, MIN_TILE_WIDTH)``
-wide and ``H + CAPTION_HEIGHT`` high: the image at its top, centred, and a
-white caption strip below it with ``"<label> <class name>"`` in black,
-written with Pillow's default font at ``CAPTION_OFFSET`` within the strip.
+- images and labels: a grid, one tile an image, captioned with its label and class name;
+- ``detection``: the same grid, each tile captioned with its boxes' classes, each box
+  outlined on its image in its class's colour and named;
+- ``captions``: the grid, each tile captioned with its sample's caption(s) in up to
+  ``CAPTION_LINES`` lines;
+- ``views`` (``multicrop``): one row a sample, its views side by side at the height of the
+  first (a global view), captioned with its label;
+- ``named`` (a custom pipeline's outputs): one row a sample, its image outputs side by side
+  at the height of the tallest, captioned with its label and each other output's shape.
+
+Use it to check what an augmentation does (``--pipeline train``, ``--param size=160``)
+before training on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import pathlib
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from batchwire.cli import _credentials as credentials
 from batchwire.cli._datasets import DATASET_HELP, batched, dataset_or_mixture
+from batchwire.cli._preview_layout import (
+    CAPTION_HEIGHT,
+    CAPTION_OFFSET,
+    GAP,
+    MIN_TILE_WIDTH,
+    caption,
+    class_name,
+    draw_boxes,
+    render_grid,
+    render_rows,
+    to_pixels,
+)
 from batchwire.common.batchings import BATCHING_HELP, BATCHINGS
 
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
+    from batchwire.v1.batchwire_pb2 import PipelineInfo
+
 __all__ = [
     "CAPTION_HEIGHT",
+    "CAPTION_LINES",
     "CAPTION_OFFSET",
     "DESCRIPTION",
     "GAP",
@@ -45,12 +63,7 @@ __all__ = [
     "to_pixels",
 ]
 
-GAP = 4
-MIN_TILE_WIDTH = 96
-CAPTION_HEIGHT = 16
-CAPTION_OFFSET = (2, 2)
-_WHITE = (255, 255, 255)
-_BLACK = (0, 0, 0)
+CAPTION_LINES = 3  # of a captions pipeline's tile
 
 
 HELP = "write one served batch as a PNG grid captioned with labels"
@@ -116,72 +129,169 @@ def _params(items: Sequence[str]) -> dict[str, float]:
     return params
 
 
-def to_pixels(
-    images: np.ndarray, *, layout: str, mean: Sequence[float], std: Sequence[float]
-) -> np.ndarray:
-    """A batch as displayable uint8 NHWC: uint8 as is, normalized floats as ``x * std + mean``."""
+class _NothingToDraw(Exception):
+    """The batch, or the pipeline, has nothing the preview can draw."""
+
+
+class Sheet(NamedTuple):
+    """A drawn batch, and what the command says of it: ``shown`` (``"6 images"``) and
+    ``detail`` (``"48x48 each"``)."""
+
+    image: Image.Image
+    shown: str
+    detail: str
+
+
+# Each sample's class names and, in a mixture, its dataset's name (else "").
+Samples = Sequence[tuple[Sequence[str], str]]
+
+
+def _pixels(spec: PipelineInfo, images: Any) -> np.ndarray:
     import numpy as np
 
-    if layout == "NCHW":
-        images = images.transpose(0, 2, 3, 1)
-    if images.dtype == np.uint8:
-        return np.ascontiguousarray(images)
-    channels = images.shape[-1]
-    m = np.asarray(list(mean) or [0.0], dtype=np.float32)[:channels]
-    s = np.asarray(list(std) or [1.0], dtype=np.float32)[:channels]
-    restored = images.astype(np.float32) * s + m
-    return np.clip(np.rint(restored), 0, 255).astype(np.uint8)
+    return to_pixels(np.asarray(images), layout="NCHW", mean=spec.mean, std=spec.std)
 
 
-def caption(label: int, classes: Sequence[str], source: str = "") -> str:
-    """A tile's caption: the label, and its class name when the dataset names it
-    differently; a mixed sample's starts with its ``source`` dataset's name."""
-    name = classes[label] if 0 <= label < len(classes) else ""
-    text = f"{label} {name}" if name and name != str(label) else str(label)
+def _prefixed(source: str, text: str) -> str:
     return f"{source}: {text}" if source else text
 
 
-def _fit(draw: Any, text: str, width: int, font: Any) -> str:
-    if draw.textlength(text, font=font) <= width:
-        return text
-    while text and draw.textlength(text + "...", font=font) > width:
-        text = text[:-1]
-    return text + "..."
+def _labelled(labels: Any, samples: Samples) -> list[str]:
+    return [
+        caption(int(label), classes, source)
+        for label, (classes, source) in zip(labels.tolist(), samples, strict=True)
+    ]
 
 
-def render_grid(
-    pixels: np.ndarray, captions: Sequence[str], *, columns: int | None = None
-) -> Image.Image:
-    """The grid image of ``pixels`` (uint8 NHWC, 1 or 3 channels) with one caption per tile."""
-    from PIL import Image, ImageDraw, ImageFont
+def _classified(
+    spec: PipelineInfo, images: Any, labels: Any, samples: Samples, columns: int | None
+) -> Sheet:
+    pixels = _pixels(spec, images)
+    grid = render_grid(pixels, _labelled(labels, samples), columns=columns)
+    count, height, width = pixels.shape[:3]
+    return Sheet(grid, f"{count} images", f"{width}x{height} each")
 
-    count, height, width, channels = pixels.shape
-    columns = columns or max(1, math.ceil(math.sqrt(count)))
-    rows = max(1, math.ceil(count / columns))
-    tile_w, tile_h = max(width, MIN_TILE_WIDTH), height + CAPTION_HEIGHT
-    grid = Image.new(
-        "RGB",
-        (GAP + columns * (tile_w + GAP), GAP + rows * (tile_h + GAP)),
-        _WHITE,
+
+def _detection(
+    spec: PipelineInfo, images: Any, targets: Any, samples: Samples, columns: int | None
+) -> Sheet:
+    import numpy as np
+
+    pixels = _pixels(spec, images)
+    drawn, captions = [], []
+    for image, target, (classes, source) in zip(pixels, targets, samples, strict=True):
+        labels = target["labels"].tolist()
+        drawn.append(draw_boxes(image, target["boxes"].numpy(), labels, classes))
+        names = ", ".join(class_name(label, classes) for label in labels)
+        captions.append(_prefixed(source, f"{len(labels)} boxes: {names}"))
+    grid = render_grid(np.stack(drawn), captions, columns=columns)
+    count, height, width = pixels.shape[:3]
+    boxes = sum(len(t["labels"]) for t in targets)
+    return Sheet(grid, f"{count} images", f"{width}x{height} each, {boxes} boxes")
+
+
+def _captions(
+    spec: PipelineInfo, images: Any, texts: Any, samples: Samples, columns: int | None
+) -> Sheet:
+    pixels = _pixels(spec, images)
+    captions = [
+        _prefixed(source, text if isinstance(text, str) else " / ".join(text))
+        for text, (_, source) in zip(texts, samples, strict=True)
+    ]
+    grid = render_grid(pixels, captions, columns=columns, lines=CAPTION_LINES)
+    count, height, width = pixels.shape[:3]
+    return Sheet(grid, f"{count} images", f"{width}x{height} each")
+
+
+def _views(
+    spec: PipelineInfo, views: Any, labels: Any, samples: Samples, columns: int | None
+) -> Sheet:
+    pixels = [_pixels(spec, view) for view in views]
+    rows = [[view[i] for view in pixels] for i in range(len(labels))]
+    sheet = render_rows(rows, _labelled(labels, samples), height=pixels[0].shape[1])
+    return Sheet(sheet, f"{len(rows)} samples", f"{len(views)} views each")
+
+
+def _shape(value: Any) -> str:
+    """A sample's output in a caption: its shape, or its text."""
+    if hasattr(value, "shape"):
+        return "x".join(str(n) for n in value.shape) or "scalar"
+    return repr(value)
+
+
+def _named(
+    spec: PipelineInfo, outputs: Any, labels: Any, samples: Samples, columns: int | None
+) -> Sheet:
+    kinds = {output.name: output.kind for output in spec.outputs}
+    drawn = [n for n, v in outputs.items() if kinds.get(n) == "image" and v.ndim == 4]
+    if not drawn:
+        raise _NothingToDraw(f"pipeline {spec.name!r} has no image output to draw")
+    pixels = [_pixels(spec, outputs[name]) for name in drawn]
+    rows = [[image[i] for image in pixels] for i in range(len(labels))]
+    others = [name for name in outputs if name not in drawn]
+    captions = [
+        "; ".join([text, *(f"{n} {_shape(outputs[n][i])}" for n in others)])
+        for i, text in enumerate(_labelled(labels, samples))
+    ]
+    sheet = render_rows(rows, captions, height=max(image.shape[1] for image in pixels))
+    return Sheet(sheet, f"{len(rows)} samples", f"image outputs {', '.join(drawn)}")
+
+
+Draw = Callable[[Any, Any, Any, Samples, "int | None"], Sheet]
+# A pipeline's form ("" for images and labels) to its drawing; a form this client does
+# not know comes as the loader gives it, a dict of outputs by name.
+_FORMS: dict[str, Draw] = {
+    "": _classified,
+    "detection": _detection,
+    "captions": _captions,
+    "views": _views,
+    "named": _named,
+}
+
+
+def _fetch(
+    args: argparse.Namespace, dataset: Any, params: dict[str, float]
+) -> tuple[str, PipelineInfo, tuple[Any, Any], Samples]:
+    """One batch as the loop takes it, with the dataset's name, the pipeline, and each
+    sample's classes and source."""
+    from batchwire.client import RemoteLoader
+
+    loader = RemoteLoader(
+        args.address,
+        dataset=dataset,
+        pipeline=args.pipeline,
+        batch_size=args.batch_size,
+        shuffle=not args.no_shuffle,
+        drop_last=False,
+        seed=args.seed,
+        rank=0,
+        world_size=1,
+        normalize=False,
+        return_ids=True,
+        dtype=args.dtype,
+        params=params,
+        timeout=args.timeout,
+        retry_timeout=min(args.timeout, 10.0),
+        **credentials.loader_options(args),
     )
-    draw = ImageDraw.Draw(grid)
-    font = ImageFont.load_default()
-    for i in range(count):
-        x = GAP + (i % columns) * (tile_w + GAP)
-        y = GAP + (i // columns) * (tile_h + GAP)
-        tile = pixels[i, :, :, 0] if channels == 1 else pixels[i, :, :, :3]
-        grid.paste(Image.fromarray(tile).convert("RGB"), (x + (tile_w - width) // 2, y))
-        text = _fit(draw, captions[i], tile_w - 2 * CAPTION_OFFSET[0], font)
-        draw.text(
-            (x + CAPTION_OFFSET[0], y + height + CAPTION_OFFSET[1]), text, fill=_BLACK, font=font
-        )
-    return grid
+    with loader:
+        loader.set_epoch(args.epoch)
+        classes = loader.source_classes
+        spec = next(p for p in loader._describe().info.pipelines if p.name == args.pipeline)
+        try:
+            first, second, ids = next(iter(loader))
+        except StopIteration:
+            raise _NothingToDraw(f"{loader.dataset_name!r} gave no decodable image") from None
+        # Each sample's dataset: a mixture's tiles say it, as labels are each one's own.
+        names = list(classes)
+        sources = loader.split_ids(ids)[0].tolist()
+    mixed = loader.mixture is not None
+    samples = [(classes[names[s]], names[s] if mixed else "") for s in sources]
+    return loader.dataset_name, spec, (first, second), samples
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from batchwire.client import BatchwireError, RemoteLoader
+    from batchwire.client import BatchwireError
 
     # Pillow draws the grid: where it is missing, say so before streaming anything.
     importlib.import_module("PIL.Image")
@@ -191,62 +301,28 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         params = _params(args.param)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
         dataset = batched(args.dataset, args.batching)
-    except argparse.ArgumentTypeError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        loader = RemoteLoader(
-            args.address,
-            dataset=dataset,
-            pipeline=args.pipeline,
-            batch_size=args.batch_size,
-            shuffle=not args.no_shuffle,
-            drop_last=False,
-            seed=args.seed,
-            rank=0,
-            world_size=1,
-            normalize=False,
-            return_ids=True,
-            dtype=args.dtype,
-            params=params,
-            timeout=args.timeout,
-            retry_timeout=min(args.timeout, 10.0),
-            **credentials.loader_options(args),
-        )
-        with loader:
-            loader.set_epoch(args.epoch)
-            classes = loader.source_classes
-            spec = next(p for p in loader._describe().info.pipelines if p.name == args.pipeline)
-            images, labels, ids = next(iter(loader))
-            # Each sample's dataset: a mixture's tiles say it, as labels are each one's own.
-            names = list(classes)
-            sources = loader.split_ids(ids)[0].tolist()
+        name, spec, batch, samples = _fetch(args, dataset, params)
+        draw = _FORMS.get(spec.form, _named)
+        sheet = draw(spec, *batch, samples, args.columns)
     except BatchwireError as exc:
         print(f"error: {exc.details}", file=sys.stderr)
         return 2 if exc.code.name in ("INVALID_ARGUMENT", "NOT_FOUND") else 1
-    except StopIteration:
-        print(f"error: {loader.dataset_name!r} gave no decodable image", file=sys.stderr)
+    except _NothingToDraw as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
-    pixels = to_pixels(np.asarray(images), layout="NCHW", mean=spec.mean, std=spec.std)
-    mixed = loader.mixture is not None
-    captions = [
-        caption(int(label), classes[names[s]], names[s] if mixed else "")
-        for label, s in zip(labels.tolist(), sources, strict=True)
-    ]
-    grid = render_grid(pixels, captions, columns=args.columns)
     try:
-        grid.save(args.out, format="PNG")
+        sheet.image.save(args.out, format="PNG")
     except OSError as exc:
         print(f"error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    count, height, width = pixels.shape[:3]
+    width, height = sheet.image.size
     print(
-        f"wrote {args.out}: {count} images of {loader.dataset_name!r} through {args.pipeline!r} "
-        f"({width}x{height} each, {grid.width}x{grid.height} grid)"
+        f"wrote {args.out}: {sheet.shown} of {name!r} through {args.pipeline!r} "
+        f"({sheet.detail}, {width}x{height} grid)"
     )
     return 0
