@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from batchwire.common.outputs import Payload, fill
+from batchwire.common.outputs import Payload
 from batchwire.common.tensors import DTYPES, to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["DecodedBatch", "SharedView", "decode_batch", "encode_batch", "images_head"]
+__all__ = ["DecodedBatch", "SharedView", "decode_batch", "encode_batch", "fill", "images_head"]
 
 _LENGTH_DELIMITED = 2
 _BATCH_IMAGES = pb.Batch.DESCRIPTOR.fields_by_name["images"].number
@@ -104,6 +104,16 @@ def _split(buffer: memoryview, wanted: int) -> tuple[bytes, tuple[int, int] | No
         else:
             rest.append(buffer[start:end])
     return b"".join(rest), found
+
+
+def fill(out: np.ndarray, images: np.ndarray | Payload) -> None:
+    """Copy a batch's ``images`` (an array, or the :class:`~batchwire.common.outputs.Payload`
+    of its named outputs) into ``out``, which holds as many bytes, viewed as their dtype
+    and shape: the one copy of its pixels, into a message, shared memory or a buffer."""
+    if isinstance(images, Payload):
+        images.copy_into(out)
+    else:
+        np.copyto(out.view(images.dtype).reshape(images.shape), images)
 
 
 def images_head(images: np.ndarray | Payload, layout: str) -> pb.Tensor:

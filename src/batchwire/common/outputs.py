@@ -24,7 +24,7 @@ import numpy as np
 from batchwire.common.tensors import to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["ALIGN", "KINDS", "TEXT_SEPARATOR", "Output", "Payload", "fill", "none_of", "pack"]
+__all__ = ["ALIGN", "KINDS", "TEXT_SEPARATOR", "Output", "Payload", "none_of", "pack"]
 
 # Where each output begins in a payload: a multiple of this many bytes.
 ALIGN = 16
@@ -90,15 +90,6 @@ class Payload:
         array = np.empty(self.nbytes, np.uint8)
         self.copy_into(array)
         return array if dtype is None else array.astype(dtype)
-
-
-def fill(out: np.ndarray, images: np.ndarray | Payload) -> None:
-    """Copy a batch's ``images`` (an array, or a :class:`Payload`) into ``out``, which
-    holds as many bytes, viewed as their dtype and shape: the one copy of its pixels."""
-    if isinstance(images, Payload):
-        images.copy_into(out)
-    else:
-        np.copyto(out.view(images.dtype).reshape(images.shape), images)
 
 
 def pack(outputs: Sequence[Output]) -> tuple[Payload, tuple[pb.Tensor, ...]]:

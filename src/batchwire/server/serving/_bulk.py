@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from batchwire.common.batch_codec import fill
 from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, KEY_BYTES, receive_into
-from batchwire.common.outputs import fill
 from batchwire.common.shared_memory import warn_once
 from batchwire.server.engine import Batch
 from batchwire.server.errors import ConnectionLost

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from batchwire.common.outputs import fill
+from batchwire.common.batch_codec import fill
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
