@@ -22,7 +22,7 @@ from batchwire.cli._preview import (
 from batchwire.cli._preview_layout import box_colour
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-from batchwire.server.data import ingest, write_coco_boxes
+from batchwire.server.data import BOX_COLOURS, ingest, write_coco_boxes
 from batchwire.server.pipelines import PRESETS
 
 PARAMS = {"size": 48, "resize": 56}
@@ -155,11 +155,13 @@ def test_preview_errors_say_what_is_wrong(
 
 @pytest.fixture(scope="module")
 def fields_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatchwireServer]:
-    """``boxes`` and ``captions`` (COCO instances and captions of 16 generated pictures),
+    """``boxes``, ``masked`` and ``captions`` (COCO instances, their masks and captions of 16
+    generated pictures),
     served with the presets and ``pair``, a custom pipeline of named outputs."""
     coco = write_coco_boxes(tmp_path_factory.mktemp("coco"), count=16)
     root = tmp_path_factory.mktemp("fields")
     ingest(coco, root, name="boxes", images=coco.parent / "images")
+    ingest(coco, root, name="masked", images=coco.parent / "images", masks=True)
     ingest(coco.parent / "captions.json", root, name="captions", images=coco.parent / "images")
     server = start_server(root, pipelines={**PRESETS, "pair": PAIR})
     yield server
@@ -327,3 +329,27 @@ def test_named_outputs_show_the_images_and_the_other_outputs_shapes(
         text = fit(f"{named}; encoded {size}", MIN_TILE_WIDTH)
         strip = sheet[y + 40 : y + row_h, GAP : GAP + MIN_TILE_WIDTH]
         assert np.array_equal(strip, expected_strip(text, MIN_TILE_WIDTH)), text
+
+
+def test_segmentation_masks_are_blended_in_their_class_colour(
+    fields_server: BatchwireServer, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The generated pictures' boxes are flat class colours, and their masks cover them:
+    inside, a pixel is half the picture's colour, half the class's outline colour."""
+    out = tmp_path / "masks.png"
+    params = ["--pipeline", "segmentation", "--param", "size=96", "--param", "flip=0"]
+    assert preview_of(fields_server, out, "masked", *params) == 0
+    assert "6 images of 'masked' through 'segmentation' (96x96 each" in capsys.readouterr().out
+    grid = read_png(out)
+    assert grid.shape == (GAP + 2 * (96 + CAPTION_HEIGHT + GAP), GAP + 3 * (96 + GAP), 3)
+    seen = set()
+    for i in range(6):
+        x, y = grid_origin(i, 3, 96 + CAPTION_HEIGHT)
+        tile = grid[y : y + 96, x : x + 96].astype(int)
+        for label, coco_id in enumerate(sorted(BOX_COLOURS)):
+            blend = (np.array(BOX_COLOURS[coco_id][1]) + box_colour(label)) // 2
+            if (np.abs(tile - blend).max(axis=2) <= 2).sum() > 20:
+                seen.add(label)
+        strip = grid[y + 96 : y + 96 + CAPTION_HEIGHT, x : x + 96]
+        assert (strip != 255).any(), f"caption strip {i} is blank"
+    assert len(seen) >= 2, seen

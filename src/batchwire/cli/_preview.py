@@ -6,6 +6,8 @@ the pipeline's form says (``_preview_layout`` gives the layouts):
 - images and labels: a grid, one tile an image, captioned with its label and class name;
 - ``detection``: the same grid, each tile captioned with its boxes' classes, each box
   outlined on its image in its class's colour and named;
+- ``segmentation``: the grid, each mask's classes blended over its image in their colours,
+  each tile captioned with the classes it shows;
 - ``captions``: the grid, each tile captioned with its sample's caption(s) in up to
   ``CAPTION_LINES`` lines;
 - ``views`` (``multicrop``): one row a sample, its views side by side at the height of the
@@ -36,6 +38,7 @@ from batchwire.cli._preview_layout import (
     caption,
     class_name,
     draw_boxes,
+    overlay_mask,
     render_grid,
     render_rows,
     to_pixels,
@@ -190,6 +193,23 @@ def _detection(
     return Sheet(grid, f"{count} images", f"{width}x{height} each, {boxes} boxes")
 
 
+def _segmentation(
+    spec: PipelineInfo, images: Any, masks: Any, samples: Samples, columns: int | None
+) -> Sheet:
+    import numpy as np
+
+    pixels, masks = _pixels(spec, images), masks.numpy()
+    drawn = np.stack([overlay_mask(image, mask) for image, mask in zip(pixels, masks, strict=True)])
+    captions = [
+        _prefixed(source, ", ".join(class_name(int(v) - 1, classes) for v in np.unique(mask) if v))
+        or "background"
+        for mask, (classes, source) in zip(masks, samples, strict=True)
+    ]
+    grid = render_grid(drawn, captions, columns=columns)
+    count, height, width = pixels.shape[:3]
+    return Sheet(grid, f"{count} images", f"{width}x{height} each")
+
+
 def _captions(
     spec: PipelineInfo, images: Any, texts: Any, samples: Samples, columns: int | None
 ) -> Sheet:
@@ -243,6 +263,7 @@ Draw = Callable[[Any, Any, Any, Samples, "int | None"], Sheet]
 _FORMS: dict[str, Draw] = {
     "": _classified,
     "detection": _detection,
+    "segmentation": _segmentation,
     "captions": _captions,
     "views": _views,
     "named": _named,

@@ -13,6 +13,9 @@ outputs): one row a sample, its images side by side ``GAP`` apart, each scaled t
 ``height`` (nearest pixel, aspect kept), then its one-line caption strip; rows start at
 ``GAP`` from the left and are ``GAP`` apart.
 
+A mask (``overlay_mask``): each pixel of class ``c`` (mask value ``c + 1``; 0 the
+background, left as it is) half its class's colour (``box_colour``), half the image's.
+
 Boxes (``draw_boxes``): each box's outline in its class's colour (``box_colour``), the
 class name in white on that colour at its top left corner, inside the box.
 """
@@ -36,6 +39,7 @@ __all__ = [
     "caption",
     "class_name",
     "draw_boxes",
+    "overlay_mask",
     "render_grid",
     "render_rows",
     "to_pixels",
@@ -212,3 +216,16 @@ def draw_boxes(
         draw.rectangle(name_box, fill=colour)
         draw.text(corner, name, fill=_WHITE, font=font)
     return np.asarray(image)
+
+
+def overlay_mask(pixels: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``pixels`` (uint8 HWC) as RGB, each pixel whose ``mask`` value (HW) is ``c + 1``
+    blended half and half with class ``c``'s colour; 0, the background, kept."""
+    import numpy as np
+
+    image = np.asarray(_image(pixels)).astype(np.uint16)
+    colours = np.asarray([(0, 0, 0), *_PALETTE], dtype=np.uint16)
+    classes = mask.astype(np.int64)
+    index = np.where(classes > 0, (classes - 1) % len(_PALETTE) + 1, 0)
+    blended = (image + colours[index]) // 2
+    return np.where((classes > 0)[..., None], blended, image).astype(np.uint8)
