@@ -104,6 +104,17 @@ def test_two_ranks_resumed_on_another_world_size_deliver_the_epoch_once(
     assert sorted(i for step in head for i in step) == sorted(order[:240])
 
 
+def test_views_resume_on_another_world_size_as_images_do(server: BatchwireServer) -> None:
+    """multicrop (ten views a sample) saved on two ranks resumes on three: every sample of
+    the epoch once but the padding, as for one output."""
+    views = {"pipeline": "multicrop", "params": {"global_size": 24, "local_size": 16}}
+    head, state = interrupted(server, 2, 3, batch_size=40, drop_last=False, **views)
+    tail = resumed(server, 3, state, batch_size=40, drop_last=False, **views)
+    counts = collections.Counter(i for step in head + tail for i in step)
+    assert set(counts) == set(range(SAMPLES))
+    assert sum(counts.values()) - SAMPLES < 3
+
+
 @pytest.mark.parametrize("new_world", [1, 3, 4])
 def test_with_drop_last_the_rest_drops_only_its_tail_smaller_than_a_global_batch(
     server: BatchwireServer, new_world: int
