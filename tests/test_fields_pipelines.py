@@ -288,3 +288,33 @@ def test_ingest_masks_only_from_coco_instances(tmp_path: pathlib.Path) -> None:
     write_image_folders(plain, per_class=2, size=32, seed=1)
     with pytest.raises(IngestError, match="--masks is for COCO"):
         ingest(plain, tmp_path / "out", name="x", masks=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["detection", "segmentation", "multicrop"])
+def test_the_presets_of_several_outputs_on_the_gpu(data_dir: pathlib.Path, pipeline: str) -> None:
+    """The same graphs with the GPU decoder and ops (their boxes, masks and crop windows
+    on the CPU beside them): every sample, each output at its declared shape."""
+    server = start_server(data_dir, device="gpu")
+    dataset = {"detection": "boxes", "segmentation": "masked", "multicrop": "boxes"}[pipeline]
+    params = {"multicrop": {"global_size": 64, "local_size": 32}}.get(pipeline, {"size": SIZE})
+    try:
+        with RemoteLoader(
+            server.target,
+            dataset=dataset,
+            pipeline=pipeline,
+            batch_size=BATCH,
+            normalize=False,
+            params=params,
+        ) as loader:
+            batches = list(loader)
+    finally:
+        server.stop(grace=1.0)
+    assert sum(len(second) for _, second in batches) == IMAGES
+    first, second = batches[0]
+    if pipeline == "multicrop":
+        assert [tuple(v.shape[1:]) for v in first] == [(3, 64, 64)] * 2 + [(3, 32, 32)] * 8
+    elif pipeline == "detection":
+        assert first.shape[1:] == (3, SIZE, SIZE) and "boxes" in second[0]
+    else:
+        assert first.shape[1:] == (3, SIZE, SIZE) and second.shape[1:] == (SIZE, SIZE)
