@@ -351,6 +351,15 @@ LIGHTNING_VARIANTS = {
     "stateful-2": ["--wrap", "stateful", "--workers", "2"],
     # Ranks that take a trainer on another host's path: images on bulk connections.
     "stateful-2-bulk": ["--wrap", "stateful", "--workers", "2"],
+    # Not a classifier: training steps on DINO's views, through StatefulDataLoader workers.
+    "multicrop-stateful-2": [
+        "--train-pipeline",
+        "multicrop",
+        "--wrap",
+        "stateful",
+        "--workers",
+        "2",
+    ],
 }
 # The same every epoch; every sample, the last batch short (the loader's default).
 VAL = [plan_batches(0, rank, shuffle=False, drop_last=False) for rank in range(WORLD)]

@@ -53,6 +53,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-at-step", type=int, default=0, help="global step; 0: never")
     parser.add_argument("--resume", type=pathlib.Path, help="a checkpoint to fit from")
     parser.add_argument("--elastic-batch-size", action="store_true", help="see RemoteLoader")
+    parser.add_argument(
+        "--train-pipeline",
+        choices=("train", "multicrop"),
+        default="train",
+        help="multicrop: the training steps get DINO's views (a list of tensors)",
+    )
     return parser.parse_args()
 
 
@@ -71,13 +77,14 @@ class RemoteData(pl.LightningDataModule):
         }
         # Made here, before torch.distributed exists: rank and world size must still come
         # from it when iteration starts.
+        views = {"params": {"global_size": 32, "local_size": 16}}
         self.train = RemoteLoader(
             args.target,
-            pipeline="train",
+            pipeline=args.train_pipeline,
             shuffle=True,
             drop_last=True,  # full batches to train on; validation sees every sample
             elastic_batch_size=args.elastic_batch_size,
-            **common,
+            **{**common, **(views if args.train_pipeline == "multicrop" else {})},
         )
         self.val = RemoteLoader(args.target, pipeline="val", shuffle=False, **common)
         self.wrap = args.wrap
@@ -107,6 +114,8 @@ class Probe(pl.LightningModule):
 
     def _loss(self, batch: Any) -> torch.Tensor:
         images, labels, _ = batch
+        if isinstance(images, list):  # multicrop's views: a feature of each, averaged
+            images = torch.stack([view.flatten(1).float().mean(1) for view in images], 1)
         features = images.flatten(1).float().mean(1, keepdim=True)
         return F.mse_loss(self.head(features).squeeze(1), labels.float())
 
