@@ -181,8 +181,8 @@ def test_corrupt_records_are_left_out_of_every_view_and_an_empty_batch_keeps_its
     assert len(batches) == 65 and skipped == sorted(damage)
     views, labels, ids = batches[2]
     assert len(views) == 10 and labels.shape == (0,) and ids.shape == (0,)
-    # Of no sample; of the views' shapes once a pipeline of this configuration ran a batch,
-    # else (0,) (docs/client.md: Empty batches).
+    # Of no sample; of the views' shapes once a pipeline of this configuration ran a batch on
+    # the server (in any slot), else (0,) (docs/client.md: Empty batches).
     assert all(v.shape[0] == 0 for v in views)
     assert all(tuple(v.shape) in ((0,), (0, 3, 32, 32)) for v in views[:2])
     assert all(tuple(v.shape) in ((0,), (0, 3, 16, 16)) for v in views[2:])

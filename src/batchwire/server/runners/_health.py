@@ -23,6 +23,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,8 @@ class PipelineHealth:
         self._for_good: set[int | None] = set()  # broken by a CUDA error
         self._control: tuple[np.ndarray, int] | None = None
         self._shapes: dict[_ShapeKey, tuple[tuple[int, ...], np.dtype]] = {}
+        # A pipeline of named outputs: the heads of its last batch (Batch.outputs).
+        self._heads: dict[_ShapeKey, tuple[Any, ...]] = {}
         self._faults: collections.Counter[tuple[str, str]] = collections.Counter()
         self._batches_failed: collections.Counter[str] = collections.Counter()
         self._listeners: list[Callable[[], object]] = []
@@ -68,13 +71,24 @@ class PipelineHealth:
 
     # -- reports --------------------------------------------------------------------------
 
-    def ran(self, key: RunnerKey, images: np.ndarray, image: np.ndarray, label: int) -> None:
-        """A batch of ``key`` ran, its output ``images``; ``image`` (encoded) was in it."""
+    def ran(
+        self,
+        key: RunnerKey,
+        images: np.ndarray,
+        image: np.ndarray,
+        label: int,
+        heads: tuple[Any, ...] = (),
+    ) -> None:
+        """A batch of ``key`` ran, its output ``images`` (a pipeline of named outputs: the
+        ``heads`` of its outputs); ``image`` (encoded) was in it."""
         shape_key = (key.pipeline, key.params, key.dtype, key.layout)
         control = (np.array(image, copy=True), int(label))  # owns its bytes
         with self._lock:
             self._control = control
-            self._shapes[shape_key] = (tuple(images.shape[1:]), images.dtype)
+            if heads:
+                self._heads[shape_key] = heads
+            else:
+                self._shapes[shape_key] = (tuple(images.shape[1:]), images.dtype)
             self._streaks[key.device_id] = 0
             recovered = key.device_id in self._broken and key.device_id not in self._for_good
             if recovered:
@@ -131,6 +145,12 @@ class PipelineHealth:
         of its batches ran (on any device, at any batch size)."""
         with self._lock:
             return self._shapes.get((key.pipeline, key.params, key.dtype, key.layout))
+
+    def output_heads(self, key: RunnerKey) -> tuple[Any, ...]:
+        """The heads of the named outputs of ``key``'s configuration, once one of its
+        batches ran (on any device, at any batch size); none before."""
+        with self._lock:
+            return self._heads.get((key.pipeline, key.params, key.dtype, key.layout), ())
 
     def broken(self) -> dict[str, str]:
         """The devices broken now (by label), with why."""

@@ -112,8 +112,6 @@ class Runner:
         self._prefetch = prefetch
         self._source = _Source()
         self._lock = threading.Lock()
-        # The heads of the last batch of named outputs (an empty batch gives them too).
-        self._heads: tuple[Any, ...] = ()
         self.healthy = True
         try:
             self._pipe: Any = self._build(key.batch_size, self._source)
@@ -230,8 +228,9 @@ class Runner:
             layout = declared.layout or (self.key.layout if declared.kind == "image" else "")
             named.append(Output(name=declared.name, kind=declared.kind, data=data, layout=layout))
         payload, heads = pack(named)
-        self._health.ran(self.key, np.zeros((0, 0), np.uint8), job.images[0], int(job.labels[0]))
-        self._heads = heads
+        self._health.ran(
+            self.key, np.zeros((0, 0), np.uint8), job.images[0], int(job.labels[0]), heads
+        )
         return Result(
             seq=job.seq,
             ids=job.ids,
@@ -248,7 +247,7 @@ class Runner:
         known = self._health.output_shape(self.key)
         shape, dtype = known if known is not None else ((), np.dtype(self.key.dtype))
         # Before any batch of named outputs ran: as declared, the image outputs as uint8.
-        heads = self._heads or tuple(
+        heads = self._health.output_heads(self.key) or tuple(
             pb.Tensor(name=o.name, kind=o.kind, layout=o.layout, dtype=pb.UINT8)
             for o in self._pipeline.outputs
         )
