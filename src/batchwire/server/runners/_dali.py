@@ -171,11 +171,11 @@ def view(tensor_list: Any) -> np.ndarray:
 
 
 def samples(tensor_list: Any) -> list[np.ndarray]:
-    """A DALI output's samples, each an array that owns its memory (their shapes may
-    differ)."""
+    """A DALI output's samples, each an array of its own (their shapes may differ): DALI's
+    ``at`` copies a sample out, once."""
     if hasattr(tensor_list, "as_cpu"):
         tensor_list = tensor_list.as_cpu()
-    return [np.array(tensor_list.at(i)) for i in range(len(tensor_list))]
+    return [np.asarray(tensor_list.at(i)) for i in range(len(tensor_list))]
 
 
 def error_line(exc: BaseException) -> str:

@@ -74,18 +74,18 @@ class PipelineHealth:
     def ran(
         self,
         key: RunnerKey,
-        images: np.ndarray,
+        images: np.ndarray | None,
         image: np.ndarray,
         label: int,
         heads: tuple[Any, ...] = (),
     ) -> None:
-        """A batch of ``key`` ran, its output ``images`` (a pipeline of named outputs: the
-        ``heads`` of its outputs); ``image`` (encoded) was in it."""
+        """A batch of ``key`` ran, its output ``images`` (a pipeline of named outputs: None,
+        and the ``heads`` of its outputs); ``image`` (encoded) was in it."""
         shape_key = (key.pipeline, key.params, key.dtype, key.layout)
         control = (np.array(image, copy=True), int(label))  # owns its bytes
         with self._lock:
             self._control = control
-            if heads:
+            if images is None:
                 self._heads[shape_key] = heads
             else:
                 self._shapes[shape_key] = (tuple(images.shape[1:]), images.dtype)

@@ -200,8 +200,8 @@ class Runner:
 
     def _result(self, job: Job[Any], outputs: Any) -> Any:
         """What ``job.finish`` makes of the job's result, before the next run, while
-        DALI's buffer holds its images (a pipeline's named outputs are copied once, into
-        their payload)."""
+        DALI's buffer holds its images (a pipeline's named outputs: their payload, still in
+        DALI's buffers until ``finish`` copies it)."""
         meta = to_numpy(outputs[-1])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
@@ -228,9 +228,7 @@ class Runner:
             layout = declared.layout or (self.key.layout if declared.kind == "image" else "")
             named.append(Output(name=declared.name, kind=declared.kind, data=data, layout=layout))
         payload, heads = pack(named)
-        self._health.ran(
-            self.key, np.zeros((0, 0), np.uint8), job.images[0], int(job.labels[0]), heads
-        )
+        self._health.ran(self.key, None, job.images[0], int(job.labels[0]), heads)
         return Result(
             seq=job.seq,
             ids=job.ids,
