@@ -158,11 +158,6 @@ def _detection(
     }
 
 
-def _check_detection(p: Mapping[str, float]) -> None:
-    if p["aspect_min"] > p["aspect_max"]:
-        raise ParamError("detection: aspect_min must not exceed aspect_max")
-
-
 def _segmentation(
     encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float], fields: Any
 ) -> dict[str, Any]:
@@ -200,25 +195,15 @@ def _captions(
     return {"images": images, "caption": fields["caption"]}
 
 
-def _crop_check(name: str) -> Callable[[Mapping[str, float]], None]:
-    """The check of a random-resized crop's bounds, for pipeline ``name``."""
+def _ordered(name: str, *ranges: str) -> Callable[[Mapping[str, float]], None]:
+    """The check of pipeline ``name``'s ``ranges``: each ``R_min`` at most ``R_max``."""
 
     def check(p: Mapping[str, float]) -> None:
-        if p["area_min"] > p["area_max"]:
-            raise ParamError(f"{name}: area_min must not exceed area_max")
-        if p["aspect_min"] > p["aspect_max"]:
-            raise ParamError(f"{name}: aspect_min must not exceed aspect_max")
+        for r in ranges:
+            if p[f"{r}_min"] > p[f"{r}_max"]:
+                raise ParamError(f"{name}: {r}_min must not exceed {r}_max")
 
     return check
-
-
-_check_train = _crop_check("train")
-
-
-def _check_multicrop(p: Mapping[str, float]) -> None:
-    for kind in ("global", "local"):
-        if p[f"{kind}_area_min"] > p[f"{kind}_area_max"]:
-            raise ParamError(f"multicrop: {kind}_area_min must not exceed {kind}_area_max")
 
 
 def _check_val(p: Mapping[str, float]) -> None:
@@ -227,6 +212,8 @@ def _check_val(p: Mapping[str, float]) -> None:
 
 
 _SIZE = Param(default=224, low=8, high=1024, integer=True, help="output height and width")
+_RESIZE = Param(default=256, low=8, high=4096, integer=True, help="shorter side")
+_FLIP = Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability")
 
 PRESETS: dict[str, PipelineSpec] = {
     "train": PipelineSpec(
@@ -239,9 +226,9 @@ PRESETS: dict[str, PipelineSpec] = {
             "area_max": Param(default=1.0, low=0.01, high=1.0, help="largest crop area fraction"),
             "aspect_min": Param(default=3 / 4, low=0.1, high=10.0, help="smallest aspect ratio"),
             "aspect_max": Param(default=4 / 3, low=0.1, high=10.0, help="largest aspect ratio"),
-            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+            "flip": _FLIP,
         },
-        check=_check_train,
+        check=_ordered("train", "area", "aspect"),
     ),
     "val": PipelineSpec(
         name="val",
@@ -249,7 +236,7 @@ PRESETS: dict[str, PipelineSpec] = {
         description="decode, resize shorter side to resize, centre crop size, normalize",
         params={
             "size": _SIZE,
-            "resize": Param(default=256, low=8, high=4096, integer=True, help="shorter side"),
+            "resize": _RESIZE,
         },
         check=_check_val,
     ),
@@ -265,9 +252,9 @@ PRESETS: dict[str, PipelineSpec] = {
             "scale_min": Param(default=0.3, low=0.01, high=1.0, help="smallest crop side"),
             "aspect_min": Param(default=0.5, low=0.1, high=10.0, help="smallest crop aspect"),
             "aspect_max": Param(default=2.0, low=0.1, high=10.0, help="largest crop aspect"),
-            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+            "flip": _FLIP,
         },
-        check=_check_detection,
+        check=_ordered("detection", "aspect"),
         outputs=_DETECTION_OUTPUTS,
         form="detection",
         inputs=_DETECTION_INPUTS,
@@ -285,9 +272,9 @@ PRESETS: dict[str, PipelineSpec] = {
             "area_max": Param(default=1.0, low=0.01, high=1.0, help="largest crop area"),
             "aspect_min": Param(default=3 / 4, low=0.1, high=10.0, help="smallest aspect"),
             "aspect_max": Param(default=4 / 3, low=0.1, high=10.0, help="largest aspect"),
-            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+            "flip": _FLIP,
         },
-        check=_crop_check("segmentation"),
+        check=_ordered("segmentation", "area", "aspect"),
         outputs=(Output(name="images"), Output(name="mask", kind="tensor")),
         form="segmentation",
         inputs=(Input(name="mask", kind="image"),),
@@ -298,7 +285,7 @@ PRESETS: dict[str, PipelineSpec] = {
         description="val's image beside each sample's caption(s), for image-text training",
         params={
             "size": _SIZE,
-            "resize": Param(default=256, low=8, high=4096, integer=True, help="shorter side"),
+            "resize": _RESIZE,
         },
         check=_check_val,
         outputs=(Output(name="images"), Output(name="caption", kind="text")),
@@ -331,7 +318,7 @@ PRESETS: dict[str, PipelineSpec] = {
             "local_area_max": Param(
                 default=0.4, low=0.01, high=1.0, help="local crops' largest area"
             ),
-            "flip": Param(default=0.5, low=0.0, high=1.0, help="horizontal flip probability"),
+            "flip": _FLIP,
             "jitter": Param(default=0.8, low=0.0, high=1.0, help="colour jitter probability"),
             "brightness": Param(default=0.4, low=0.0, high=1.0, help="brightness jitter"),
             "contrast": Param(default=0.4, low=0.0, high=1.0, help="contrast jitter"),
@@ -339,7 +326,7 @@ PRESETS: dict[str, PipelineSpec] = {
             "hue": Param(default=0.1, low=0.0, high=0.5, help="hue jitter (of the circle)"),
             "grayscale": Param(default=0.2, low=0.0, high=1.0, help="grayscale probability"),
         },
-        check=_check_multicrop,
+        check=_ordered("multicrop", "global_area", "local_area"),
         outputs=_MULTICROP_OUTPUTS,
         form="views",
     ),
