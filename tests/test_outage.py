@@ -12,23 +12,16 @@ import socket
 import threading
 
 import pytest
+import test_failover as failover
 from conftest import start_server
 from processes import serve_process
+from test_failover import BATCH
 
 from batchwire.client import RemoteLoader, UnavailableError
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, ServerError
 
-BATCH = 8
-OPTIONS = {
-    "dataset": "shapes",
-    "pipeline": "val",
-    "batch_size": BATCH,
-    "return_ids": True,
-    "params": {"size": 32},
-    "seed": 5,
-    "prefetch": 2,
-}
+OPTIONS = {**failover.OPTIONS, "seed": 5}  # the failover tests' loader, another order
 EXPECTED = Plan(num_samples=520, batch_size=BATCH, seed=5, drop_last=False).share().tolist()
 CLIENT = "batchwire.client"
 
