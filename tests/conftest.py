@@ -95,6 +95,19 @@ def class_of(manifest: Manifest, ids: np.ndarray) -> np.ndarray:
     return np.searchsorted(bounds, np.asarray(ids), side="right")
 
 
+def ingest_coco(
+    coco: pathlib.Path, data_dir: pathlib.Path, *, shard_size: int = 10_000
+) -> pathlib.Path:
+    """The datasets of a ``write_coco_boxes`` COCO file ``coco``, in ``data_dir``: ``boxes``
+    (its instances, ``shard_size`` samples a shard), ``masked`` (the same, with masks) and
+    ``captions`` (its captions)."""
+    images = coco.parent / "images"
+    ingest(coco, data_dir, name="boxes", images=images, shard_size=shard_size)
+    ingest(coco, data_dir, name="masked", images=images, masks=True)
+    ingest(coco.parent / "captions.json", data_dir, name="captions", images=images)
+    return data_dir
+
+
 def start_server(data_dir: pathlib.Path, **overrides: object) -> BatchwireServer:
     settings: dict[str, object] = {
         "host": "localhost",

@@ -15,7 +15,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from conftest import start_server
+from conftest import ingest_coco, start_server
 from test_outputs import head_and_rest
 
 from batchwire.client import InvalidArgumentError, Mixture, RemoteLoader
@@ -43,13 +43,11 @@ SIZE = 96  # the detection pipeline's output side
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """``boxes`` (COCO instances: boxes and classes) and ``captions`` (COCO captions) of
-    the same 48 generated pictures, and ``plain``, images of classes without fields."""
+    """``boxes`` (COCO instances: boxes and classes), ``masked`` (the same, with masks) and
+    ``captions`` (COCO captions) of the same 48 generated pictures, and ``plain``, images of
+    classes without fields."""
     coco = write_coco_boxes(tmp_path_factory.mktemp("coco"), count=IMAGES, seed=5)
-    root = tmp_path_factory.mktemp("data")
-    ingest(coco, root, name="boxes", images=coco.parent / "images", shard_size=16)
-    ingest(coco.parent / "captions.json", root, name="captions", images=coco.parent / "images")
-    ingest(coco, root, name="masked", images=coco.parent / "images", masks=True)
+    root = ingest_coco(coco, tmp_path_factory.mktemp("data"), shard_size=16)
     plain = tmp_path_factory.mktemp("plain")
     write_image_folders(plain, per_class=PLAIN // 4, size=48, seed=1)
     ingest(plain, root, name="plain")

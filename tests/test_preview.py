@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import start_server
+from conftest import ingest_coco, start_server
 from PIL import Image, ImageDraw, ImageFont
 from test_outputs import PAIR
 
@@ -22,7 +22,7 @@ from batchwire.cli._preview import (
 from batchwire.cli._preview_layout import box_colour
 from batchwire.client import RemoteLoader
 from batchwire.server import BatchwireServer
-from batchwire.server.data import BOX_COLOURS, ingest, write_coco_boxes
+from batchwire.server.data import BOX_COLOURS, write_coco_boxes
 from batchwire.server.pipelines import PRESETS
 
 PARAMS = {"size": 48, "resize": 56}
@@ -159,10 +159,7 @@ def fields_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Batchwir
     generated pictures),
     served with the presets and ``pair``, a custom pipeline of named outputs."""
     coco = write_coco_boxes(tmp_path_factory.mktemp("coco"), count=16)
-    root = tmp_path_factory.mktemp("fields")
-    ingest(coco, root, name="boxes", images=coco.parent / "images")
-    ingest(coco, root, name="masked", images=coco.parent / "images", masks=True)
-    ingest(coco.parent / "captions.json", root, name="captions", images=coco.parent / "images")
+    root = ingest_coco(coco, tmp_path_factory.mktemp("fields"))
     server = start_server(root, pipelines={**PRESETS, "pair": PAIR})
     yield server
     server.stop(grace=1.0)
