@@ -53,8 +53,9 @@ def grayscale_jitter(
         images = fn.brightness_contrast(
             images,
             device=ctx.device,
-            brightness=fn.random.uniform(range=[1.0 - jitter, 1.0 + jitter]),
-            contrast=fn.random.uniform(range=[1.0 - jitter, 1.0 + jitter]),
+            # ctx.rng(): the draws a function of the batch, the same each time it is served
+            brightness=fn.random.uniform(range=[1.0 - jitter, 1.0 + jitter], **ctx.rng()),
+            contrast=fn.random.uniform(range=[1.0 - jitter, 1.0 + jitter], **ctx.rng()),
         )
-    mirror = fn.random.coin_flip(probability=params["flip"])
+    mirror = fn.random.coin_flip(probability=params["flip"], **ctx.rng())
     return ctx.finish(images, crop=(size, size), mirror=mirror), labels

@@ -106,7 +106,9 @@ def test_val_matches_a_pil_resize_and_centre_crop(photo_server) -> None:  # type
         assert np.percentile(difference, 99) <= 12
 
 
-def test_train_output_varies_and_keeps_shape(server: BatchwireServer) -> None:
+def test_train_output_varies_with_the_seed_and_keeps_shape(server: BatchwireServer) -> None:
+    """The same samples (no shuffling) under two seeds: other crops and flips; under one
+    seed twice: the same."""
     options = {
         "dataset": "shapes",
         "pipeline": "train",
@@ -114,7 +116,12 @@ def test_train_output_varies_and_keeps_shape(server: BatchwireServer) -> None:
         "shuffle": False,
         "normalize": False,
     }
-    first = next(iter(RemoteLoader(server.target, **options)))[0]  # type: ignore[arg-type]
-    second = next(iter(RemoteLoader(server.target, **options)))[0]  # type: ignore[arg-type]
-    assert first.shape == second.shape == (8, 3, 224, 224)
-    assert not np.array_equal(first.numpy(), second.numpy()), "random crop and flip differ per run"
+
+    def first(seed: int) -> np.ndarray:
+        with RemoteLoader(server.target, seed=seed, **options) as loader:  # type: ignore[arg-type]
+            return next(iter(loader))[0].numpy()
+
+    one, other, again = first(0), first(1), first(0)
+    assert one.shape == other.shape == (8, 3, 224, 224)
+    assert not np.array_equal(one, other), "another seed draws other crops and flips"
+    assert np.array_equal(one, again)

@@ -71,7 +71,7 @@ from batchwire.common.outputs import Payload
 from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.data.records import Records, StreamReadAhead
 from batchwire.server.errors import Draining, InvalidRequest
-from batchwire.server.runners import Job, Result, StageTimes, read_job
+from batchwire.server.runners import Job, Result, StageTimes, batch_entropy, read_job
 from batchwire.server.scheduling import Ticket
 
 __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
@@ -192,7 +192,10 @@ class BatchStream(Generic[P]):
             setup.ahead.follow(self.batch_ids)
 
     def _read(self, seq: int) -> Job[P]:
-        job: Job[P] = read_job(self._setup.dataset, seq, self._planned[seq].ids, self._setup.inputs)
+        ids = self._planned[seq].ids
+        plan = self._setup.plan
+        entropy = batch_entropy(plan.seed, plan.epoch, ids)
+        job: Job[P] = read_job(self._setup.dataset, seq, ids, self._setup.inputs, entropy)
         job.finish = functools.partial(self._finish, seq)
         return job
 

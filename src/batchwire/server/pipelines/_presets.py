@@ -31,10 +31,11 @@ def _train(encoded: Any, labels: Any, ctx: BuildContext, p: Mapping[str, float])
         random_area=[p["area_min"], p["area_max"]],
         random_aspect_ratio=[p["aspect_min"], p["aspect_max"]],
         num_attempts=100,
+        **ctx.rng(),
     )
     size = int(p["size"])
     images = fn.resize(images, device=ctx.device, resize_x=size, resize_y=size, antialias=True)
-    mirror = fn.random.coin_flip(probability=p["flip"])
+    mirror = fn.random.coin_flip(probability=p["flip"], **ctx.rng())
     return ctx.finish(images, mirror=mirror), labels
 
 
@@ -66,14 +67,14 @@ def _jitter(images: Any, ctx: BuildContext, p: Mapping[str, float]) -> Any:
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
-    apply = fn.cast(fn.random.coin_flip(probability=p["jitter"]), dtype=types.FLOAT)
-    gray = fn.cast(fn.random.coin_flip(probability=p["grayscale"]), dtype=types.FLOAT)
+    apply = fn.cast(fn.random.coin_flip(probability=p["jitter"], **ctx.rng()), dtype=types.FLOAT)
+    gray = fn.cast(fn.random.coin_flip(probability=p["grayscale"], **ctx.rng()), dtype=types.FLOAT)
 
     def factor(spread: float) -> Any:
-        drawn = fn.random.uniform(range=[max(0.0, 1.0 - spread), 1.0 + spread])
+        drawn = fn.random.uniform(range=[max(0.0, 1.0 - spread), 1.0 + spread], **ctx.rng())
         return 1.0 + apply * (drawn - 1.0)
 
-    hue = apply * fn.random.uniform(range=[-p["hue"] * 360.0, p["hue"] * 360.0])
+    hue = apply * fn.random.uniform(range=[-p["hue"] * 360.0, p["hue"] * 360.0], **ctx.rng())
     return fn.color_twist(
         images,
         device=ctx.device,
@@ -105,9 +106,11 @@ def _multicrop(
             random_area=[p[f"{kind}_area_min"], p[f"{kind}_area_max"]],
             random_aspect_ratio=[3 / 4, 4 / 3],
             antialias=True,
+            **ctx.rng(),
         )
         view = _jitter(view, ctx, p)
-        views[output.name] = ctx.finish(view, mirror=fn.random.coin_flip(probability=p["flip"]))
+        mirror = fn.random.coin_flip(probability=p["flip"], **ctx.rng())
+        views[output.name] = ctx.finish(view, mirror=mirror)
     return views
 
 
@@ -143,13 +146,14 @@ def _detection(
         thresholds=_SSD_THRESHOLDS,
         allow_no_crop=True,
         num_attempts=50,
+        **ctx.rng(),
     )
     images = fn.decoders.image_slice(
         encoded, anchor, window, **ctx.decoder_args(), output_type=types.RGB
     )
     size = int(p["size"])
     images = fn.resize(images, device=ctx.device, resize_x=size, resize_y=size, antialias=True)
-    flip = fn.random.coin_flip(probability=p["flip"])
+    flip = fn.random.coin_flip(probability=p["flip"], **ctx.rng())
     relative = fn.bb_flip(relative, ltrb=True, horizontal=flip)
     return {
         "images": ctx.finish(images, mirror=flip),
@@ -171,6 +175,7 @@ def _segmentation(
         fn.peek_image_shape(encoded),
         random_area=[p["area_min"], p["area_max"]],
         random_aspect_ratio=[p["aspect_min"], p["aspect_max"]],
+        **ctx.rng(),
     )
     images = fn.decoders.image(encoded, **ctx.decoder_args(), output_type=types.RGB)
     masks = fn.decoders.image(fields["mask"], device="cpu", output_type=types.GRAY)
@@ -181,7 +186,7 @@ def _segmentation(
     masks = fn.resize(
         masks, resize_x=size, resize_y=size, interp_type=types.INTERP_NN, antialias=False
     )
-    flip = fn.random.coin_flip(probability=p["flip"])
+    flip = fn.random.coin_flip(probability=p["flip"], **ctx.rng())
     masks = fn.flip(masks, horizontal=flip)
     return {"images": ctx.finish(images, mirror=flip), "mask": fn.squeeze(masks, axes=[2])}
 

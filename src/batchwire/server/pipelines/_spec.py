@@ -21,8 +21,10 @@ import importlib.util
 import pathlib
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from batchwire.common.params import ParamRange, check_params
 from batchwire.common.stream import LAYOUTS as WIRE_LAYOUTS
@@ -32,6 +34,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BuildContext",
+    "Draws",
     "Input",
     "Output",
     "OutputSpec",
@@ -88,6 +91,39 @@ class OutputSpec:
         return self.dtype != "uint8"
 
 
+class Draws:
+    """The random states of a pipeline's random operators, fed with each batch: one per
+    operator (:meth:`BuildContext.rng` hands them out as the graph is defined), drawn from
+    the batch's entropy (:meth:`states`). DALI seeds a random operator's batch from one
+    state (its first sample's) and each sample from it and the sample's place, so a batch
+    of the same samples in the same order is augmented the same wherever and whenever it
+    runs: on any server, after a failover or a resume, over any transport."""
+
+    # The uint32 words of one of DALI's random states (its Philox state, 25 bytes).
+    WORDS = 7
+
+    def __init__(self) -> None:
+        self._states: Any = None  # a DALI node: ``(count, WORDS)`` uint32 a sample
+        self.count = 0
+
+    def feed(self, states: Any) -> None:
+        """Take the operators' states from ``states``, the graph's input node of them."""
+        self._states = states
+
+    def next(self) -> Any:
+        """The state node of one more random operator."""
+        self.count += 1
+        return self._states[self.count - 1]
+
+    def states(self, entropy: Sequence[int], batch_size: int) -> list[np.ndarray]:
+        """The states of a batch of ``batch_size`` samples whose draws ``entropy`` fixes
+        (empty: fresh entropy, draws of their own), as ``fn.external_source`` takes them."""
+        seeds = np.random.SeedSequence(list(entropy) or None)
+        rows = seeds.generate_state(max(self.count, 1) * self.WORDS, np.uint32)
+        rows = rows.reshape(-1, self.WORDS)
+        return [rows] * batch_size
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BuildContext:
     """Where a pipeline's ops run and what it must emit.
@@ -104,6 +140,20 @@ class BuildContext:
     # The share of JPEGs for the GPU's hardware decoders, where it has them (DALI's 0.65
     # unless configured).
     hw_decoder_load: float = 0.65
+    # Where the graph's random operators take their states from: each batch's own (set
+    # while the server defines the graph, where DALI can take them). None: each operator
+    # draws from a seed of its own, as in DALI's own pipelines.
+    draws: Draws | None = None
+
+    def rng(self) -> dict[str, Any]:
+        """Keyword arguments that make a DALI random operator's draws a function of the
+        batch (its samples' ids, the stream's seed and epoch): pass them to every random
+        operator of a pipeline, ``fn.random.coin_flip(probability=0.5, **ctx.rng())``, and
+        a batch is augmented the same each time it is served. Empty where the server
+        cannot feed states (DALI before random states were operators' inputs)."""
+        if self.draws is None:
+            return {}
+        return {"_random_state": self.draws.next()}
 
     def decoder_args(self) -> dict[str, Any]:
         """Keyword arguments for a DALI image decoder: its device, and on the GPU the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from batchwire.server.runners._dali import fault_kind
 from batchwire.server.runners._health import FAULTS_IN_A_ROW, PipelineHealth
-from batchwire.server.runners._jobs import Job, Result, empty_result, read_job
+from batchwire.server.runners._jobs import Job, Result, batch_entropy, empty_result, read_job
 from batchwire.server.runners._keys import OutputRequest, RunnerKey, pipeline_named, runner_key
 from batchwire.server.runners._runner import Runner
 from batchwire.server.runners._stages import STAGES, StageTimes
@@ -26,6 +26,7 @@ __all__ = [
     "Runner",
     "RunnerKey",
     "StageTimes",
+    "batch_entropy",
     "empty_result",
     "fault_kind",
     "pipeline_named",

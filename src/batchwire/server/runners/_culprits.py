@@ -65,7 +65,9 @@ class Probe:
         if self._pipe is None:
             self._pipe = self._build(self._source)  # PipelineFault when it cannot be built
         meta = np.stack([np.zeros(len(images), np.int64), np.arange(len(images))], axis=1)
-        self._inputs[:] = [(images, labels, meta, *fields)]
+        # A probe's draws are its own (no entropy): whether a sample fails does not
+        # depend on them.
+        self._inputs[:] = [(images, labels, meta, *fields, ())]
         try:
             self._pipe.run()
         except Exception as exc:

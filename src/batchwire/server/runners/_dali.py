@@ -11,14 +11,17 @@ it, and :func:`error_line` its gist for a log line or a client's message.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import re
+import warnings
 from typing import Any
 
 import numpy as np
 
 from batchwire.server.errors import PipelineFault
-from batchwire.server.pipelines import BuildContext, PipelineSpec
+from batchwire.server.pipelines import BuildContext, Draws, PipelineSpec
 
 __all__ = [
     "build_pipeline",
@@ -104,26 +107,41 @@ def _define(
     ctx: BuildContext,
     source: Any,
 ) -> None:
-    """Define ``pipeline``'s graph on ``pipe``, fed by ``source``, and build it."""
+    """Define ``pipeline``'s graph on ``pipe``, fed by ``source``, and build it.
+
+    ``source`` returns a job's inputs (:meth:`Job.inputs`) and, last, the entropy of its
+    random draws: where DALI takes random states as inputs, they are fed beside the
+    inputs, one per random operator the graph takes from ``ctx.rng()`` (:class:`Draws`)."""
     import nvidia.dali.fn as fn
     import nvidia.dali.types as types
 
     kinds = {"int": types.INT64, "float": types.FLOAT}
+    drawn = random_states_fed()
+    draws = Draws() if drawn else None
+
+    def feed() -> tuple[Any, ...]:  # DALI takes a callable of no arguments, not a partial
+        return _feed(source, draws)
+
     with pipe:
         encoded, labels, meta, *fields = fn.external_source(
-            source=source,
-            num_outputs=3 + len(pipeline.inputs),
+            source=feed,
+            num_outputs=3 + len(pipeline.inputs) + drawn,
             batch=True,
             dtype=[types.UINT8, types.INT64, types.INT64]
-            + [kinds.get(i.kind, types.UINT8) for i in pipeline.inputs],
+            + [kinds.get(i.kind, types.UINT8) for i in pipeline.inputs]
+            + [types.UINT32] * drawn,
             # The fields' dimensions are the dataset's (boxes 2, their classes 1): found
             # in the first batch.
-            ndim=None if pipeline.inputs else [1, 0, 1],
+            ndim=None if pipeline.inputs else [1, 0, 1] + [2] * drawn,
             # The records are in a buffer read for this batch and never written again:
             # DALI reads them in place (and holds them until it has), no copy of its own;
             # a job's fields are arrays of its own, likewise.
             no_copy=True,
         )
+        if draws is not None:
+            *fields, states = fields
+            draws.feed(states)
+            ctx = dataclasses.replace(ctx, draws=draws)
         if pipeline.inputs:
             named = {i.name: node for i, node in zip(pipeline.inputs, fields, strict=True)}
             made = pipeline.function(encoded, labels, ctx, params, named)
@@ -141,7 +159,31 @@ def _define(
                 )
             # The samples' labels pass through, as a one-output pipeline's do.
             pipe.set_outputs(*(made[o.name] for o in pipeline.outputs), labels, meta)
-    pipe.build()
+    with warnings.catch_warnings():
+        # A graph without random operators leaves the states unused: DALI warns of it.
+        warnings.filterwarnings("ignore", message="The external source node .* is not used")
+        pipe.build()
+
+
+def _feed(source: Any, draws: Draws | None) -> tuple[Any, ...]:
+    """``source``'s inputs for DALI: its entropy turned into the batch's random states
+    where the graph takes them (``draws``), else left out."""
+    *inputs, entropy = source()
+    if draws is None:
+        return tuple(inputs)
+    return (*inputs, draws.states(entropy, len(inputs[1])))
+
+
+@functools.cache
+def random_states_fed() -> bool:
+    """Whether DALI's random operators take their states as inputs (DALI 2's
+    ``_random_state``): then a batch's draws are a function of the batch."""
+    from nvidia.dali import backend
+
+    try:
+        return bool(backend.GetSchema("random__CoinFlip").HasRandomStateArg())
+    except AttributeError:
+        return False
 
 
 def encoded_batch(images: list[np.ndarray]) -> Any:

@@ -8,6 +8,7 @@ the job's ``finish`` makes of that result.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -18,7 +19,15 @@ from batchwire.common.outputs import TEXT_SEPARATOR, Payload, none_of
 from batchwire.server.data.records import Records
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["Job", "Result", "empty_result", "field_arrays", "keep", "read_job"]
+__all__ = [
+    "Job",
+    "Result",
+    "batch_entropy",
+    "empty_result",
+    "field_arrays",
+    "keep",
+    "read_job",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +46,9 @@ class Job(Generic[P]):
     # The dataset fields its pipeline takes (PipelineSpec.inputs, in order): for each, one
     # array a sample (:func:`field_arrays`).
     fields: tuple[list[np.ndarray], ...] = ()
+    # What fixes its random draws (:class:`~batchwire.server.pipelines.Draws`): a stream's
+    # seed, epoch and the batch's ids (:func:`batch_entropy`); empty: draws of its own.
+    entropy: tuple[int, ...] = ()
     attempts: int = 0
     # Called with the job's Result while its images are a view of DALI's output buffer
     # (valid only until the pipeline's next run): what it returns is what the runner
@@ -46,11 +58,12 @@ class Job(Generic[P]):
     finish: Callable[[Result], P] | None = None
 
     def inputs(self) -> tuple[Any, ...]:
-        """What ``fn.external_source`` hands DALI for this job: the encoded images (which
-        the runner passes as one DALI batch, ``encoded_batch``), the labels, one
-        ``(seq, id)`` row per sample that names its output, and the fields."""
+        """What the pipeline's feed takes for this job: the encoded images (which the
+        runner passes as one DALI batch, ``encoded_batch``), the labels, one ``(seq, id)``
+        row per sample that names its output, the fields, and last the entropy of its
+        random draws (which the feed makes DALI's random states)."""
         meta = np.stack([np.full(len(self.ids), self.seq, np.int64), self.ids], axis=1)
-        return (self.images, self.labels, meta, *self.fields)
+        return (self.images, self.labels, meta, *self.fields, self.entropy)
 
     def only(self, keep: list[int], skipped: list[int]) -> Job[P]:
         """This job with only the samples at positions ``keep``, ``skipped`` added to the
@@ -110,18 +123,34 @@ def empty_result(
     )
 
 
+def batch_entropy(seed: int, epoch: int, ids: np.ndarray) -> tuple[int, ...]:
+    """What fixes the random draws of a batch of ``ids`` in ``(seed, epoch)``: the same
+    samples in the same order draw the same, on any server and over any transport."""
+    digest = hashlib.blake2b(np.asarray(ids, "<i8").tobytes(), digest_size=16).digest()
+    return (seed, epoch, int.from_bytes(digest, "little"))
+
+
 def read_job(
-    dataset: Records, seq: int, ids: np.ndarray, inputs: Sequence[tuple[str, str]] = ()
+    dataset: Records,
+    seq: int,
+    ids: np.ndarray,
+    inputs: Sequence[tuple[str, str]] = (),
+    entropy: tuple[int, ...] = (),
 ) -> Job[Any]:
     """Batch ``seq``'s job: the records of ``ids`` that may reach a pipeline, read and
     screened by the record path (:meth:`Dataset.read_screened`), with the fields
     ``inputs`` names (name, kind) where the pipeline takes some; the rest in
-    ``Job.skipped`` (also a sample whose field is missing or malformed)."""
+    ``Job.skipped`` (also a sample whose field is missing or malformed). ``entropy``
+    fixes its random draws (:func:`batch_entropy`)."""
     if not inputs:
         kept, images, labels, skipped = dataset.read_screened(ids)
-        return Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)
+        return Job(
+            seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy
+        )
     kept, images, labels, skipped, values = dataset.read_screened_fields(ids)
-    job: Job[Any] = Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped)
+    job: Job[Any] = Job(
+        seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy
+    )
     arrays, bad = field_arrays(dataset.name, kept, values, inputs)
     keep = [i for i in range(len(kept)) if i not in bad]
     job = job.only(keep, [int(kept[i]) for i in sorted(bad)])
