@@ -331,6 +331,7 @@ class Engine:
             batches_failed=health.batches_failed(),
             devices=health.devices(),
             readahead=None if self.readahead is None else self.readahead.stats(),
+            pipeline_slots=len(self.devices.device_ids) * self.config.pipelines_per_device,
         )
 
     def broken_devices(self) -> dict[str, str]:

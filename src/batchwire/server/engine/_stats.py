@@ -34,3 +34,6 @@ class EngineStats:
     """Every device the pipelines ran on (``cpu`` or a GPU's id), and whether it is healthy."""
     readahead: ReadAheadStats | None
     """What the read-ahead did and holds, or None where the server reads nothing ahead."""
+    pipeline_slots: int = 0
+    """The scheduler's pipeline slots (``pipelines_per_device`` for each device): what
+    ``busy_seconds`` can add up to per second."""

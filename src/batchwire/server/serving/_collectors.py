@@ -8,6 +8,9 @@ the read-ahead.
 ``batchwire_pipeline_busy_seconds_total``  counter    slot seconds spent on each
                                                       ``pipeline``'s batches (the fair
                                                       share's measure)
+``batchwire_pipeline_slots``               gauge      pipeline slots (per device times
+                                                      devices): busy seconds per second
+                                                      divided by it is how busy they are
 ``batchwire_pipeline_builds_total``        counter    pipelines built, by ``pipeline``
 ``batchwire_pipeline_build_seconds_total`` counter    seconds spent building them
 ``batchwire_pipeline_evictions_total``     counter    built pipelines a slot dropped to
@@ -114,6 +117,12 @@ def _slots(stats: EngineStats) -> Iterator[Metric]:
     for pipeline, (count, seconds) in sorted(stats.queue_waits.items()):
         summary.add_metric((pipeline,), count, seconds)
     yield summary
+    yield GaugeMetricFamily(
+        "batchwire_pipeline_slots",
+        "Pipeline slots (pipelines_per_device for each device): the rate of "
+        "batchwire_pipeline_busy_seconds_total divided by this is how busy they are.",
+        value=stats.pipeline_slots,
+    )
     yield _family(
         GaugeMetricFamily,
         "batchwire_queued_batches",

@@ -29,6 +29,10 @@ itself discovered or configured, so a hostile client cannot grow the label sets)
                                                              DALI run, message build)
 ``batchwire_client_wait_seconds``                 histogram  time one batch waited for the client
                                                              to take it (gRPC flow control)
+``batchwire_stream_seconds_total``,              counter    stream-seconds open, and those with a
+``batchwire_stream_waiting_seconds_total``                   batch asked for and none ready (the
+                                                             client waited on this server): see
+                                                             :mod:`._stream_times`
 ``batchwire_stage_seconds_total``                 counter    seconds the pipelines' threads spent,
                                                              by ``stage``: ``read`` (LMDB, parse,
                                                              screen), ``pipeline`` (DALI's run),
@@ -71,6 +75,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from batchwire.server.engine import EngineStats
 from batchwire.server.serving._collectors import EngineCollector
+from batchwire.server.serving._stream_times import StreamTimes
 
 __all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
 
@@ -94,6 +99,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._add_stream_metrics(self.registry)
         self._add_server_metrics(self.registry)
+        # Stream-seconds open and waiting on the pipelines, counted up to each scrape.
+        self.stream_times = StreamTimes()
+        self.registry.register(self.stream_times)
 
     def _add_stream_metrics(self, r: CollectorRegistry) -> None:
         """The per-stream metrics, all labelled by dataset and pipeline."""

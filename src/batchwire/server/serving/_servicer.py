@@ -43,6 +43,7 @@ from batchwire.server.serving._messages import (
 )
 from batchwire.server.serving._metrics import ServerMetrics
 from batchwire.server.serving._shared_memory import RingBroker, SharedRing
+from batchwire.server.serving._stream_times import StreamClock
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts, serve_stream
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -127,7 +128,7 @@ def _ends_with_status(doing: str) -> Callable[[_Handler[_Reply]], _Handler[_Repl
     return decorate
 
 
-def _want(stream: BatchStream[EncodedBatch], indices: Sequence[int]) -> None:
+def _want(stream: BatchStream[EncodedBatch], indices: Sequence[int], clock: StreamClock) -> None:
     """A pulling client asks for ``indices``: OverCapacity beyond MAX_PULL_AHEAD waiting."""
     waiting = stream.waiting + len(indices)
     if waiting > MAX_PULL_AHEAD:
@@ -136,6 +137,8 @@ def _want(stream: BatchStream[EncodedBatch], indices: Sequence[int]) -> None:
             f"{MAX_PULL_AHEAD}: ask for more as batches arrive"
         )
     stream.want(indices)
+    if indices:
+        clock.asked()
 
 
 class BatchwireServicer(pb_grpc.BatchwireServicer):
@@ -268,7 +271,8 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
             encode = self._encode if link is None else link.encoder(self._encode)
             encode = encode if ring is None else ring.encoder(encode)
             stream = await self._open(spec, None, encode)
-            reading = asyncio.create_task(self._read_wants(first, requests, stream, ring))
+            clock = self._metrics.stream_times.clock(spec.name, spec.pipeline)
+            reading = asyncio.create_task(self._read_wants(first, requests, stream, ring, clock))
             try:
                 await serve_stream(
                     stream,
@@ -280,9 +284,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                     shared_memory=ring is not None,
                     bulk=None if link is None else link.send,
                     metadata=metadata,
+                    clock=clock,
                 )
             finally:
                 reading.cancel()
+                clock.close()  # serve_stream did, unless it failed to start
         finally:
             if link is not None:
                 assert self._bulk is not None
@@ -307,11 +313,12 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         requests: AsyncIterator[pb.PullRequest | Malformed],
         stream: BatchStream[EncodedBatch],
         ring: SharedRing | None,
+        clock: StreamClock,
     ) -> None:
-        """Hand a pulling client's requests to its stream until it half-closes; a bad one
-        ends the stream with its status."""
+        """Hand a pulling client's requests to its stream (and tell its ``clock`` a batch
+        is asked for) until it half-closes; a bad one ends the stream with its status."""
         try:
-            _want(stream, first.batches)
+            _want(stream, first.batches, clock)
             async for message in requests:
                 check_message(message)
                 assert not isinstance(message, Malformed)
@@ -324,7 +331,7 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                             "batches in their messages"
                         )
                     ring.release(message.released_buffers)
-                _want(stream, message.batches)
+                _want(stream, message.batches, clock)
             # A client that cancels ends the requests too; its cancellation comes from gRPC
             # with the same reads, so one turn of the loop lets it land before the stream
             # ends as if finished (the end line would say OK, not CANCELLED).

@@ -32,6 +32,7 @@ from batchwire.common.tensors import to_proto
 from batchwire.server.engine import Batch, BatchStream
 from batchwire.server.serving._messages import Lane, status_for
 from batchwire.server.serving._metrics import ServerMetrics
+from batchwire.server.serving._stream_times import StreamClock
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
@@ -238,6 +239,7 @@ async def serve_stream(
     shared_memory: bool = False,
     bulk: Callable[[np.ndarray], Awaitable[None]] | None = None,
     metadata: Sequence[tuple[str, str | bytes]] = (),
+    clock: StreamClock | None = None,
 ) -> None:
     """Write the stream's batches until its end, and close it: the batches of ``lane``
     (asked for as the stream opened), or, with None, a pulled stream's (its client asks
@@ -247,7 +249,9 @@ async def serve_stream(
     write loop, and this handler's cleanup runs in its own task rather than when an
     abandoned generator is garbage-collected. A pulled stream's initial metadata is
     ``metadata`` (grants of shared memory, with ``shared_memory``, and of a bulk
-    connection, whose ``bulk`` sends a batch's images there once its message is written)."""
+    connection, whose ``bulk`` sends a batch's images there once its message is written).
+    ``clock`` times the stream's waits (a pulled stream's, made when it opened, which its
+    requests tell when batches are asked for); closed here."""
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
@@ -255,6 +259,8 @@ async def serve_stream(
     sources = [source.dataset for source in spec.sources]
     metrics = StreamMetrics(server_metrics, spec.name, spec.pipeline, sources)
     metrics.opened()
+    if clock is None:
+        clock = server_metrics.stream_times.clock(spec.name, spec.pipeline)
     progress = _Progress()
     status = "CANCELLED"  # unless the loop ends otherwise: the client went away
     started = time.monotonic()
@@ -264,7 +270,7 @@ async def serve_stream(
             # only now: a server that is down or refuses never holds any. Inside the
             # try: a client gone by now still gets its stream closed below.
             await context.send_initial_metadata(metadata)
-        await _write_batches(stream, context, metrics, expected, progress, bulk)
+        await _write_batches(stream, context, metrics, clock, expected, progress, bulk)
         status = "OK"
     except Exception as exc:  # the handler's decorator ends the call with its status
         status = status_for(exc).name
@@ -273,6 +279,7 @@ async def serve_stream(
         if status == "CANCELLED" and progress.last_write:
             status = "OK"  # the client had every batch and hung up before the end
         metrics.closed(status)
+        clock.close()
         _log_end(fields, spec, progress, time.monotonic() - started, status)
         # Runs on cancellation too: the pipeline drains and returns to the pool. A
         # cancellation arriving during this await ends the handler here (the shielded
@@ -284,6 +291,7 @@ async def _write_batches(
     stream: BatchStream[EncodedBatch],
     context: grpc.aio.ServicerContext,
     metrics: StreamMetrics,
+    clock: StreamClock,
     expected: int | None,
     progress: _Progress,
     bulk: Callable[[np.ndarray], Awaitable[None]] | None,
@@ -292,9 +300,15 @@ async def _write_batches(
     that go on the bulk connection, there after its message)."""
     while True:
         computing = time.perf_counter()
-        # The stream hands out its batches encoded (encode_parts, given when it was
-        # opened), their images copied once, from DALI's buffer into the messages.
-        encoded = await stream.next_async()
+        # The client waits on this server from now, if it asked for a batch, until the
+        # batch is here: the measure of trainers waiting (batchwire_stream_waiting_seconds).
+        clock.awaiting(stream.waiting > 0)
+        try:
+            # The stream hands out its batches encoded (encode_parts, given when it was
+            # opened), their images copied once, from DALI's buffer into the messages.
+            encoded = await stream.next_async()
+        finally:
+            clock.took()
         if encoded is None:
             return
         metrics.produced(time.perf_counter() - computing, encoded.skipped)

@@ -1,0 +1,165 @@
+"""The metrics an autoscaler reads: whether trainers wait on a server
+(``batchwire_stream_waiting_seconds_total`` over ``batchwire_stream_seconds_total``) and how
+busy its pipelines are (``batchwire_pipeline_busy_seconds_total`` over
+``batchwire_pipeline_slots``), read from a real server's ``/metrics`` under a load larger than
+it can serve and under a light one, as docs/operations.md says they differ; and the
+Prometheus adapter's rules (deploy/k8s/autoscaling) evaluated by Prometheus' own ``promtool``
+over those scrapes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from conftest import start_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchwire.server import BatchwireServer
+from batchwire.server.serving._stream_times import StreamTimes
+from benchmarks.autoscale import Demand, Load, demand
+
+# What docs/operations.md says: above these, add a server (the HPA's targets) ...
+WAITING_TARGET = 0.5
+BUSY_TARGET = 0.7
+# ... and, of a fleet of two, one can go while both stay below half of them.
+
+
+# -- the clock of stream-seconds, on a clock the test turns --------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stream_seconds_count_open_streams_up_to_the_scrape_and_waits_only_for_asked_batches() -> (
+    None
+):
+    clock = Clock()
+    times = StreamTimes(clock)
+    lane = times.clock("shapes", "val")  # every batch asked for at open
+    pulled = times.clock("shapes", "val")  # its client asks as it goes
+    other = times.clock("photos", "train")
+    clock.now += 2.0
+    lane.awaiting(asked=True)
+    pulled.awaiting(asked=False)  # nothing asked yet: the client is not waiting on us
+    clock.now += 1.0
+    assert times.totals() == {("shapes", "val"): (6.0, 1.0), ("photos", "train"): (3.0, 0.0)}
+    pulled.asked()  # now it waits
+    clock.now += 0.5
+    pulled.asked()  # asking for more while waiting starts nothing new
+    clock.now += 0.5
+    lane.took()
+    pulled.took()
+    pulled.asked()  # asked while not awaiting (the handler is writing): no wait yet
+    clock.now += 4.0
+    assert times.totals()[("shapes", "val")] == (16.0, 3.0)
+    lane.close()
+    lane.close()  # idempotent
+    other.awaiting(asked=True)
+    clock.now += 1.0
+    other.close()  # a wait the stream's end cuts short counts up to the end
+    clock.now += 10.0
+    assert times.totals() == {("shapes", "val"): (27.0, 3.0), ("photos", "train"): (9.0, 1.0)}
+    pulled.close()
+    clock.now += 10.0  # closed streams count no more
+    assert times.totals() == {("shapes", "val"): (27.0, 3.0), ("photos", "train"): (9.0, 1.0)}
+    families = {f.name: f for f in times.collect()}
+    assert {s.name for s in families["batchwire_stream_seconds"].samples} == {
+        "batchwire_stream_seconds_total"
+    }
+    waiting = {
+        (s.labels["dataset"], s.labels["pipeline"]): s.value
+        for s in families["batchwire_stream_waiting_seconds"].samples
+    }
+    assert waiting == {("shapes", "val"): 3.0, ("photos", "train"): 1.0}
+
+
+# -- a real server, overloaded and then nearly idle ----------------------------------------
+
+
+def scrape_text(server: BatchwireServer) -> str:
+    assert server.metrics_port is not None
+    url = f"http://localhost:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The samples of a scrape by name: (labels, value)."""
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return found
+
+
+class Phase:
+    """Two scrapes of one server ``seconds`` apart under a load, and what they say."""
+
+    def __init__(self, first: str, second: str, seconds: float) -> None:
+        self.first, self.second, self.seconds = first, second, seconds
+        self.demand: Demand = demand(samples(first), samples(second), seconds)
+
+
+def measure(server: BatchwireServer, load: Load, seconds: float) -> Phase:
+    with load:
+        load.wait_for_batches(3)  # every trainer streams
+        first = scrape_text(server)
+        started = time.monotonic()
+        load.wait_for_batches(3 + load.trainers * 10)
+        while time.monotonic() - started < seconds:
+            time.sleep(0.1)
+        second = scrape_text(server)
+        elapsed = time.monotonic() - started
+    return Phase(first, second, elapsed)
+
+
+@pytest.fixture(scope="module")
+def phases(data_dir: pathlib.Path) -> Iterator[dict[str, Phase]]:
+    """The same server under 4 trainers that take batches as fast as they come (more than it
+    can make) and then under one that takes a batch every 0.2 s."""
+    server = start_server(data_dir, metrics_port=0, num_threads=1)
+    options = {"dataset": "shapes", "pipeline": "train", "batch_size": 16, "params": {"size": 96}}
+    try:
+        yield {
+            "overloaded": measure(server, Load(server.target, 4, pause=0.0, **options), 5.0),
+            "light": measure(server, Load(server.target, 1, pause=0.2, **options), 5.0),
+        }
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_an_overloaded_and_a_lightly_loaded_server_differ_as_documented(
+    phases: dict[str, Phase],
+) -> None:
+    overloaded, light = phases["overloaded"].demand, phases["light"].demand
+    # The series exist with the labels the docs and the adapter's rules use.
+    names = samples(phases["light"].second)
+    for name in (
+        "batchwire_stream_seconds_total",
+        "batchwire_stream_waiting_seconds_total",
+        "batchwire_pipeline_busy_seconds_total",
+    ):
+        assert {tuple(sorted(labels)) for labels, _ in names[name]} >= {
+            ("dataset", "pipeline") if "stream" in name else ("pipeline",)
+        }, name
+    ((labels, slots),) = names["batchwire_pipeline_slots"]
+    assert labels == {} and slots == 2  # pipelines_per_device (2) on the one CPU device
+    # Open stream-seconds: the trainers' streams were open (a loader holds one a server
+    # during its pass; between passes, briefly, none).
+    assert overloaded.open_streams > 0 and light.open_streams > 0
+    assert 0 <= overloaded.waiting_share <= 1 and 0 <= light.waiting_share <= 1
+    # Overloaded: trainers wait most of the time and the pipelines have no room: add a server.
+    assert overloaded.waiting_share > WAITING_TARGET, overloaded
+    assert overloaded.busy_share > BUSY_TARGET, overloaded
+    # Light: trainers hardly wait and the pipelines idle: of two such servers, one can go.
+    assert light.waiting_share < WAITING_TARGET / 2, light
+    assert light.busy_share < BUSY_TARGET / 2, light
