@@ -279,7 +279,7 @@ def test_bisection_finds_every_culprit_of_a_batch(
     assert [r.seq for r in results] == [0, 1, 2, 3]
     for result in results:
         culprits = {result.seq * 16 + i for i in bad.get(result.seq, ())}
-        assert set(result.skipped) == culprits
+        assert set(result.skipped_ids) == culprits
         assert (
             set(result.ids.tolist()) == set(range(result.seq * 16, result.seq * 16 + 16)) - culprits
         )

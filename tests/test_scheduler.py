@@ -19,7 +19,7 @@ import pytest
 from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
 from batchwire.server.engine import Engine
-from batchwire.server.runners import Job, Result, RunnerKey
+from batchwire.server.runners import Batch, Job, RunnerKey
 from batchwire.server.scheduling import Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -34,9 +34,11 @@ class EchoRunner:
 
     healthy = True
 
-    def run(self, jobs: Iterator[Job], first: int = 0) -> Iterator[Result]:
+    def run(self, jobs: Iterator[Job], first: int = 0) -> Iterator[Batch]:
         for job in jobs:
-            yield Result(job.seq, job.ids, np.zeros((len(job.ids), 1)), job.labels, ())
+            yield Batch(
+                seq=job.seq, ids=job.ids, images=np.zeros((len(job.ids), 1)), labels=job.labels
+            )
 
 
 class Reads:
@@ -72,7 +74,7 @@ def held() -> Iterator[tuple[threading.Event, Scheduler]]:
     scheduler.close()
 
 
-def take(ticket: Ticket, seq: int) -> Result | None:
+def take(ticket: Ticket, seq: int) -> Batch | None:
     """Batch ``seq`` of the ticket, once run; asks for one more, as a stream does."""
     result = ticket.future(seq).result(timeout=30)
     ticket.more()

@@ -46,8 +46,8 @@ from batchwire.server.engine._preprocess_request import (
 from batchwire.server.errors import Draining, InvalidRequest, OverCapacity, PipelineFault
 from batchwire.server.pipelines import PipelineSpec
 from batchwire.server.runners import (
+    Batch,
     Job,
-    Result,
     RunnerKey,
     StageTimes,
     pipeline_named,
@@ -335,7 +335,7 @@ class PreprocessBatcher:
         future.add_done_callback(lambda done: self._finish(queue, parts, done))
 
     def _finish(
-        self, queue: _Queue, parts: list[_Part], done: concurrent.futures.Future[Result | None]
+        self, queue: _Queue, parts: list[_Part], done: concurrent.futures.Future[Batch | None]
     ) -> None:
         """A batch came back (on the pipeline's thread): its rows go to their requests."""
         try:
@@ -360,13 +360,13 @@ class PreprocessBatcher:
             queue.running -= 1
             queue.wake.notify_all()
 
-    def _split(self, parts: list[_Part], result: Result) -> None:
+    def _split(self, parts: list[_Part], result: Batch) -> None:
         with self._lock:
             self.batches_run += 1
             self.images_run += sum(len(part.images) for part in parts)
         assert isinstance(result.images, np.ndarray)  # Preprocess refuses named outputs
         rows = dict(zip(result.ids.tolist(), result.images, strict=True))
-        skipped = set(result.skipped)
+        skipped = set(result.skipped_ids)
         start = 0
         for part in parts:
             for k in range(len(part.images)):

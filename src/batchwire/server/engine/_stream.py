@@ -24,9 +24,10 @@ here (each line a call, with the thread it runs in and what it hands on)::
               BatchStream._read           back up into this stream
                 read_job                  down to the records: Dataset.read_screened
                                           (pread, Datum walk, screen): a Job
-        Runner._result                  DALI's output a Result, images a view of its buffer
+        Runner._result                  DALI's output a Batch, images a view of its buffer
           Job.finish                    back up into this stream: BatchStream._finish
-            encode                      a Batch, through StageTimes "encode", to serving's
+            encode                      the Batch with the stream's place and format, through
+                                        StageTimes "encode", to serving's
                                         encoder: encode_parts or SharedRing.encode, the
                                         one copy of the pixels: the EncodedBatch the
                                         runner yields
@@ -41,8 +42,9 @@ here (each line a call, with the thread it runs in and what it hands on)::
 
 That is about 20 calls over 18 of the server's files (and 3 of ``batchwire.common``),
 4 thread hand-offs (the event loop to a slot, the slot to DALI's own threads and back,
-the slot to the event loop by a future), and 8 types: PullRequest, PlannedBatch, Job,
-DALI's output, Result, Batch, EncodedBatch, the message bytes. A batch keeps one number,
+the slot to the event loop by a future), and 7 types: PullRequest, PlannedBatch, Job,
+DALI's output, Batch (the runner's, which the stream completes), EncodedBatch, the message
+bytes. A batch keeps one number,
 its ``seq`` in the stream, from its request to its result. Three calls go up a layer,
 each to a function handed down at construction (the seams of docs/development.md): DALI's
 input reads through the stream's reader, the runner finishes through the stream's
@@ -67,11 +69,10 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from batchwire.common.mixture import MixturePlan, split_ids
-from batchwire.common.outputs import Payload
 from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.data.records import Records, StreamReadAhead
 from batchwire.server.errors import Draining, InvalidRequest
-from batchwire.server.runners import Job, Result, StageTimes, batch_entropy, read_job
+from batchwire.server.runners import Batch, Job, StageTimes, batch_entropy, keep, read_job
 from batchwire.server.scheduling import Ticket
 
 __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
@@ -81,34 +82,8 @@ P = TypeVar("P")  # what the stream hands out for each batch (its encode's retur
 _POLL_S = 0.25  # how often a stream waiting for requests or results checks for a drain
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """One batch of a stream, as a pipeline's output buffer holds it (``images`` may be a
-    view of DALI's buffer inside a stream's ``encode``; a stream without one hands out
-    Batches that own their memory)."""
-
-    index: int
-    ids: np.ndarray
-    images: np.ndarray | Payload
-    labels: np.ndarray
-    cursor: int
-    skipped_ids: tuple[int, ...]
-    normalized: bool
-    num_batches: int
-    layout: str
-    # A mixture's: samples of each of its sources in this batch (empty for one dataset).
-    source_counts: tuple[int, ...] = ()
-    # A pipeline with named outputs: their heads; ``images`` is then their payload
-    # (``batchwire.common.outputs``).
-    outputs: tuple[Any, ...] = ()
-
-
-def own(batch: Batch) -> Batch:
-    """``batch`` with images of its own: the encode of a stream that hands out Batches."""
-    images = batch.images  # a payload of named outputs is copied by being made an array
-    return dataclasses.replace(
-        batch, images=np.asarray(images) if isinstance(images, Payload) else np.array(images)
-    )
+# The encode of a stream that hands out Batches: each with images of its own.
+own = keep
 
 
 def share_batches(plan: Plan) -> range:
@@ -199,26 +174,22 @@ class BatchStream(Generic[P]):
         job.finish = functools.partial(self._finish, seq)
         return job
 
-    def _finish(self, seq: int, result: Result) -> P:
+    def _finish(self, seq: int, batch: Batch) -> P:
         planned = self._planned[seq]
         plan = self._setup.plan
         source_counts: tuple[int, ...] = ()
         if isinstance(plan, MixturePlan):
-            sources = split_ids(result.ids, plan.sizes)[0]
+            sources = split_ids(batch.ids, plan.sizes)[0]
             source_counts = tuple(np.bincount(sources, minlength=len(plan.sizes)).tolist())
         return self._encode(
-            Batch(
+            dataclasses.replace(
+                batch,
                 index=planned.index,
-                ids=result.ids,
-                images=result.images,
-                labels=result.labels,
                 cursor=planned.end,
-                skipped_ids=result.skipped,
-                normalized=self._setup.normalized,
                 num_batches=plan.num_batches,
+                normalized=self._setup.normalized,
                 layout=self._setup.layout,
                 source_counts=source_counts,
-                outputs=result.outputs,
             )
         )
 

@@ -1,5 +1,5 @@
-"""What a pipeline runs and what comes out: a :class:`Job`, its :class:`Result`, and what
-the job's ``finish`` makes of that result.
+"""What a pipeline runs and what comes out: a :class:`Job`, its :class:`Batch`, and what
+the job's ``finish`` makes of that batch.
 
 :func:`read_job` makes a batch's job from the record path's output
 (:meth:`Dataset.read_screened`: its records read from LMDB, parsed and screened).
@@ -20,8 +20,8 @@ from batchwire.server.data.records import Records
 from batchwire.v1 import batchwire_pb2 as pb
 
 __all__ = [
+    "Batch",
     "Job",
-    "Result",
     "batch_entropy",
     "empty_result",
     "field_arrays",
@@ -38,7 +38,7 @@ P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's m
 class Job(Generic[P]):
     """A batch to run: ``ids[i]`` is encoded as ``images[i]`` with ``labels[i]``."""
 
-    seq: int  # the batch's number in its stream (its ticket's), kept by its Result
+    seq: int  # the batch's number in its stream (its ticket's), kept by its Batch
     ids: np.ndarray
     images: list[np.ndarray]
     labels: np.ndarray
@@ -50,12 +50,12 @@ class Job(Generic[P]):
     # seed, epoch and the batch's ids (:func:`batch_entropy`); empty: draws of its own.
     entropy: tuple[int, ...] = ()
     attempts: int = 0
-    # Called with the job's Result while its images are a view of DALI's output buffer
+    # Called with the job's Batch while its images are a view of DALI's output buffer
     # (valid only until the pipeline's next run): what it returns is what the runner
     # yields for the job. This is how a stream's messages are built with the images
-    # copied once, from DALI's buffer into the message. None: :func:`keep`, a Result
+    # copied once, from DALI's buffer into the message. None: :func:`keep`, a Batch
     # that owns its images.
-    finish: Callable[[Result], P] | None = None
+    finish: Callable[[Batch], P] | None = None
 
     def inputs(self) -> tuple[Any, ...]:
         """What the pipeline's feed takes for this job: the encoded images (which the
@@ -78,26 +78,43 @@ class Job(Generic[P]):
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Result:
-    """A job's output as its ``finish`` sees it: ``images`` may be a view of DALI's output
-    buffer, valid only during the call (:func:`keep` copies it); ``labels`` own their
-    memory. A pipeline with named outputs puts them in ``images`` as one payload, which
-    ``outputs`` describes (``batchwire.common.outputs``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Batch:
+    """One batch from the pipeline's output to the stream's encoder: what the runner makes
+    of a job's output (:meth:`Runner.run`), and what the stream adds of it, its place in the
+    share (``index``, ``cursor``, ``num_batches``) and format (``normalized``, ``layout``),
+    before the encoder makes it messages (:meth:`BatchStream._finish`).
 
-    seq: int
+    ``images`` may be a view of DALI's output buffer inside a job's ``finish``, valid only
+    during the call (:func:`keep` copies it); ``labels`` own their memory. A pipeline with
+    named outputs puts them in ``images`` as one payload, which ``outputs`` describes
+    (``batchwire.common.outputs``)."""
+
     ids: np.ndarray
     images: np.ndarray | Payload
     labels: np.ndarray
-    skipped: tuple[int, ...]
+    skipped_ids: tuple[int, ...] = ()  # left out (undecodable, bad fields)
+    seq: int = 0  # its number in its stream (its job's)
     outputs: tuple[pb.Tensor, ...] = ()
+    # The stream's: its batch of the share, the share's cursor after it, how many batches
+    # the share holds, and how its images travel.
+    index: int = 0
+    cursor: int = 0
+    num_batches: int = 0
+    normalized: bool = False
+    layout: str = "NCHW"
+    # A mixture's: samples of each of its sources in this batch (empty for one dataset).
+    source_counts: tuple[int, ...] = ()
 
 
-def keep(result: Result) -> Result:
-    """``result`` with images that own their memory: a job's ``finish`` by default."""
-    if isinstance(result.images, np.ndarray) and result.images.flags.owndata:
-        return result
-    return dataclasses.replace(result, images=np.array(result.images))
+def keep(batch: Batch) -> Batch:
+    """``batch`` with images that own their memory: a job's ``finish`` by default (a
+    payload of named outputs is copied by being made an array)."""
+    images = batch.images
+    if isinstance(images, np.ndarray) and images.flags.owndata:
+        return batch
+    copy = np.asarray(images) if isinstance(images, Payload) else np.array(images)
+    return dataclasses.replace(batch, images=copy)
 
 
 def empty_result(
@@ -105,20 +122,20 @@ def empty_result(
     sample_shape: tuple[int, ...] = (),
     dtype: np.dtype | type = np.uint8,
     outputs: tuple[pb.Tensor, ...] = (),
-) -> Result:
-    """The result of a job none of whose samples is left to run: no images, of shape
+) -> Batch:
+    """The batch of a job none of whose samples is left to run: no images, of shape
     ``(0, *sample_shape)``; a pipeline with named outputs gives each of them with no
     samples (``outputs``: their heads, as a batch that ran gave them)."""
     if outputs:
         images = np.zeros((0,), dtype=np.uint8)  # an empty payload
     else:
         images = np.zeros((0, *sample_shape), dtype=dtype)
-    return Result(
+    return Batch(
         seq=job.seq,
         ids=job.ids[:0],
         images=images,
         labels=np.zeros((0,), dtype=np.int64),
-        skipped=tuple(job.skipped),
+        skipped_ids=tuple(job.skipped),
         outputs=none_of(outputs),
     )
 

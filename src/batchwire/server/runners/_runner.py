@@ -8,7 +8,7 @@ A sample that makes the pipeline fail (a truncated JPEG, random bytes, a GIF
 on nvJPEG) must not end the stream: when a run raises, the failed batch is
 bisected through a synchronous copy of the same graph (``_culprits``), the
 culprits are reported as skipped and the rest of the batch is run again on a
-rebuilt pipeline. Results come out in job order whatever was retried.
+rebuilt pipeline. Batches come out in job order whatever was retried.
 
 A failure that is not about a sample (out of memory, CUDA, a build, a batch that
 fails whole or again without its culprits) raises :class:`PipelineFault` from
@@ -43,7 +43,7 @@ from batchwire.server.runners._dali import (
     view,
 )
 from batchwire.server.runners._health import PipelineHealth
-from batchwire.server.runners._jobs import Job, Result, empty_result, keep
+from batchwire.server.runners._jobs import Batch, Job, empty_result, keep
 from batchwire.server.runners._keys import RunnerKey
 from batchwire.server.runners._stages import StageTimes
 from batchwire.v1 import batchwire_pb2 as pb
@@ -134,7 +134,7 @@ class Runner:
 
     def run(self, jobs: Iterator[Job[Any]]) -> Generator[Any, None, None]:
         """Run ``jobs`` (of any streams: their ``seq`` is kept, not used) and yield what
-        each job's ``finish`` makes of its :class:`Result` (by default, the result itself,
+        each job's ``finish`` makes of its :class:`Batch` (by default, the batch itself,
         :func:`keep`), in the order of the jobs.
 
         Closing the generator early drains what DALI still has in flight, so the
@@ -210,16 +210,16 @@ class Runner:
         images = view(outputs[0])
         labels = to_numpy(outputs[1])
         self._health.ran(self.key, images, job.images[0], int(job.labels[0]))
-        result = Result(
+        result = Batch(
             seq=job.seq,
             ids=job.ids,
             images=images,
             labels=labels.reshape(-1).astype(np.int64, copy=False),
-            skipped=tuple(job.skipped),
+            skipped_ids=tuple(job.skipped),
         )
         return (job.finish or keep)(result)
 
-    def _named(self, job: Job[Any], outputs: Any, labels: np.ndarray) -> Result:
+    def _named(self, job: Job[Any], outputs: Any, labels: np.ndarray) -> Batch:
         """The result of a pipeline with named outputs: their payload, and the samples' own
         ``labels``."""
         named = []
@@ -229,12 +229,12 @@ class Runner:
             named.append(Output(name=declared.name, kind=declared.kind, data=data, layout=layout))
         payload, heads = pack(named)
         self._health.ran(self.key, None, job.images[0], int(job.labels[0]), heads)
-        return Result(
+        return Batch(
             seq=job.seq,
             ids=job.ids,
             images=payload,
             labels=labels.reshape(-1).astype(np.int64, copy=False),
-            skipped=tuple(job.skipped),
+            skipped_ids=tuple(job.skipped),
             outputs=heads,
         )
 
