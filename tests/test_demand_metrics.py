@@ -10,12 +10,18 @@ over those scrapes.
 from __future__ import annotations
 
 import pathlib
+import re
+import shutil
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import yaml
 from conftest import start_server
+from deployfiles import K8S
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchwire.server import BatchwireServer
@@ -163,3 +169,117 @@ def test_an_overloaded_and_a_lightly_loaded_server_differ_as_documented(
     # Light: trainers hardly wait and the pipelines idle: of two such servers, one can go.
     assert light.waiting_share < WAITING_TARGET / 2, light
     assert light.busy_share < BUSY_TARGET / 2, light
+
+
+# -- the Prometheus adapter's rules and KEDA's queries, evaluated by promtool ---------------
+
+AUTOSCALING = K8S / "autoscaling"
+NAMESPACE = "batchwire"
+STEP_S = 15  # the series' scrape interval
+STEPS = 10  # 150 s of series: more than the rules' 2 m rates
+USED = (
+    "batchwire_stream_seconds_total",
+    "batchwire_stream_waiting_seconds_total",
+    "batchwire_pipeline_busy_seconds_total",
+    "batchwire_pipeline_slots",
+)
+
+
+def adapter_rules() -> dict[str, dict[str, Any]]:
+    values = yaml.safe_load((AUTOSCALING / "prometheus-adapter-values.yaml").read_text())
+    return {rule["name"]["as"]: rule for rule in values["rules"]["custom"]}
+
+
+def render(rule: dict[str, Any], pods: list[str]) -> str:
+    """The rule's metricsQuery as the adapter sends it when the HPA asks for ``pods``."""
+    series = re.match(r"\w+", rule["seriesQuery"])
+    assert series is not None
+    matchers = f'namespace="{NAMESPACE}",pod=~"{"|".join(pods)}"'
+    query = rule["metricsQuery"].replace("<<.Series>>", series.group(0))
+    return query.replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", "pod")
+
+
+def input_series(pod: str, phase: Phase) -> list[dict[str, str]]:
+    """The pod's series as Prometheus would hold them had the server run as it did between
+    the phase's scrapes for 150 s: each counter growing at its measured rate, every
+    label the server gave it kept, ``namespace`` and ``pod`` added as Prometheus adds them."""
+    before, after = samples(phase.first), samples(phase.second)
+    found = []
+    for name in USED:
+        for labels, value in after[name]:
+            start = next((v for lb, v in before.get(name, ()) if lb == labels), 0.0)
+            step = (value - start) / phase.seconds * STEP_S if name.endswith("_total") else 0.0
+            every = {**labels, "namespace": NAMESPACE, "pod": pod}
+            selector = ",".join(f'{k}="{v}"' for k, v in sorted(every.items()))
+            found.append({"series": f"{name}{{{selector}}}", "values": f"{value}+{step}x{STEPS}"})
+    return found
+
+
+def test_the_adapter_rules_and_keda_queries_say_on_real_metrics_what_the_docs_say(
+    phases: dict[str, Phase], tmp_path: pathlib.Path
+) -> None:
+    """promtool evaluates each rule as the adapter sends it, over the real server's series
+    (overloaded, light, and a pod with no stream yet): its value is the share the docs
+    define, above the target overloaded, below half of it light, 0 with no stream; and each
+    KEDA query is the sum of the adapter's per-pod values."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found (.ci/run installs it from Debian's prometheus package)")
+    pods = {"overloaded": phases["overloaded"], "light": phases["light"]}
+    series = [s for pod, phase in pods.items() for s in input_series(pod, phase)]
+    fresh = f'batchwire_pipeline_slots{{namespace="{NAMESPACE}",pod="fresh"}}'
+    series.append({"series": fresh, "values": f"2+0x{STEPS}"})
+    expected = {
+        "batchwire_trainers_waiting_share": ("waiting_share", 0.5),
+        "batchwire_pipeline_busy_share": ("busy_share", 0.7),
+    }
+    rules = adapter_rules()
+    assert set(rules) == set(expected)
+    scaled = yaml.safe_load((AUTOSCALING / "keda" / "scaledobject.yaml").read_text())
+    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    tests = []
+    for (name, (field, target)), keda in zip(expected.items(), queries, strict=True):
+        query = render(rules[name], [*pods, "fresh"])
+        for pod, phase in pods.items():
+            value = getattr(phase.demand, field)
+            series.append(
+                {"series": f'expected_{name}{{pod="{pod}"}}', "values": f"{value}x{STEPS}"}
+            )
+        series.append({"series": f'expected_{name}{{pod="fresh"}}', "values": f"0x{STEPS}"})
+        tests += [
+            # The share the docs define: what the test computed from the two scrapes.
+            (f"abs(({query}) - on(pod) expected_{name}) < bool 1e-6", [1, 1, 1]),
+            # Add a server; or, of two such, remove one; a pod with no stream counts 0.
+            (f"({query}) > bool {target}", [1, 0, 0]),
+            (f"({query}) < bool {target / 2}", [0, 1, 1]),
+        ]
+        sums = f"abs(({keda}) - scalar(sum({query}))) < bool 1e-9"
+        tests.append((sums, None))
+    cases = []
+    for expr, values in tests:
+        if values is None:
+            samples_ = [{"labels": "{}", "value": 1}]
+        else:
+            samples_ = [
+                {"labels": f'{{pod="{pod}"}}', "value": v}
+                for pod, v in zip(["overloaded", "light", "fresh"], values, strict=True)
+            ]
+        cases.append({"expr": expr, "eval_time": f"{STEP_S * STEPS}s", "exp_samples": samples_})
+    file = tmp_path / "adapter.test.yml"
+    file.write_text(
+        yaml.safe_dump(
+            {
+                # promtool evaluates at multiples of this (default 1 m), eval_time rounded down.
+                "evaluation_interval": f"{STEP_S}s",
+                "tests": [
+                    {"interval": f"{STEP_S}s", "input_series": series, "promql_expr_test": cases}
+                ],
+            },
+            width=1000,
+        )
+    )
+    done = subprocess.run(
+        [promtool, "test", "rules", str(file)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
