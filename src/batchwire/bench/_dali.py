@@ -49,6 +49,9 @@ preset = "multicrop"
 [pipelines.detection]
 preset = "detection"
 
+[pipelines.segmentation]
+preset = "segmentation"
+
 [pipelines.nodecode]
 function = "batchwire.bench._dali:no_decode"
 description = "a record's bytes cut or padded to one size x size x 3 image: no decoding"
@@ -93,10 +96,13 @@ def run_dali(
     num_threads: int = 0,
     hw_decoder_load: float | None = None,
     coco: pathlib.Path | None = None,
+    masks: pathlib.Path | None = None,
 ) -> RunResult:
     """``images`` images of ``pipeline``'s graph fed by DALI's caffe reader in this process
     (or, with ``coco``, an ``instances.json`` beside its ``images/``, by DALI's COCO reader,
-    as a DALI user reads a detection dataset), iterated with DALI's PyTorch iterator
+    as a DALI user reads a detection dataset; with ``masks``, a folder of ``images/`` and
+    their ``masks/`` PNGs by two of DALI's file readers shuffled alike, as a DALI user reads
+    a segmentation dataset), iterated with DALI's PyTorch iterator
     (outputs left on the device they are made on). Threads as the server gives a pipeline
     (``num_threads`` 0: its default), and the server's ``hw_decoder_load`` unless given."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -108,6 +114,8 @@ def run_dali(
         started = time.perf_counter()
         if coco is not None:
             pipe, names = _coco_pipeline(coco, pipeline, params, batch_size, gpu, num_threads)
+        elif masks is not None:
+            pipe, names = _masks_pipeline(masks, pipeline, params, batch_size, gpu, num_threads)
         else:
             pipe, names = _caffe_pipeline(
                 dataset_dir, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
@@ -207,6 +215,39 @@ def _coco_pipeline(
     pipe.build()
     # "labels": the boxes' classes, one list a sample: the samples are counted by it.
     return pipe, names
+
+
+def _masks_pipeline(
+    root: pathlib.Path,
+    pipeline: str,
+    params: Mapping[str, float] | None,
+    batch_size: int,
+    gpu: bool,
+    num_threads: int,
+) -> tuple[Any, list[str]]:
+    """A built DALI pipeline: two file readers, of ``root``'s ``images/`` and of its
+    ``masks/`` (the same names as PNGs), shuffled with one seed so that each image meets
+    its mask, then ``pipeline``'s graph as the server builds it."""
+    from nvidia.dali import fn
+
+    from batchwire.server.pipelines import BuildContext, OutputSpec
+
+    spec = pipeline_spec(pipeline)
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec())
+    images = sorted((root / "images").iterdir())
+    masks = [root / "masks" / f"{image.stem}.png" for image in images]
+    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
+    seed = int(time.time()) % (1 << 31)
+    with pipe:
+        encoded, labels = fn.readers.file(
+            files=[str(i) for i in images], random_shuffle=True, seed=seed, name="Reader"
+        )
+        mask, _ = fn.readers.file(files=[str(m) for m in masks], random_shuffle=True, seed=seed)
+        made = spec.function(encoded, labels, ctx, spec.resolve(params), {"mask": mask})
+        names = [o.name for o in spec.outputs]
+        pipe.set_outputs(*(made[name] for name in names), labels)
+    pipe.build()
+    return pipe, [*names, "labels"]
 
 
 def _pipeline(batch_size: int, gpu: bool, num_threads: int, device: str) -> Any:

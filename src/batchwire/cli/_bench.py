@@ -20,8 +20,9 @@
   own pipeline, and mixture: a mixture of two datasets (the same records under two names)
   beside one of them, both without decoding, so that what mixing costs shows; and the
   presets of several outputs, each beside DALI's own pipeline of the same graph: multicrop
-  (DINO's ten views of each photo) and detection (generated COCO pictures, DALI's COCO
-  reader for DALI's own). It prints the ratios against their targets. Without --data-dir it builds
+  (DINO's ten views of each photo), detection (generated COCO pictures, DALI's COCO
+  reader for DALI's own) and segmentation (the same pictures and their masks as PNGs,
+  DALI's file readers for DALI's own). It prints the ratios against their targets. Without --data-dir it builds
   generated ImageNet-sized photos once in the cache (~/.cache/batchwire/bench).
 
 More benchmarks (message sizes, scaling, many streams, profiles) run from a checkout of
@@ -238,6 +239,7 @@ _RUNS = (
     "mixture",
     "multicrop",
     "detection",
+    "segmentation",
 )
 # A stand-in is two measured runs: DALI's own pipeline in-process and the server's; the
 # mixture, one dataset and a mixture (batched at random, stratified and per source) through
@@ -249,6 +251,7 @@ _PAIRS = {
     "mixture": ("remote-one", "remote-mixture", "remote-stratified", "remote-per-source"),
     "multicrop": ("dali-multicrop", "remote-multicrop"),
     "detection": ("dali-detection", "remote-detection"),
+    "segmentation": ("dali-segmentation", "remote-segmentation"),
 }
 
 
@@ -262,6 +265,7 @@ def _compare(args: argparse.Namespace) -> int:
         LocalServer,
         bench_coco,
         bench_dataset,
+        bench_masks,
         raw_server,
         transport_server,
     )
@@ -315,8 +319,14 @@ def _compare(args: argparse.Namespace) -> int:
             coco_server = stack.enter_context(LocalServer(coco_dir, work, pipelines=NO_DECODE_TOML))
             servers["detection"] = (coco_server.address, coco_server.pid)
             servers["detection-dataset"] = (coco_name, 0)
+        masks = None
+        if "segmentation" in wanted:
+            masks, masks_dir, masks_name = bench_masks(args.photos, progress=show)
+            masks_server = stack.enter_context(LocalServer(masks_dir, work))
+            servers["segmentation"] = (masks_server.address, masks_server.pid)
+            servers["segmentation-dataset"] = (masks_name, 0)
         runs = _compare_runs(
-            args, data_dir / dataset, small_dir / small, servers, transport, raw, coco
+            args, data_dir / dataset, small_dir / small, servers, transport, raw, coco, masks
         )
         chosen = [run for name in _RUNS if name in wanted for run in _PAIRS.get(name, (name,))]
         results = _alternate({run: runs[run] for run in chosen}, args.repeats)
@@ -330,6 +340,7 @@ _MIXED = ("first", "second")
 # run's pictures are --photos generated COCO pictures).
 _MULTICROP = {"global_size": 224.0, "local_size": 96.0}
 _DETECTION = {"size": 320.0}
+_SEGMENTATION = {"size": 320.0}
 
 
 def _per_message(batch_size: int) -> int:
@@ -348,6 +359,7 @@ def _compare_runs(
     transport: tuple[str, int],
     raw: tuple[str, int],
     coco: pathlib.Path | None = None,
+    masks: pathlib.Path | None = None,
 ) -> dict[str, Callable[[], RunResult]]:
     """Each run as a function that measures one run of it; servers as (address, pid)."""
     from batchwire.bench import (
@@ -423,6 +435,23 @@ def _compare_runs(
             "detection",
             images,
             params=_DETECTION,
+        ),
+        "dali-segmentation": lambda: run_dali(
+            "dali-segmentation",
+            dataset_dir,
+            "segmentation",
+            batch,
+            images,
+            params=_SEGMENTATION,
+            masks=masks,
+        ),
+        "remote-segmentation": lambda: remote(
+            "remote-segmentation",
+            servers["segmentation"],
+            servers["segmentation-dataset"][0],
+            "segmentation",
+            images,
+            params=_SEGMENTATION,
         ),
     }
 
