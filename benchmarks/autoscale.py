@@ -1,4 +1,4 @@
-"""A fleet that follows its trainers: ``python -m benchmarks --autoscale``.
+"""A fleet that follows its trainers: ``python -m benchmarks.autoscale``.
 
 Real ``batchwire serve`` processes on 127.0.0.1, 127.0.0.2, ... (one port, as the pods of a
 headless Service), each pinned to a core of its own where there are enough, behind a name
@@ -117,14 +117,17 @@ def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
     """The autoscaler's settings: deploy/k8s/autoscaling's targets (the mean over serving
-    pods of each metric), Kubernetes' default tolerance, bounds, and the scale-down window
-    in ticks (a real HPA's is 600 s; ticks are its 15 s sync period)."""
+    pods of each metric), Kubernetes' default tolerance, bounds, and the stabilization
+    windows in ticks (the manifests': 60 s up, 600 s down, ticks of the HPA's 15 s sync
+    period): up to the lowest recommendation of the last ``scale_up_ticks``, down to the
+    highest of the last ``scale_down_ticks``."""
 
     waiting_target: float = 0.5
     busy_target: float = 0.7
     tolerance: float = 0.1
     min_replicas: int = 1
     max_replicas: int = 2
+    scale_up_ticks: int = 2
     scale_down_ticks: int = 3
 
 
@@ -408,6 +411,7 @@ class Tick:
     busy_share: float
     recommended: int
     images_per_second: float  # the fleet's
+    settled: bool  # the tick's window was all in its phase (the load changed before it)
 
 
 @dataclasses.dataclass
@@ -425,8 +429,11 @@ class FleetRun:
     begun: float = 0.0  # time.monotonic() at the start: ticks and events count from it
 
     def rates(self, phase: str, servers: int) -> list[float]:
+        """The fleet's rate at the settled ticks of ``phase`` with ``servers`` servers."""
         return [
-            t.images_per_second for t in self.ticks if t.phase == phase and t.servers == servers
+            t.images_per_second
+            for t in self.ticks
+            if t.phase == phase and t.servers == servers and t.settled
         ]
 
 
@@ -542,20 +549,23 @@ class _Autoscaler:
         self._recommendations: list[int] = []
         self._load_changed = time.monotonic()
         self._previous: dict[int, tuple[float, Samples]] = {}
+        self._last_tick = time.monotonic()
 
     def load_changed(self) -> None:
         self._load_changed = time.monotonic()
 
     def until(self, phase: str, period: float, replicas: int, ticks: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        settled = 0
-        while settled < ticks and time.monotonic() < deadline:
+        steady = 0
+        while steady < ticks and time.monotonic() < deadline:
             self.tick(phase, period)
-            settled = settled + 1 if len(self._fleet.up) == replicas else 0
+            steady = steady + 1 if len(self._fleet.up) == replicas else 0
 
     def tick(self, phase: str, period: float) -> None:
         time.sleep(period)  # the metrics' window: one tick
         now = time.monotonic()
+        settled = self._last_tick >= self._load_changed
+        self._last_tick = now
         pods = []
         for server in list(self._fleet.up):
             since, before = self._previous.get(id(server), (server.baseline_at, server.baseline))
@@ -564,10 +574,15 @@ class _Autoscaler:
             self._previous[id(server)] = (now, after)
         current = len(self._fleet.up)
         wanted = recommend(current, pods, self._policy)
-        # Scale-down takes the highest recommendation of the window (HPA stabilization).
-        self._recommendations = [*self._recommendations, wanted][-self._policy.scale_down_ticks :]
-        if wanted < current:
-            wanted = max(self._recommendations)
+        # The HPA's stabilization: up to the lowest recommendation of its window, down to
+        # the highest of its.
+        policy = self._policy
+        window = max(policy.scale_up_ticks, policy.scale_down_ticks)
+        self._recommendations = [*self._recommendations, wanted][-window:]
+        if wanted > current:
+            wanted = max(current, min(self._recommendations[-policy.scale_up_ticks :]))
+        elif wanted < current:
+            wanted = min(current, max(self._recommendations[-policy.scale_down_ticks :]))
         self._run.ticks.append(
             Tick(
                 at=now - self._begun,
@@ -577,6 +592,7 @@ class _Autoscaler:
                 busy_share=statistics.fmean(p.busy_share for p in pods) if pods else 0.0,
                 recommended=wanted,
                 images_per_second=sum(p.images_per_second for p in pods),
+                settled=settled,
             )
         )
         if wanted > current:  # one at a time, as the manifests' policy allows per period
@@ -673,3 +689,13 @@ def print_run(run: FleetRun, num_samples: int) -> None:
         f"{epochs} whole epochs over {len(run.trainers)} trainers: "
         + ("; ".join(wrong) or "every one exact")
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    raise SystemExit(run_autoscale(argparse.Namespace()))
+
+
+if __name__ == "__main__":
+    main()
