@@ -87,9 +87,9 @@ class Delivery:
     to_normalize: bool = False
     # A pipeline with named outputs: their heads; ``images`` is then their payload.
     outputs: tuple[pb.Tensor, ...] = ()
-    # Those outputs by name, image ones normalized, where they were made ready off the
-    # loop (on the CPU, in the puller's thread): what the loop then only arranges.
-    named: Named | None = None
+    # What the loop yields for it, where that was made off the loop (a batch of named
+    # outputs on the CPU, in the puller's thread: unpacked, normalized, arranged).
+    ready: tuple[Any, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -246,7 +246,7 @@ class Tensors:
                 labels = d.labels.pin_memory()
                 return dataclasses.replace(d, labels=labels, to_normalize=to_normalize)
             d = dataclasses.replace(d, to_normalize=to_normalize)
-            return dataclasses.replace(d, named=self._ready(d), to_normalize=False)
+            return dataclasses.replace(d, ready=self._named(d), to_normalize=False)
         if self._cuda:
             to_normalize = self.options.normalize and d.to_normalize
             return dataclasses.replace(d, labels=d.labels.pin_memory(), to_normalize=to_normalize)
@@ -257,6 +257,8 @@ class Tensors:
 
     def output(self, d: Delivery) -> tuple[Any, ...]:
         """What the loop yields for a delivery: on the loader's device, normalized."""
+        if d.ready is not None:
+            return d.ready
         if d.outputs:
             return self._named(d)
         images, labels = d.images, d.labels
@@ -273,7 +275,7 @@ class Tensors:
     def _named(self, d: Delivery) -> tuple[Any, ...]:
         """A batch of named outputs as the pipeline's form arranges it (``_outputs``): each
         on the device, image outputs normalized there."""
-        named = self._ready(d) if d.named is None else d.named
+        named = self._ready(d)
         labels = d.labels.to(self.options.device, non_blocking=True) if self._cuda else d.labels
         out = arrange(self._form, named, d.outputs, labels.reshape(-1))
         if self.options.return_ids:
