@@ -152,9 +152,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-servers",
-        default=",".join(host_trainers.SERVERS),
-        help="with --host-trainers: which server settings, in order (default "
-        f"{','.join(host_trainers.SERVERS)})",
+        default=",".join(host_trainers.DEFAULT_SERVERS),
+        help="with --host-trainers: which server settings, in order, of "
+        f"{','.join(host_trainers.SERVERS)} (default {','.join(host_trainers.DEFAULT_SERVERS)})",
     )
     parser.add_argument("--json", type=pathlib.Path, help="write the results as JSON")
 

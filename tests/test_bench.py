@@ -467,3 +467,38 @@ def test_the_generated_dataset_says_it_is_being_made_once_even_without_a_termina
     assert bench_dataset(None, None, 6, (16, 16)) == first
     assert "generating" not in capsys.readouterr().err
     assert (first[0] / first[1] / "manifest.json").is_file()
+
+
+def test_the_waiting_pipeline_streams_small_images_of_every_sample(
+    data_dir: pathlib.Path,
+) -> None:
+    """`--pipeline wait`'s stand-in for a GPU: each batch a wait, each sample a 16 x 16 x 3
+    uint8 image of zeros, every sample of the share delivered once with its label."""
+    import tomllib
+
+    import torch
+
+    from batchwire.bench import NO_DECODE_TOML
+    from batchwire.client import RemoteLoader
+    from batchwire.server import pipelines_from_config
+
+    pipelines = pipelines_from_config(tomllib.loads(NO_DECODE_TOML)["pipelines"])
+    server = start_server(data_dir, pipelines=pipelines)
+    try:
+        with RemoteLoader(
+            server.target,
+            dataset="shapes",
+            pipeline="wait",
+            batch_size=32,
+            shuffle=False,
+            normalize=False,
+            return_ids=True,
+            params={"wait_ms": 1},
+        ) as loader:
+            batches = list(loader)
+    finally:
+        server.stop(grace=1.0)
+    ids = torch.cat([batch[2] for batch in batches])
+    assert sorted(ids.tolist()) == list(range(len(ids))) and len(ids) == 520
+    assert all(batch[0].shape[1:] == (3, 16, 16) for batch in batches)
+    assert all(batch[0].dtype == torch.uint8 and not batch[0].any() for batch in batches)

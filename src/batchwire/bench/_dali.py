@@ -21,6 +21,7 @@ from typing import Any
 
 from batchwire.bench._probe import CpuClock, RssSampler
 from batchwire.bench._runs import RunResult
+from batchwire.bench._wait import WAIT_TOML
 
 __all__ = [
     "NO_DECODE_TOML",
@@ -34,9 +35,12 @@ __all__ = [
 SMALL_PHOTO = (48, 48)  # the small-image stand-in's photos, pixels
 SMALL_SIZE = 32  # and its train pipeline's output size
 
-# The server's presets and the stand-in pipeline, as a server config's [pipelines] table
-# names them: what the bench's servers serve, and what run_dali builds.
-NO_DECODE_TOML = """
+# The server's presets and the stand-in pipelines (no decoding; the waiting pipeline of
+# ``_wait``), as a server config's [pipelines] table names them: what the bench's servers
+# serve, and what run_dali builds.
+NO_DECODE_TOML = (
+    WAIT_TOML
+    + """
 [pipelines.train]
 preset = "train"
 
@@ -57,6 +61,7 @@ function = "batchwire.bench._dali:no_decode"
 description = "a record's bytes cut or padded to one size x size x 3 image: no decoding"
 params = { size = { default = 224, low = 8, high = 1024, integer = true } }
 """
+)
 
 
 def no_decode(encoded: Any, labels: Any, ctx: Any, p: Mapping[str, float]) -> tuple[Any, Any]:
