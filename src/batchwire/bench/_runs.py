@@ -129,34 +129,17 @@ def bench_coco(images: int, *, progress: bool = True) -> tuple[pathlib.Path, pat
 
 def bench_masks(images: int, *, progress: bool = True) -> tuple[pathlib.Path, pathlib.Path, str]:
     """The segmentation dataset of :func:`bench_coco`'s pictures, built once: each picture's
-    mask as a PNG of its own (a pixel ``1 + class``, 0 the background) in ``masks/`` beside
-    ``images/``, as VOC, ADE20K and Cityscapes lay theirs out (what DALI's file readers
-    read), and the data directory and name of its dataset ingested with ``--masks``."""
-    import json
-
-    from batchwire.server.data import ingest
-    from batchwire.server.data.ingestion._coco_masks import CocoMask
+    mask as a PNG of its own in ``masks/`` beside ``images/`` (``write_coco_masks``: what
+    DALI's file readers read), and the data directory and name of its dataset ingested
+    with ``--masks``."""
+    from batchwire.server.data import ingest, write_coco_masks
 
     coco, data_dir, _ = bench_coco(images, progress=progress)
     root = coco.parent
     name = f"coco-{images}-masked"
     if not (data_dir / name / "manifest.json").is_file():
         print(f"drawing the masks of {images} COCO pictures, once", file=sys.stderr, flush=True)
-        instances = json.loads(coco.read_text())
-        classes = {c["id"]: n for n, c in enumerate(sorted(instances["categories"], key=_id))}
-        kept: dict[int, list[dict[str, Any]]] = {}
-        for annotation in instances["annotations"]:
-            kept.setdefault(annotation["image_id"], []).append(annotation)
-        (root / "masks").mkdir(exist_ok=True)
-        for picture in instances["images"]:
-            annotations = kept.get(picture["id"], [])
-            mask = CocoMask(
-                [a["segmentation"] for a in annotations],
-                [classes[a["category_id"]] for a in annotations],
-            )
-            png = mask(picture["width"], picture["height"])
-            stem = pathlib.Path(picture["file_name"]).stem
-            (root / "masks" / f"{stem}.png").write_bytes(png)
+        write_coco_masks(coco, root / "masks")
         ingest(
             coco,
             data_dir,
@@ -167,10 +150,6 @@ def bench_masks(images: int, *, progress: bool = True) -> tuple[pathlib.Path, pa
             progress=progress,
         )
     return root, data_dir, name
-
-
-def _id(category: dict[str, Any]) -> int:
-    return int(category["id"])
 
 
 def bench_dataset(

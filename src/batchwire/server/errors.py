@@ -1,22 +1,33 @@
-"""What every part of the server raises, each meaning one thing to a client.
+"""What every part of the server raises: one tree, each error meaning one thing.
 
-The servicer maps them to gRPC status codes in one table; the parts that raise them never
-import grpc.
+The servicer maps the errors a request can meet to gRPC status codes in one table; the
+parts that raise them never import grpc. ``batchwire serve``, ``ingest`` and ``inspect``
+print the others' messages and exit.
 
-    ServiceError
-    ├── NotFound           unknown dataset or pipeline
-    ├── InvalidRequest     a request field is out of range or inconsistent
-    ├── OverCapacity       a server limit (streams, batch size) is reached
-    ├── Draining           the server is shutting down; retry elsewhere
-    ├── VersionMismatch    a stream expects another version of its dataset (replaced)
-    ├── PipelineFault      a pipeline failed for a reason that is not a sample (out of
-    │                      memory, CUDA, a build, a batch that fails whole); retry elsewhere
-    └── ConnectionLost     a stream's bulk connection broke; the client resumes
-    DatasetError           a dataset or the data directory is missing, unreadable or not
-                           in batchwire's format (DATA_LOSS to a client; ``batchwire
-                           inspect`` and ``serve`` say it and exit)
-    ServerError            a server or a unit could not start (port in use, metrics
-                           endpoint, ...) or is not running; never a request's
+    BatchwireServerError
+    ├── ServiceError           what a request can meet; the message is for its client
+    │   ├── NotFound           unknown dataset or pipeline
+    │   ├── InvalidRequest     a request field is out of range or inconsistent
+    │   ├── OverCapacity       a server limit (streams, batch size) is reached
+    │   ├── Draining           the server is shutting down; retry elsewhere
+    │   ├── VersionMismatch    a stream expects another version of its dataset (replaced)
+    │   ├── PipelineFault      a pipeline failed for a reason that is not a sample (out of
+    │   │                      memory, CUDA, a build, a batch that fails whole); retry
+    │   │                      elsewhere
+    │   └── ConnectionLost     a stream's bulk connection broke; the client resumes
+    ├── DatasetError           a dataset or the data directory is missing, unreadable or
+    │                          not in batchwire's format (DATA_LOSS to a client; ``inspect``
+    │                          and ``serve`` say it and exit)
+    ├── ConfigError            a setting, flag or config file is invalid (ValueError)
+    ├── ParamError             a pipeline's parameter is unknown or out of range, in a
+    │                          config or a request (ValueError)
+    ├── DeviceError            the device asked for cannot be used on this host (ValueError)
+    ├── IngestError            an ingest cannot proceed, for a reason the user can fix
+    │   ├── LmdbSourceError    an LMDB cannot be ingested as a whole (also ValueError)
+    │   └── UnsafePickle       a pickle that is not plain data (also ValueError)
+    └── ServerError            a server or a unit could not start, or is not running;
+        │                      never a request's (RuntimeError)
+        └── MetricsError       the metrics endpoint could not be opened (also OSError)
 
 ``DatasetError`` is also :mod:`batchwire.server.data`'s, which exports it for scripts.
 """
@@ -25,15 +36,23 @@ from __future__ import annotations
 
 __all__ = [
     "FAULT_KINDS",
+    "BatchwireServerError",
+    "ConfigError",
     "ConnectionLost",
     "DatasetError",
+    "DeviceError",
     "Draining",
+    "IngestError",
     "InvalidRequest",
+    "LmdbSourceError",
+    "MetricsError",
     "NotFound",
     "OverCapacity",
+    "ParamError",
     "PipelineFault",
     "ServerError",
     "ServiceError",
+    "UnsafePickle",
     "VersionMismatch",
 ]
 
@@ -48,7 +67,11 @@ FAULT_KINDS = {
 }
 
 
-class ServiceError(Exception):
+class BatchwireServerError(Exception):
+    """The root of every error the server's parts raise; the message says what to do."""
+
+
+class ServiceError(BatchwireServerError):
     """Base of the errors a request can meet; the message is for the user."""
 
 
@@ -94,13 +117,41 @@ class PipelineFault(ServiceError):
         return type(self), (self.pipeline, self.kind, self.cause)
 
 
-class DatasetError(Exception):
+class DatasetError(BatchwireServerError):
     """A dataset directory is missing, unreadable or not in batchwire's format."""
 
 
-class ServerError(RuntimeError):
+class ConfigError(BatchwireServerError, ValueError):
+    """The configuration is invalid; the message names the key and what to do."""
+
+
+class ParamError(BatchwireServerError, ValueError):
+    """A pipeline parameter (from config or a request) is unknown or out of range."""
+
+
+class DeviceError(BatchwireServerError, ValueError):
+    """The requested device cannot be used on this host."""
+
+
+class IngestError(BatchwireServerError):
+    """An ingest cannot proceed; the message says what to change."""
+
+
+class LmdbSourceError(IngestError, ValueError):
+    """The LMDB cannot be ingested as a whole; the message says why and what to do."""
+
+
+class UnsafePickle(IngestError, ValueError):
+    """A pickle that is not plain data (or not a pickle); the message says what it holds."""
+
+
+class ServerError(BatchwireServerError, RuntimeError):
     """The server could not start (port in use, bad data directory, ...), or is not
     running."""
+
+
+class MetricsError(ServerError, OSError):
+    """The metrics endpoint could not be opened (the message says what to do)."""
 
 
 class ConnectionLost(ServiceError):

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from batchwire.server.errors import ConfigError
 from batchwire.server.pipelines import PRESETS, PipelineSpec
 
 __all__ = [
@@ -24,10 +25,6 @@ __all__ = [
     "Setting",
     "settings",
 ]
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key and what to do."""
 
 
 def device_ids(text: str) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from batchwire.server.data.ingestion import (
     safe_loads,
     summarize,
     write_coco_boxes,
+    write_coco_masks,
     write_image_folders,
     write_photo_folders,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "summarize",
     "unsupported_reason",
     "write_coco_boxes",
+    "write_coco_masks",
     "write_image_folders",
     "write_photo_folders",
 ]

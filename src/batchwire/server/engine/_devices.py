@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from batchwire.server.errors import DeviceError
+
 __all__ = ["DeviceError", "DevicePlan", "visible_gpu_count"]
 
 
 MODES = ("auto", "cpu", "gpu")
-
-
-class DeviceError(ValueError):
-    """The requested device cannot be used on this host."""
 
 
 def visible_gpu_count() -> int:

@@ -21,14 +21,13 @@ import importlib.util
 import pathlib
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import numpy as np
 
 from batchwire.common.params import ParamRange, check_params
 from batchwire.common.stream import LAYOUTS as WIRE_LAYOUTS
 from batchwire.common.stream import OUTPUT_DTYPES
+from batchwire.server.errors import ParamError
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -52,10 +51,6 @@ IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 # The output formats a stream or a Preprocess request may ask for (batchwire.common.stream).
 DTYPES = tuple(OUTPUT_DTYPES)
 LAYOUTS = tuple(WIRE_LAYOUTS)
-
-
-class ParamError(ValueError):
-    """A pipeline parameter (from config or a request) is unknown or out of range."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,7 +89,7 @@ class OutputSpec:
 class Draws:
     """The random states of a pipeline's random operators, fed with each batch: one per
     operator (:meth:`BuildContext.rng` hands them out as the graph is defined), drawn from
-    the batch's entropy (:meth:`states`). DALI seeds a random operator's batch from one
+    the batch's entropy as the runner feeds it (``runners._dali``). DALI seeds a random operator's batch from one
     state (its first sample's) and each sample from it and the sample's place, so a batch
     of the same samples in the same order is augmented the same wherever and whenever it
     runs: on any server, after a failover or a resume, over any transport."""
@@ -114,14 +109,6 @@ class Draws:
         """The state node of one more random operator."""
         self.count += 1
         return self._states[self.count - 1]
-
-    def states(self, entropy: Sequence[int], batch_size: int) -> list[np.ndarray]:
-        """The states of a batch of ``batch_size`` samples whose draws ``entropy`` fixes
-        (empty: fresh entropy, draws of their own), as ``fn.external_source`` takes them."""
-        seeds = np.random.SeedSequence(list(entropy) or None)
-        rows = seeds.generate_state(max(self.count, 1) * self.WORDS, np.uint32)
-        rows = rows.reshape(-1, self.WORDS)
-        return [rows] * batch_size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ import functools
 import logging
 import re
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -171,7 +172,17 @@ def _feed(source: Any, draws: Draws | None) -> tuple[Any, ...]:
     *inputs, entropy = source()
     if draws is None:
         return tuple(inputs)
-    return (*inputs, draws.states(entropy, len(inputs[1])))
+    return (*inputs, _states(draws.count, entropy, len(inputs[1])))
+
+
+def _states(count: int, entropy: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """The ``count`` random states of a batch of ``batch_size`` samples whose draws
+    ``entropy`` fixes (empty: fresh entropy, draws of their own), as
+    ``fn.external_source`` takes them: the rows of DALI's states, the same for every
+    sample (DALI reads a batch's from its first)."""
+    seeds = np.random.SeedSequence(list(entropy) or None)
+    rows = seeds.generate_state(max(count, 1) * Draws.WORDS, np.uint32).reshape(-1, Draws.WORDS)
+    return [rows] * batch_size
 
 
 @functools.cache

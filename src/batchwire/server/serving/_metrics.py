@@ -74,6 +74,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
 from batchwire.server.engine import EngineStats
+from batchwire.server.errors import MetricsError
 from batchwire.server.serving._collectors import EngineCollector
 from batchwire.server.serving._stream_times import StreamTimes
 
@@ -86,10 +87,6 @@ OTHER_METHOD = "other"
 _NOT_ERRORS = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
 _PIPELINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0, 30.0)
-
-
-class MetricsError(OSError):
-    """The metrics endpoint could not be opened (the message says what to do)."""
 
 
 class ServerMetrics:

@@ -7,6 +7,7 @@ format :mod:`batchwire.server.data.records` reads.
 
 from __future__ import annotations
 
+from batchwire.server.data.ingestion._coco_masks import write_coco_masks
 from batchwire.server.data.ingestion._ingest import (
     DEFAULT_SHARD_SIZE,
     FORMATS,
@@ -42,6 +43,7 @@ __all__ = [
     "safe_loads",
     "summarize",
     "write_coco_boxes",
+    "write_coco_masks",
     "write_image_folders",
     "write_photo_folders",
 ]

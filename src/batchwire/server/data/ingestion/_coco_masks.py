@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from batchwire.server.data.ingestion._ingest_error import IngestError
+from batchwire.server.errors import IngestError
 
-__all__ = ["MASK_FORMAT", "CocoMask", "segmentation_problem"]
+__all__ = ["MASK_FORMAT", "CocoMask", "segmentation_problem", "write_coco_masks"]
 
 # The mask field's format in the manifest: a pixel is 1 + its class, 0 the background.
 MASK_FORMAT = "class+1"
@@ -76,3 +77,28 @@ def _rasterized(segmentation: Any, width: int, height: int) -> np.ndarray:
     else:  # compressed RLE
         rle = segmentation
     return np.asarray(coco_mask.decode(rle), dtype=bool)[:height, :width]
+
+
+def write_coco_masks(coco: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Each image's mask of COCO instances file ``coco`` as a PNG of its own in ``out``
+    (``out/<image stem>.png``, as ``ingest --masks`` makes them: a pixel ``1 + class``,
+    the classes COCO's categories in id order, 0 the background), as VOC, ADE20K and
+    Cityscapes lay masks out beside their images; ``out``."""
+    import json
+
+    instances = json.loads(coco.read_text())
+    categories = sorted(int(c["id"]) for c in instances["categories"])
+    classes = {category: n for n, category in enumerate(categories)}
+    by_image: dict[int, list[Mapping[str, Any]]] = {}
+    for annotation in instances["annotations"]:
+        by_image.setdefault(annotation["image_id"], []).append(annotation)
+    out.mkdir(parents=True, exist_ok=True)
+    for image in instances["images"]:
+        annotations = by_image.get(image["id"], [])
+        mask = CocoMask(
+            [a["segmentation"] for a in annotations],
+            [classes[a["category_id"]] for a in annotations],
+        )
+        stem = pathlib.Path(image["file_name"]).stem
+        (out / f"{stem}.png").write_bytes(mask(image["width"], image["height"]))
+    return out

@@ -34,9 +34,9 @@ import numpy as np
 
 from batchwire.server.data.ingestion._batches import Rejected
 from batchwire.server.data.ingestion._coco_masks import MASK_FORMAT, CocoMask, segmentation_problem
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._sample_source import NO_LABEL, SampleSource, SourceSample
 from batchwire.server.data.records import BOX_FORMAT, CLASS_FORMAT, FieldSpec
+from batchwire.server.errors import IngestError
 
 __all__ = ["is_coco", "read_coco"]
 

@@ -25,12 +25,12 @@ from batchwire.server.data.ingestion._batches import Rejected
 from batchwire.server.data.ingestion._boxes import check_boxes
 from batchwire.server.data.ingestion._field_tally import FieldTally
 from batchwire.server.data.ingestion._file_sources import SourceFile, Sources
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._lmdb_sources import LmdbSource, LmdbSourceError, SourceRecord
 from batchwire.server.data.ingestion._sample_source import SampleSource, SourceSample
 from batchwire.server.data.ingestion._shard_writer import ShardWriter
 from batchwire.server.data.ingestion._validate import Decoded, ImageValidator
 from batchwire.server.data.records import MANIFEST, Manifest, Shard, encode_fields
+from batchwire.server.errors import IngestError
 from batchwire.v1 import datum_pb2
 
 __all__ = ["WriteOptions", "write_dataset"]

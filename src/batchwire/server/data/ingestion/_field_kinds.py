@@ -17,10 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._sample_source import NO_LABEL
 from batchwire.server.data.records import MAX_LABEL, FieldSpec
-from batchwire.server.errors import DatasetError
+from batchwire.server.errors import DatasetError, IngestError
 
 __all__ = ["Columns", "infer_columns", "resolve_labels"]
 

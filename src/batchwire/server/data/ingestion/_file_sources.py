@@ -14,8 +14,8 @@ import stat
 from collections.abc import Iterator
 
 from batchwire.server.data.ingestion._batches import Rejected, bounded_batches
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.records import MAX_LABEL
+from batchwire.server.errors import IngestError
 
 __all__ = [
     "SourceFile",

@@ -41,7 +41,6 @@ from batchwire.server.data.ingestion._file_sources import (
     read_file_list,
     scan_class_folders,
 )
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._lmdb_sources import (
     LmdbSource,
     LmdbSourceError,
@@ -57,6 +56,7 @@ from batchwire.server.data.ingestion._source_formats import (
 )
 from batchwire.server.data.ingestion._validate import DEFAULT_BATCH_SIZE
 from batchwire.server.data.records import NAME_PATTERN, FieldSpec, Manifest
+from batchwire.server.errors import IngestError
 
 __all__ = ["DEFAULT_SHARD_SIZE", "FORMATS", "IngestError", "IngestReport", "ingest"]
 

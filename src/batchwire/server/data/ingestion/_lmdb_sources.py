@@ -34,6 +34,7 @@ import lmdb
 from batchwire.server.data.ingestion._batches import Rejected, bounded_batches
 from batchwire.server.data.ingestion._safe_pickle import UnsafePickle, safe_loads
 from batchwire.server.data.records import MAX_LABEL
+from batchwire.server.errors import LmdbSourceError
 from batchwire.v1 import datum_pb2
 
 __all__ = ["LmdbSource", "LmdbSourceError", "SourceRecord", "is_lmdb", "open_lmdb_source"]
@@ -44,10 +45,6 @@ log = logging.getLogger(__name__)
 # (little-endian), the same on 32- and 64-bit builds.
 _MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
 _KEYS, _LEN = b"__keys__", b"__len__"
-
-
-class LmdbSourceError(ValueError):
-    """The LMDB cannot be ingested as a whole; the message says why and what to do."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

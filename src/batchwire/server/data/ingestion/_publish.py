@@ -12,8 +12,8 @@ import pathlib
 import secrets
 import shutil
 
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.records import MANIFEST
+from batchwire.server.errors import IngestError
 
 __all__ = ["check_replaceable", "new_dir", "publish"]
 

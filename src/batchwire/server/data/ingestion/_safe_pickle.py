@@ -25,6 +25,8 @@ import pickle
 import pickletools
 from typing import Any
 
+from batchwire.server.errors import UnsafePickle
+
 __all__ = ["UnsafePickle", "safe_loads"]
 
 # Opcodes that only build plain values, push/pop the stack or use the memo.
@@ -85,10 +87,6 @@ _ALLOWED = frozenset(
 _CALLS = frozenset(
     {"GLOBAL", "STACK_GLOBAL", "REDUCE", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "BUILD"}
 )
-
-
-class UnsafePickle(ValueError):
-    """A pickle that is not plain data (or not a pickle); the message says what it holds."""
 
 
 class _NothingUnpickler(pickle.Unpickler):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import pathlib
 
 from batchwire.server.data.ingestion._coco_source import read_coco
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._lmdb_sources import is_lmdb
 from batchwire.server.data.ingestion._sample_source import SampleSource
 from batchwire.server.data.ingestion._table_source import read_csv, read_jsonl
@@ -26,6 +25,7 @@ from batchwire.server.data.ingestion._webdataset_source import (
     is_webdataset_folder,
     read_webdataset,
 )
+from batchwire.server.errors import IngestError
 
 __all__ = ["FIELD_FORMATS", "FORMATS", "detect_format", "open_sample_source"]
 

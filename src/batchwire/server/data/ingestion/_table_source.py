@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from batchwire.server.data.ingestion._batches import Rejected
 from batchwire.server.data.ingestion._field_kinds import infer_columns, resolve_labels
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._sample_source import SampleSource, SourceSample
+from batchwire.server.errors import IngestError
 
 __all__ = ["read_csv", "read_jsonl", "table_source"]
 

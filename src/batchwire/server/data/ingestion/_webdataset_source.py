@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from batchwire.server.data.ingestion._batches import Rejected
 from batchwire.server.data.ingestion._field_kinds import infer_columns, resolve_labels
 from batchwire.server.data.ingestion._file_sources import read_file
-from batchwire.server.data.ingestion._ingest_error import IngestError
 from batchwire.server.data.ingestion._sample_source import SampleSource, SourceSample
+from batchwire.server.errors import IngestError
 
 __all__ = ["IMAGE_EXTENSIONS", "is_webdataset_folder", "read_webdataset"]
 
