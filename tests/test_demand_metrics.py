@@ -9,6 +9,7 @@ over those scrapes.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
 import shutil
@@ -24,7 +25,7 @@ from conftest import start_server
 from deployfiles import K8S
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchwire.server import BatchwireServer
+from batchwire.client import RemoteLoader
 from batchwire.server.serving._stream_times import StreamTimes
 from benchmarks.autoscale import Demand, Load, demand
 
@@ -91,9 +92,8 @@ def test_stream_seconds_count_open_streams_up_to_the_scrape_and_waits_only_for_a
 # -- a real server, overloaded and then nearly idle ----------------------------------------
 
 
-def scrape_text(server: BatchwireServer) -> str:
-    assert server.metrics_port is not None
-    url = f"http://localhost:{server.metrics_port}/metrics"
+def scrape_text(metrics_port: int) -> str:
+    url = f"http://localhost:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         return str(response.read().decode())
 
@@ -115,17 +115,24 @@ class Phase:
         self.demand: Demand = demand(samples(first), samples(second), seconds)
 
 
-def measure(server: BatchwireServer, load: Load, seconds: float) -> Phase:
-    with load:
-        load.wait_for_batches(3)  # every trainer streams
-        first = scrape_text(server)
+def measure(metrics_port: int, load: Load | None, seconds: float) -> Phase:
+    """Two scrapes of the ``/metrics`` on ``metrics_port`` at least ``seconds`` apart while
+    ``load`` runs (None: with no trainer)."""
+    with load or contextlib.nullcontext():
+        if load is not None:
+            load.wait_for_batches(3)  # every trainer streams
+        first = scrape_text(metrics_port)
         started = time.monotonic()
-        load.wait_for_batches(3 + load.trainers * 10)
+        if load is not None:
+            load.wait_for_batches(3 + load.trainers * 10)
         while time.monotonic() - started < seconds:
             time.sleep(0.1)
-        second = scrape_text(server)
+        second = scrape_text(metrics_port)
         elapsed = time.monotonic() - started
     return Phase(first, second, elapsed)
+
+
+OPTIONS = {"dataset": "shapes", "pipeline": "train", "batch_size": 16, "params": {"size": 96}}
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +140,34 @@ def phases(data_dir: pathlib.Path) -> Iterator[dict[str, Phase]]:
     """The same server under 4 trainers that take batches as fast as they come (more than it
     can make) and then under one that takes a batch every 0.2 s."""
     server = start_server(data_dir, metrics_port=0, num_threads=1)
-    options = {"dataset": "shapes", "pipeline": "train", "batch_size": 16, "params": {"size": 96}}
+    assert server.metrics_port is not None
+    port = server.metrics_port
     try:
         yield {
-            "overloaded": measure(server, Load(server.target, 4, pause=0.0, **options), 5.0),
-            "light": measure(server, Load(server.target, 1, pause=0.2, **options), 5.0),
+            "overloaded": measure(port, Load(server.target, 4, pause=0.0, **OPTIONS), 5.0),
+            "light": measure(port, Load(server.target, 1, pause=0.2, **OPTIONS), 5.0),
         }
     finally:
         server.stop(grace=1.0)
+
+
+def test_a_batch_run_alone_keeps_its_slot_busy(data_dir: pathlib.Path) -> None:
+    """A slot is busy from its run's start: a run of one batch (requests that come one at a
+    time, as each worker of a unit gets a light trainer's) counts its time, not 0. Here the
+    epoch is one batch, so its stream's only run has one."""
+    server = start_server(data_dir, metrics_port=0, num_threads=1)
+    try:
+        assert server.metrics_port is not None
+        before = samples(scrape_text(server.metrics_port))
+        with RemoteLoader(
+            server.target, dataset="shapes", batch_size=520, params={"size": 32}
+        ) as loader:
+            assert sum(1 for _ in loader) == 1
+        after = samples(scrape_text(server.metrics_port))
+    finally:
+        server.stop(grace=1.0)
+    busy = "batchwire_pipeline_busy_seconds_total"
+    assert sum(v for _, v in after[busy]) > sum(v for _, v in before.get(busy, ())), after[busy]
 
 
 def test_an_overloaded_and_a_lightly_loaded_server_differ_as_documented(

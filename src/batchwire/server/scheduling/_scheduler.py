@@ -240,10 +240,17 @@ class Scheduler:
         with self._lock:
             stay = self._fair.stay(key, rebuilt)
         jobs = self._jobs(slot, key, stay, in_flight)
-        last: float | None = None  # the first result's time includes the pipeline's start
+        # The slot is busy from the run's start: a run of one batch (requests that come one
+        # at a time) counts too. The fair share leaves out the first result's time, which
+        # includes the pipeline's start.
+        last: float | None = None
+        started = time.monotonic()
         try:
             for result in runner.run(jobs):
                 now = time.monotonic()
+                self.stats.add(
+                    "busy_seconds", key.pipeline, now - (started if last is None else last)
+                )
                 if last is not None:
                     self._measured(key, now - last)
                 last = now
@@ -263,7 +270,6 @@ class Scheduler:
 
     def _measured(self, key: RunnerKey, seconds: float) -> None:
         """One batch of ``key`` came out ``seconds`` after the slot's previous one."""
-        self.stats.add("busy_seconds", key.pipeline, seconds)
         with self._lock:
             self._fair.measured(key, seconds)
 

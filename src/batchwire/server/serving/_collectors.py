@@ -5,9 +5,10 @@ the read-ahead.
 =========================================  =========  ====================================
 ``batchwire_stage_seconds_total``          counter    seconds the pipelines' threads
                                                       spent, by ``stage``
-``batchwire_pipeline_busy_seconds_total``  counter    slot seconds spent on each
-                                                      ``pipeline``'s batches (the fair
-                                                      share's measure)
+``batchwire_pipeline_busy_seconds_total``  counter    slot seconds spent running each
+                                                      ``pipeline``'s batches, from each
+                                                      run's start (a batch run alone
+                                                      counts too)
 ``batchwire_pipeline_slots``               gauge      pipeline slots (per device times
                                                       devices): busy seconds per second
                                                       divided by it is how busy they are
