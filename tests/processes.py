@@ -33,6 +33,13 @@ class ServeProcess:
     log: pathlib.Path
     start_line: str = ""  # what it printed first: "batchwire serving DIR with N workers on ..."
 
+    @property
+    def metrics_port(self) -> int:
+        """The port of its ``/metrics`` (started with ``--metrics-port``), as it printed."""
+        match = re.search(r"; metrics on port (\d+)$", self.start_line)
+        assert match, self.start_line
+        return int(match.group(1))
+
 
 def wait_until_serving(address: str, timeout: float) -> None:
     """Follow the health service's Watch stream (the server already listens) to SERVING."""

@@ -2,9 +2,10 @@
 (``batchwire_stream_waiting_seconds_total`` over ``batchwire_stream_seconds_total``) and how
 busy its pipelines are (``batchwire_pipeline_busy_seconds_total`` over
 ``batchwire_pipeline_slots``), read from a real server's ``/metrics`` under a load larger than
-it can serve and under a light one, as docs/operations.md says they differ; and the
-Prometheus adapter's rules (deploy/k8s/autoscaling) evaluated by Prometheus' own ``promtool``
-over those scrapes.
+it can serve and under a light one, as docs/operations.md says they differ; the same of a
+unit of worker processes (``batchwire serve --workers 2``), whose ``/metrics`` gives each
+worker's series under its ``worker`` label; and the Prometheus adapter's rules
+(deploy/k8s/autoscaling) evaluated by Prometheus' own ``promtool`` over those scrapes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from conftest import start_server
 from deployfiles import K8S
+from processes import serve_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchwire.client import RemoteLoader
@@ -233,7 +235,7 @@ def input_series(pod: str, phase: Phase) -> list[dict[str, str]]:
     before, after = samples(phase.first), samples(phase.second)
     found = []
     for name in USED:
-        for labels, value in after[name]:
+        for labels, value in after.get(name, ()):  # a server with no stream yet has none
             start = next((v for lb, v in before.get(name, ()) if lb == labels), 0.0)
             step = (value - start) / phase.seconds * STEP_S if name.endswith("_total") else 0.0
             every = {**labels, "namespace": NAMESPACE, "pod": pod}
@@ -249,13 +251,27 @@ def test_the_adapter_rules_and_keda_queries_say_on_real_metrics_what_the_docs_sa
     (overloaded, light, and a pod with no stream yet): its value is the share the docs
     define, above the target overloaded, below half of it light, 0 with no stream; and each
     KEDA query is the sum of the adapter's per-pod values."""
+    check_rules(tmp_path, phases["overloaded"], phases["light"])
+
+
+def check_rules(
+    tmp_path: pathlib.Path, overloaded: Phase, light: Phase, idle: Phase | None = None
+) -> None:
+    """promtool's verdict on the adapter's rules and KEDA's queries over three pods: one
+    ``overloaded`` (each rule above its target), one ``light`` (below half of it) and one
+    with no stream: ``idle``'s series, or else a pod that exports only its slots, as a
+    server does before its first stream (each rule 0). Each rule's value must be the share
+    :func:`demand` computed from the pod's two scrapes."""
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not found (.ci/run installs it from Debian's prometheus package)")
-    pods = {"overloaded": phases["overloaded"], "light": phases["light"]}
+    pods = {"overloaded": overloaded, "light": light}
+    if idle is not None:
+        pods["idle"] = idle
     series = [s for pod, phase in pods.items() for s in input_series(pod, phase)]
-    fresh = f'batchwire_pipeline_slots{{namespace="{NAMESPACE}",pod="fresh"}}'
-    series.append({"series": fresh, "values": f"2+0x{STEPS}"})
+    if idle is None:
+        fresh = f'batchwire_pipeline_slots{{namespace="{NAMESPACE}",pod="idle"}}'
+        series.append({"series": fresh, "values": f"2+0x{STEPS}"})
     expected = {
         "batchwire_trainers_waiting_share": ("waiting_share", 0.5),
         "batchwire_pipeline_busy_share": ("busy_share", 0.7),
@@ -264,15 +280,15 @@ def test_the_adapter_rules_and_keda_queries_say_on_real_metrics_what_the_docs_sa
     assert set(rules) == set(expected)
     scaled = yaml.safe_load((AUTOSCALING / "keda" / "scaledobject.yaml").read_text())
     queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    names = ["overloaded", "light", "idle"]
     tests = []
     for (name, (field, target)), keda in zip(expected.items(), queries, strict=True):
-        query = render(rules[name], [*pods, "fresh"])
-        for pod, phase in pods.items():
-            value = getattr(phase.demand, field)
+        query = render(rules[name], names)
+        for pod in names:
+            value = getattr(pods[pod].demand, field) if pod in pods else 0.0
             series.append(
                 {"series": f'expected_{name}{{pod="{pod}"}}', "values": f"{value}x{STEPS}"}
             )
-        series.append({"series": f'expected_{name}{{pod="fresh"}}', "values": f"0x{STEPS}"})
         tests += [
             # The share the docs define: what the test computed from the two scrapes.
             (f"abs(({query}) - on(pod) expected_{name}) < bool 1e-6", [1, 1, 1]),
@@ -289,7 +305,7 @@ def test_the_adapter_rules_and_keda_queries_say_on_real_metrics_what_the_docs_sa
         else:
             samples_ = [
                 {"labels": f'{{pod="{pod}"}}', "value": v}
-                for pod, v in zip(["overloaded", "light", "fresh"], values, strict=True)
+                for pod, v in zip(names, values, strict=True)
             ]
         cases.append({"expr": expr, "eval_time": f"{STEP_S * STEPS}s", "exp_samples": samples_})
     file = tmp_path / "adapter.test.yml"
@@ -310,3 +326,78 @@ def test_the_adapter_rules_and_keda_queries_say_on_real_metrics_what_the_docs_sa
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
+
+
+# -- a unit of two worker processes: the same measures, summed over its workers ------------
+
+
+@pytest.fixture(scope="module")
+def unit_phases(
+    data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Phase]]:
+    """``batchwire serve --workers 2`` (one DALI thread each) with no trainer, under 4
+    trainers that take batches as fast as they come and under one that takes a batch every
+    0.2 s. Each trainer's loader, given the unit's address, pulls from both workers (their
+    own ports), and the parent's ``/metrics`` merges the workers' series."""
+    log = tmp_path_factory.mktemp("unit") / "serve.log"
+    with serve_process(data_dir, log, "--workers", "2", "--metrics-port", "0") as unit:
+        assert " with 2 workers on " in unit.start_line
+        port = unit.metrics_port
+        yield {
+            "idle": measure(port, None, 2.0),
+            "overloaded": measure(port, Load(unit.address, 4, pause=0.0, **OPTIONS), 5.0),
+            "light": measure(port, Load(unit.address, 1, pause=0.2, **OPTIONS), 5.0),
+        }
+
+
+def by_worker(text: str, name: str) -> dict[str, float]:
+    """``name``'s samples of a scrape summed by their ``worker`` label."""
+    sums: dict[str, float] = {}
+    for labels, value in samples(text).get(name, ()):
+        sums[labels["worker"]] = sums.get(labels["worker"], 0.0) + value
+    return sums
+
+
+def test_a_units_measures_are_its_workers_summed_and_differ_as_documented(
+    unit_phases: dict[str, Phase],
+) -> None:
+    """Every series the rules read comes from the workers, each under its ``worker`` label,
+    none from the parent (which serves no stream): summed over the pod as the rules sum
+    them, the unit's shares are those of one server with the workers' streams and slots."""
+    idle, overloaded, light = (unit_phases[p] for p in ("idle", "overloaded", "light"))
+    found = samples(light.second)
+    for name, labels in (
+        ("batchwire_stream_seconds_total", {"dataset", "pipeline", "worker"}),
+        ("batchwire_stream_waiting_seconds_total", {"dataset", "pipeline", "worker"}),
+        ("batchwire_pipeline_busy_seconds_total", {"pipeline", "worker"}),
+        ("batchwire_pipeline_slots", {"worker"}),
+    ):
+        assert {frozenset(lb) for lb, _ in found[name]} == {frozenset(labels)}, name
+        assert {lb["worker"] for lb, _ in found[name]} == {"0", "1"}, name
+    # Slots: each worker's own (pipelines_per_device, 2, on its CPU device), the unit's 4.
+    assert by_worker(light.second, "batchwire_pipeline_slots") == {"0": 2, "1": 2}
+    # Under load both workers had the trainers' streams open and ran their batches: each
+    # loader pulled from both, and each worker counted its own streams' time.
+    for phase in (overloaded, light):
+        for name in ("batchwire_stream_seconds_total", "batchwire_pipeline_busy_seconds_total"):
+            before, after = by_worker(phase.first, name), by_worker(phase.second, name)
+            grown = {w: after[w] - before.get(w, 0.0) for w in after}
+            assert grown.keys() == {"0", "1"} and min(grown.values()) > 0, (name, grown)
+    # With no trainer: no stream open, no batch run; the shares count 0.
+    assert idle.demand.open_streams == 0 and idle.demand.busy_share == 0, idle.demand
+    assert idle.demand.waiting_share == 0
+    # Overloaded, trainers wait and the pipelines have no room: add a server. Light, of two
+    # such units one can go.
+    assert overloaded.demand.waiting_share > WAITING_TARGET, overloaded.demand
+    assert overloaded.demand.busy_share > BUSY_TARGET, overloaded.demand
+    assert light.demand.waiting_share < WAITING_TARGET / 2, light.demand
+    assert light.demand.busy_share < BUSY_TARGET / 2, light.demand
+
+
+def test_the_adapter_rules_and_keda_queries_sum_a_units_workers(
+    unit_phases: dict[str, Phase], tmp_path: pathlib.Path
+) -> None:
+    """The rules over the unit's series as Prometheus would hold them, each worker's under
+    its ``worker`` label: summed by pod, the values :func:`demand` computed, above the
+    targets overloaded, below half of them light, 0 idle."""
+    check_rules(tmp_path, unit_phases["overloaded"], unit_phases["light"], unit_phases["idle"])

@@ -110,12 +110,6 @@ def _serve(data_dir: pathlib.Path, log: pathlib.Path, *args: str):  # type: igno
     return serve_process(data_dir, log, "--workers", "2", *args)
 
 
-def _metrics_port(served: ServeProcess) -> int:
-    match = re.search(r"; metrics on port (\d+)$", served.start_line)
-    assert match, served.start_line
-    return int(match.group(1))
-
-
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=30) as response:
         text = response.read().decode()
@@ -208,7 +202,7 @@ def test_one_loader_pulls_an_exact_epoch_from_every_worker(unit: ServeProcess) -
     """The unit's port hands a process's one connection to one worker; the workers' own
     ports, which the unit announces, let one trainer process pull from both."""
     assert re.search(r"each also on its own port: \d+, \d+", unit.log.read_text())
-    port = _metrics_port(unit)
+    port = unit.metrics_port
     before = _by_worker(port)
     ids = _epoch(unit.address, 0)
     assert sorted(ids) == list(range(SAMPLES))
@@ -226,7 +220,7 @@ def test_a_trainer_on_another_host_gets_its_images_from_every_workers_bulk_port(
     first = int(args[args.index("--bulk-port") + 1])
     for port in (first, first + 1):
         socket.create_connection(("localhost", port), timeout=10).close()
-    metrics = _metrics_port(unit)
+    metrics = unit.metrics_port
     series = ("batchwire_bulk_bytes_total", "batchwire_bytes_sent_total")
     before = {name: _by_worker(metrics, name) for name in series}
     with RemoteLoader(
@@ -281,7 +275,7 @@ def test_health_is_one_answer_from_every_worker(unit: ServeProcess) -> None:
 
 
 def test_one_metrics_endpoint_has_the_series_of_both_workers(unit: ServeProcess) -> None:
-    port = _metrics_port(unit)
+    port = unit.metrics_port
     # Each worker sets its batchwire_serving when it next looks at the unit's states
     # (every 0.25 s): poll, with a deadline, for both.
     deadline = time.monotonic() + 30
