@@ -18,8 +18,10 @@ from batchwire.client import (
     InvalidArgumentError,
     NotFoundError,
     RemoteLoader,
+    StatusCode,
     UnavailableError,
 )
+from batchwire.client._transport import error_for
 from batchwire.server import BatchwireServer
 from batchwire.server.pipelines import PRESETS
 from batchwire.v1 import batchwire_pb2 as pb
@@ -245,6 +247,20 @@ def test_an_errors_code_defaults_from_its_class_and_survives_pickling(
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error)
     assert (copy.code, copy.details, str(copy)) == (error.code, error.details, str(error))
+
+
+def test_the_clients_status_codes_are_grpcs_by_name_and_equal_to_them() -> None:
+    """The client's own codes, which its errors carry (no grpc needed to read them), name
+    and value every code gRPC has, and compare and hash as gRPC's do: code written against
+    ``grpc.StatusCode`` keeps working."""
+    assert [(c.name, c.value) for c in StatusCode] == [(c.name, c.value) for c in grpc.StatusCode]
+    for code in grpc.StatusCode:
+        ours = StatusCode.of(code)
+        assert ours == code and code == ours and hash(ours) == hash(code)
+        assert {code: True}.get(ours) and ours in (code,)
+        assert all(ours != other for other in grpc.StatusCode if other is not code)
+    raised = error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "no batch in 5 s")
+    assert type(raised.code) is StatusCode and isinstance(raised, UnavailableError)
 
 
 def test_bad_images_errors_keep_their_failures_through_pickling() -> None:

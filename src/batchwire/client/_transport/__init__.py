@@ -7,7 +7,8 @@
                                    the client's options and credentials (``_security``),
                                    calls, status codes mapped to exceptions
     BatchwireError and its kinds   what comes out of a transport that failed
-                                   (``_exceptions``), ``code`` being gRPC's ``StatusCode``
+                                   (``_exceptions``), ``code`` the client's ``StatusCode``
+                                   (gRPC's codes, by name, mapped in ``_grpc``)
 
 The loader, its passes and the ``Preprocessor`` hold a ``Transport``: they send and
 receive ``batchwire.v1`` messages, and catch the client's own exceptions.
@@ -15,8 +16,6 @@ receive ``batchwire.v1`` messages, and catch the client's own exceptions.
 """
 
 from __future__ import annotations
-
-from grpc import StatusCode
 
 from batchwire.client._transport._base import Pending, PullCall, Server, Transport
 from batchwire.client._transport._exceptions import (
@@ -26,6 +25,7 @@ from batchwire.client._transport._exceptions import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    StatusCode,
     UnavailableError,
     error_for,
 )
