@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from batchwire.bench import ServerStartError, add_run_arguments
 from benchmarks import (
+    autoscale,
     chaos,
     cold,
     fleet,
@@ -44,6 +45,7 @@ MODES: dict[str, Mode] = {
     "cold": cold.run_cold,
     "profile": profile.run_profile,
     "host_trainers": host_trainers.run_host_trainers,
+    "autoscale": autoscale.run_autoscale,
 }
 LONG_RUN: Mode = longrun.run_long
 
@@ -107,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="py-spy on a local server streaming --pipeline (train, val or the no-decode "
         "stand-in nodecode) to one loader: where its time and interpreter lock go",
+    )
+    modes.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="an autoscaled fleet played with batchwire serve processes on this host: "
+        "trainers rise and fall, the HPA's arithmetic on the servers' /metrics starts and "
+        "stops servers; how fast it grows and shrinks, what a scale-down costs a trainer, "
+        "every epoch checked",
     )
     _add_options(parser)
     return parser

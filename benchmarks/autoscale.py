@@ -1,4 +1,4 @@
-"""A fleet that follows its trainers: ``python -m benchmarks.autoscale``.
+"""A fleet that follows its trainers: ``python -m benchmarks --autoscale``.
 
 Real ``batchwire serve`` processes on 127.0.0.1, 127.0.0.2, ... (one port, as the pods of a
 headless Service), each pinned to a core of its own where there are enough, behind a name
@@ -689,13 +689,3 @@ def print_run(run: FleetRun, num_samples: int) -> None:
         f"{epochs} whole epochs over {len(run.trainers)} trainers: "
         + ("; ".join(wrong) or "every one exact")
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
-    raise SystemExit(run_autoscale(argparse.Namespace()))
-
-
-if __name__ == "__main__":
-    main()

@@ -31,6 +31,7 @@ _RESEARCH = (
     "--chaos",
     "--cold",
     "--profile",
+    "--autoscale",
 )
 
 
