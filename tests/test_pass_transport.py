@@ -10,13 +10,13 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import pytest
 import torch
-from fake_transport import FakeCall, FakeTransport, batch_message
 
 from batchwire.client import BatchwireError, InvalidArgumentError
 from batchwire.client._delivery import LoaderOptions, Tensors
 from batchwire.client._pass import StreamPass
 from batchwire.client._servers import ServerSet
 from batchwire.client._transport import Server, StatusCode, UnavailableError
+from batchwire.client.testing import MockCall, MockTransport, batch_message
 from batchwire.common.sampler import Plan
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -24,16 +24,21 @@ BATCH = 4
 A, B = "fake-a:1", "fake-b:1"
 
 
-def serve(call: FakeCall) -> Iterator[bytes]:
+def message(index: int) -> bytes:
+    """Batch ``index``: samples ``100 * index + j``, the share's cursor after it."""
+    return batch_message(index, [100 * index + j for j in range(BATCH)], (index + 1) * BATCH)
+
+
+def serve(call: MockCall) -> Iterator[bytes]:
     """A server that sends every batch it is asked for, in the order asked, and ends the
     call when the request stream ends."""
     for request in call.requests:
         for index in request.batches:
-            yield batch_message(index, BATCH)
+            yield message(index)
 
 
 def new_pass(
-    transport: FakeTransport,
+    transport: MockTransport,
     addresses: list[str],
     num_batches: int,
     *,
@@ -57,25 +62,24 @@ def new_pass(
     )
 
 
-def take_all(stream_pass: StreamPass) -> list[tuple[int, list[int], int, int]]:
-    """(index, ids, cursor, the value its images hold) of each batch, taken in order."""
+def take_all(stream_pass: StreamPass) -> list[tuple[int, list[int], int]]:
+    """(index, ids, cursor) of each batch, taken in order; each sample's image holds its
+    id (mod 256), as the mock server sent it."""
     taken = []
     for index in range(stream_pass.plan.num_batches):
         delivery = stream_pass.take(index)
-        values = np.unique(delivery.images.numpy())
-        assert len(values) == 1, values
-        taken.append((delivery.index, delivery.ids.tolist(), delivery.cursor, int(values[0])))
+        for image, sample in zip(delivery.images.numpy(), delivery.ids.tolist(), strict=True):
+            assert (image == sample % 256).all(), (sample, np.unique(image))
+        taken.append((delivery.index, delivery.ids.tolist(), delivery.cursor))
     return taken
 
 
-def expected(num_batches: int) -> list[tuple[int, list[int], int, int]]:
-    return [
-        (k, [100 * k + j for j in range(BATCH)], (k + 1) * BATCH, k) for k in range(num_batches)
-    ]
+def expected(num_batches: int) -> list[tuple[int, list[int], int]]:
+    return [(k, [100 * k + j for j in range(BATCH)], (k + 1) * BATCH) for k in range(num_batches)]
 
 
 def test_batches_arrive_in_order_with_their_ids_and_cursors() -> None:
-    transport = FakeTransport(serve)
+    transport = MockTransport(serve)
     stream_pass = new_pass(transport, [A], 12, shared_memory=True)
     stream_pass.start_readers()
     try:
@@ -95,7 +99,7 @@ def test_batches_arrive_in_order_with_their_ids_and_cursors() -> None:
 
 
 def test_a_server_that_fails_mid_pass_hands_its_batches_to_the_other() -> None:
-    def serve_a_while(call: FakeCall) -> Iterable[bytes]:
+    def serve_a_while(call: MockCall) -> Iterable[bytes]:
         """B serves; A sends 3 batches, then fails and stays down."""
         if call.server.address == B:
             yield from serve(call)
@@ -107,10 +111,10 @@ def test_a_server_that_fails_mid_pass_hands_its_batches_to_the_other() -> None:
             for index in request.batches:
                 if sent == 3:
                     raise UnavailableError(f"server {A} is draining")
-                yield batch_message(index, BATCH)
+                yield message(index)
                 sent += 1
 
-    transport = FakeTransport(serve_a_while)
+    transport = MockTransport(serve_a_while)
     stream_pass = new_pass(transport, [A, B], 16)
     stream_pass.start_readers()
     try:
@@ -129,14 +133,14 @@ def test_a_server_that_fails_mid_pass_hands_its_batches_to_the_other() -> None:
 def test_a_refusal_no_server_can_fix_ends_the_pass_with_its_error() -> None:
     refusal = InvalidArgumentError("the dataset has no sample 7", code=StatusCode.OUT_OF_RANGE)
 
-    def serve_then_refuse(call: FakeCall) -> Iterable[bytes]:
+    def serve_then_refuse(call: MockCall) -> Iterable[bytes]:
         for request in call.requests:
             for index in request.batches:
                 if index == 2:
                     raise refusal
-                yield batch_message(index, BATCH)
+                yield message(index)
 
-    transport = FakeTransport(serve_then_refuse)
+    transport = MockTransport(serve_then_refuse)
     stream_pass = new_pass(transport, [A], 8)
     stream_pass.start_readers()
     try:
@@ -152,13 +156,13 @@ def test_a_refusal_no_server_can_fix_ends_the_pass_with_its_error() -> None:
 def test_a_stopped_pass_cancels_its_open_calls() -> None:
     sent = threading.Semaphore(0)
 
-    def stall(call: FakeCall) -> Iterable[bytes]:
+    def stall(call: MockCall) -> Iterable[bytes]:
         """Send the first batch asked for, then nothing more until cancelled."""
-        yield batch_message(next(call.requests).batches[0], BATCH)
+        yield message(next(call.requests).batches[0])
         sent.release()
         call.cancelled.wait(60)  # a hang guard
 
-    transport = FakeTransport(stall)
+    transport = MockTransport(stall)
     stream_pass = new_pass(transport, [A, B], 8)
     stream_pass.start_readers()
     assert sent.acquire(timeout=60) and sent.acquire(timeout=60)  # both calls are open

@@ -133,8 +133,10 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     rather than the socket, unless ``shared_memory=False``; a server on another host sends
     them on a TCP connection of their own beside the call (read straight into the tensor),
     unless ``bulk=False`` or the server's bulk port cannot be reached. ``token`` and ``tls_*`` (PEM
-    paths or bytes) authenticate to secured servers. The settings are read-only
-    (``spec``, ``options``); see the client guide for the whole contract.
+    paths or bytes) authenticate to secured servers. ``transport`` replaces the gRPC
+    calls (``batchwire.client.testing.MockTransport``: a test without a server). The
+    settings are read-only (``spec``, ``options``); see the client guide for the whole
+    contract.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         tls_key: PemSource | None = None,
         process_group: Any = None,
         elastic_batch_size: bool = False,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__()
         if drop_last is None:
@@ -214,7 +217,7 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._sharing = Sharing(given_rank, process_group)
         self._elastic_batch_size = elastic_batch_size
         _warn_if_lanes(lanes)
-        self._start_fresh()
+        self._start_fresh(transport)
         # Each batch of one source, or of each source's share: a loader a source (made
         # now, so that its ledger is shared with DataLoader workers), with the source's
         # own settings and, stratified, its share of the batch.
@@ -231,14 +234,15 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                 shuffle=shuffle,
             )
 
-    def _start_fresh(self) -> None:
-        """What a loader holds besides its settings: nothing streamed, nothing resolved."""
+    def _start_fresh(self, transport: Transport | None) -> None:
+        """What a loader holds besides its settings: nothing streamed, nothing resolved,
+        and what its calls go through (gRPC unless ``transport`` is given)."""
         self.skipped_ids: list[int] = []
         # Image payload bytes received and copied: one copy each, by design.
         self.transfer = TransferStats()
         self._info: Described | None = None
         self._servers = ServerSet(self._addresses)
-        self._transport: Transport = GrpcTransport(self._security, on_open=close_at_exit)
+        self._transport = transport or GrpcTransport(self._security, on_open=close_at_exit)
         self._state = LoaderState(
             self._spec,
             batching=self._mixture.batching if self._mixture is not None else "random",
