@@ -34,7 +34,7 @@ PREFIX = "batchwire-loader-"
 
 @dataclasses.dataclass
 class Counts:
-    """A record for the ledgers under test: an epoch and a cursor, in the ledger's bytes."""
+    """An entry for the ledgers under test: an epoch and a cursor, in the ledger's bytes."""
 
     epoch: int = 0
     cursor: int = 0

@@ -1,11 +1,11 @@
-"""A record shared between a loader and its DataLoader worker processes: where the
+"""An entry shared between a loader and its DataLoader worker processes: where the
 loader's next pass starts (``batchwire.client._state``'s ``Entry``).
 
 A ``RemoteLoader`` handed to ``DataLoader(num_workers=N)`` is copied into each
 worker (by fork, or by pickling for spawn and forkserver), and a worker's copy
 runs the pass. Without something shared, the loader in the training process
 would never learn that a pass happened, and every epoch would replay the
-first. The ledger is that shared thing: a record of ``SIZE`` bytes in a small file,
+first. The ledger is that shared thing: an entry of ``SIZE`` bytes in a small file,
 read and written under ``flock``, which works across fork, spawn and forkserver
 alike. The file is removed when its loader goes; the files of processes killed
 before they could (``kill -9``) are removed by the next process that makes a
@@ -15,7 +15,7 @@ and a file nobody holds is a dead process's.
 The file goes in ``/dev/shm`` where it can, else in ``tempfile.gettempdir()``
 (``TMPDIR``): a directory that refuses it (full, out of inodes, read-only, not
 writable by this user) is left, with nothing in it, for the next. The file's
-bytes are reserved when it is made, so that writing the record later never
+bytes are reserved when it is made, so that writing the entry later never
 fails for space. Where no directory takes it (a container's full 64 MiB
 ``/dev/shm`` and no writable temporary directory), the ledger is kept in
 memory, of this process alone, and a warning says so once per process: the
@@ -42,11 +42,11 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 
 import torch.utils.data
 
-__all__ = ["SIZE", "Ledger", "Record"]
+__all__ = ["SIZE", "Entry", "Ledger"]
 
 _log = logging.getLogger(__name__)
 
-# The bytes of a record: a loader's file and its workers' reads of it agree on this, and
+# The bytes of an entry: a loader's file and its workers' reads of it agree on this, and
 # so do the files of other processes (releases) that a sweep locks past it.
 SIZE = 72
 _SHM = "/dev/shm"
@@ -58,7 +58,7 @@ _swept: set[str] = set()  # the directories this process removed dead processes'
 _warned = 0  # the pid of the process that logged that its ledgers are in memory
 
 
-class Record(Protocol):
+class Entry(Protocol):
     """What a ledger holds: a value packed into ``SIZE`` bytes, and read back from them."""
 
     def pack(self) -> bytes: ...
@@ -67,7 +67,7 @@ class Record(Protocol):
     def unpack(cls, data: bytes) -> Self: ...
 
 
-R = TypeVar("R", bound=Record)
+R = TypeVar("R", bound=Entry)
 
 
 _ledgers: weakref.WeakSet[Ledger[Any]] = weakref.WeakSet()
@@ -105,7 +105,7 @@ def _directories() -> tuple[list[str], list[str]]:
 def _sweep(directory: str) -> None:
     """Remove the ledger files no live process holds: one killed (``kill -9``, an
     out-of-memory kill) never ran the finalizer that removes its file. Each creator holds
-    a POSIX read lock on a byte past its record for life (``_LIVE``); the kernel drops it
+    a POSIX read lock on a byte past its entry for life (``_LIVE``); the kernel drops it
     with the process. This process holds no ledger in ``directory`` yet: closing a file
     here releases no lock of its own. Needs no room: it only opens, locks and unlinks."""
     for name in os.listdir(directory):
@@ -129,7 +129,7 @@ def _sweep(directory: str) -> None:
 
 def _reserve(fd: int, size: int) -> None:
     """Allocate the file's first ``size`` bytes now, so that writing them later cannot
-    fail for want of space. Where the file system cannot, the write of the record that
+    fail for want of space. Where the file system cannot, the write of the entry that
     follows allocates them (an overwrite in place needs no more room on tmpfs or ext4)."""
     if not hasattr(os, "posix_fallocate"):  # macOS
         return
@@ -143,7 +143,7 @@ def _reserve(fd: int, size: int) -> None:
 def _write(fd: int, data: bytes) -> None:
     written = os.pwrite(fd, data, 0)
     if written != len(data):  # a short write: the file system ran out of room
-        raise OSError(errno.ENOSPC, f"wrote {written} of a record's {len(data)} bytes")
+        raise OSError(errno.ENOSPC, f"wrote {written} of an entry's {len(data)} bytes")
 
 
 def _make_file(directory: str, data: bytes) -> tuple[int, str]:
@@ -151,9 +151,9 @@ def _make_file(directory: str, data: bytes) -> tuple[int, str]:
     descriptor and path. Raises OSError, with nothing left behind, where the directory
     refuses it or has no room."""
     # Locked before it takes the name a sweep looks for, so that no sweep finds it
-    # unheld, and complete by then, so that no worker reads half a record. The lock is
+    # unheld, and complete by then, so that no worker reads half an entry. The lock is
     # for life: the kernel releases it when this process goes, however it goes (POSIX
-    # locks are independent of the flock that guards the record).
+    # locks are independent of the flock that guards the entry).
     fd, made = tempfile.mkstemp(prefix=f".{_PREFIX}{os.getpid()}-", dir=directory)
     path = os.path.join(os.path.dirname(made), os.path.basename(made)[1:])
     try:
@@ -210,9 +210,9 @@ def _remove(path: str | None, owner: int, held: _Held) -> None:
 
 
 class Ledger(Generic[R]):
-    """A record shared between a loader and its DataLoader workers; see the module.
+    """An entry shared between a loader and its DataLoader workers; see the module.
 
-    ``_path`` is the file (None: the record is in memory, ``_snapshot`` itself);
+    ``_path`` is the file (None: the entry is in memory, ``_snapshot`` itself);
     ``_snapshot``, the bytes a copy carried; ``_held``, this process's descriptor of the
     file, closed with the file's removal when the ledger is collected or closed.
     """
@@ -220,7 +220,7 @@ class Ledger(Generic[R]):
     def __init__(self, initial: R) -> None:
         data = initial.pack()
         if len(data) != SIZE:
-            raise ValueError(f"a ledger holds a record of {SIZE} bytes, not {len(data)}")
+            raise ValueError(f"a ledger holds an entry of {SIZE} bytes, not {len(data)}")
         self._kind = type(initial)
         self._create(data)
         _ledgers.add(self)
@@ -283,28 +283,28 @@ class Ledger(Generic[R]):
 
     @contextlib.contextmanager
     def update(self) -> Iterator[R]:
-        """The record, locked against the other processes; changes are written back."""
+        """The entry, locked against the other processes; changes are written back."""
         fd = self._handle()
         if fd < 0:  # in memory: this process alone
-            record = self._kind.unpack(self._snapshot)
-            yield record
-            self._snapshot = record.pack()
+            entry = self._kind.unpack(self._snapshot)
+            yield entry
+            self._snapshot = entry.pack()
             return
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             before = os.pread(fd, SIZE, 0)
-            record = self._kind.unpack(before)
-            yield record
-            after = record.pack()
+            entry = self._kind.unpack(before)
+            yield entry
+            after = entry.pack()
             if after != before:
                 _write(fd, after)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def read(self) -> R:
-        """A copy of the record."""
-        with self.update() as record:
-            return self._kind.unpack(record.pack())
+        """A copy of the entry."""
+        with self.update() as entry:
+            return self._kind.unpack(entry.pack())
 
     def close(self) -> None:
         """Remove the file (in the process that created it); idempotent."""
