@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import mypy.api
 import pytest
+from handed_down import LAYERS, Handed, handed_down, read_package
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "batchwire"
@@ -345,6 +346,123 @@ def test_serving_imports_the_engine_and_nothing_below_it() -> None:
         f"{serving}:9 batchwire.server.pipelines.PipelineSpec",
         f"{serving}:10 batchwire.server.ServerConfig",
     ]
+
+
+def _listed_handed_down() -> tuple[set[Handed], int, list[str]]:
+    """docs/development.md's "Calls handed down": the calls its table lists, the count it
+    states, and the rows that give no reason."""
+    page = (ROOT / "docs" / "development.md").read_text()
+    section = page.split("### Calls handed down", 1)[1].split("\n## ", 1)[0]
+    row = r"^\| [^|`]+ \| `([^`]+)` \| `([^`]+)` \| `([^`]+)` \| ([^|]*) \|$"
+    rows = re.findall(row, section, re.M)
+    listed = {Handed(module, taker, what) for module, what, taker, _ in rows}
+    count = re.search(r"(\d+)\s+handed-down calls", section)
+    return listed, int(count[1]) if count else -1, [r[1] for r in rows if not r[3].strip()]
+
+
+def test_every_call_handed_down_across_layers_is_listed_with_its_reason() -> None:
+    """A lower layer calls the one above only through a function that layer handed it (a
+    call that climbs: ``tests/handed_down.py`` says how they are found). Each is listed in
+    docs/development.md's "Calls handed down", with why it is not returned or yielded
+    instead, and counted there: a new one fails here until it is listed, and one listed
+    that the code no longer has fails until it is removed."""
+    page = (ROOT / "docs" / "development.md").read_text()
+    stated = re.search(r"The layers import downward only: (.*?)\.\s", page, re.S)
+    assert stated, "docs/development.md no longer states the order of the layers"
+    order = [name.split(".")[0] for name in re.findall(r"`([\w.]+)`", stated[1])]
+    assert tuple(order) == LAYERS, f"docs/development.md orders the layers {order}"
+    found = handed_down(read_package(PACKAGE))
+    listed, count, unexplained = _listed_handed_down()
+    assert len(found) >= 10, "few handed-down calls found: the walk misreads the modules"
+    new, gone = sorted(found - listed), sorted(listed - found)
+    row = "| ... | `{0.module}` | `{0.what}` | `{0.taker}` | ... |".format
+    problems = []
+    if new:
+        problems.append(
+            "Handed down across the server's layers, and not in docs/development.md's "
+            '"Calls handed down": return or yield to the layer above instead, or list each '
+            "there with why it is handed down (and count it):\n" + "\n".join(map(row, new))
+        )
+    if gone:
+        problems.append(
+            'Listed in docs/development.md\'s "Calls handed down" and no longer in the code: '
+            "remove each (and count the rest):\n" + "\n".join(map(row, gone))
+        )
+    assert not problems, "\n".join(problems)
+    assert not unexplained, f"listed without why they are handed down: {unexplained}"
+    assert count == len(found), (
+        f"docs/development.md says {count} handed-down calls; the code has {len(found)}"
+    )
+
+
+# Each form of a call handed down that the check finds, and arguments it must not flag.
+_HANDED_SAMPLE = {
+    "batchwire.server.runners": "from batchwire.server.runners._low import Low, helper\n",
+    "batchwire.server.runners._low": """
+import concurrent.futures
+from collections.abc import Callable
+
+class Low:
+    def __init__(self, build, *, done=None) -> None:
+        self.listeners: list[Callable[[], None]] = []
+    def run(self, jobs) -> None: ...
+    def wrap(self, function) -> Callable[[int], int]: ...
+    def future(self) -> concurrent.futures.Future: ...
+
+def helper(*args, **kwargs) -> None: ...
+""",
+    "batchwire.server.engine._high": """
+import functools
+from collections.abc import Callable
+from batchwire.server.runners import Low, helper
+
+class High:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.low = Low(self._build, done=lambda: None)
+        self.low.listeners.append(self._changed)
+        helper(self.size, [1, 2], key=len, low=self.low, size=self.count)
+
+    def _build(self) -> None: ...
+    def _changed(self) -> None: ...
+    def _jobs(self):
+        yield 1
+    @property
+    def count(self) -> int: ...
+
+    def go(self, low: Low, callback: Callable[[], None], data: int) -> None:
+        def nested(seq):
+            return seq
+        read = functools.partial(self._build, 1)
+        low.run(self._jobs())
+        helper(low.wrap(nested), data)
+        low.finish = read
+        future = low.future()
+        future.add_done_callback(callback)
+        helper(functools.partial(helper, self))
+        read = data
+        helper(read)
+""",
+}
+
+
+def test_the_check_finds_each_form_of_a_call_handed_down() -> None:
+    """``handed_down`` finds a bound method, a lambda, a nested function, a partial, a
+    generator's iterator, a wrapper, ``self``, and a ``Callable`` parameter passed on,
+    given to a lower layer's class, function or object, set in one or appended to one's
+    list; not data (numbers, lists, builtins, properties, a lower layer's own objects)."""
+    module = "engine/_high.py"
+    assert handed_down(_HANDED_SAMPLE) == {
+        Handed(module, "Low", "self._build"),
+        Handed(module, "Low", "lambda: ..."),
+        Handed(module, "Low.listeners.append", "self._changed"),
+        Handed(module, "Low.run", "self._jobs()"),
+        Handed(module, "Low.wrap", "nested"),
+        Handed(module, "helper", "low.wrap(nested)"),
+        Handed(module, "Low.finish", "read"),
+        Handed(module, "Low.future().add_done_callback", "callback"),
+        Handed(module, "helper", "self"),
+    }
 
 
 # Run in a process of its own, so that no thread of another test is profiled with it.
