@@ -44,15 +44,21 @@ That is about 20 calls over 18 of the server's files (and 3 of ``batchwire.commo
 4 thread hand-offs (the event loop to a slot, the slot to DALI's own threads and back,
 the slot to the event loop by a future), and 7 types: PullRequest, PlannedBatch, Job,
 DALI's output, Batch (the runner's, which the stream completes), EncodedBatch, the message
-bytes. A batch keeps one number,
-its ``seq`` in the stream, from its request to its result. Three calls go up a layer,
-each to a function handed down at construction (the seams of docs/development.md): DALI's
-input reads through the stream's reader, the runner finishes through the stream's
-encoder, the read-ahead guesses through the stream. Inside scheduling, a ticket only asks:
-what it has asked for and been served is the fair queue's to keep, under the scheduler's
-lock. At its open the stream takes its ticket from the
-scheduler (``StreamSetup.schedule``) and hands its reader down to it, and its guess of the
-next ids to its read-ahead.
+bytes. A batch keeps one number, its ``seq`` in the stream, from its request to its
+result.
+
+Six calls on this path go up a layer, each to a function a layer above handed down: DALI's
+input takes its next job from the scheduler's generator (``Scheduler._jobs``); the ticket's
+read goes through the read-ahead into this stream (``BatchStream._read``); the runner
+finishes through this stream (``Job.finish``), and the stream's finish through serving's
+encoder; the read-ahead takes the next ids from this stream (``batch_ids``) and adds its
+seconds to the runners' stage times. docs/development.md ("Calls handed down") lists every
+call handed down across the server's layers, these and the others (the builder, a lane's
+batches, the health listener, a preprocessed batch), with their count and why each is.
+Inside scheduling, a ticket only asks: what it has asked for and been served is the fair
+queue's to keep, under the scheduler's lock. At its open the stream takes its ticket from
+the scheduler (``StreamSetup.schedule``) and hands its reader down to it, and its guess of
+the next ids to its read-ahead.
 """
 
 from __future__ import annotations
