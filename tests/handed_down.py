@@ -15,15 +15,17 @@ server is read with the types its function's annotations and assignments give. T
   back); a field that holds one of these (``self._encode``); ``functools.partial`` of one;
   the iterator of a generator method (``self._jobs(...)``, whose ``next`` runs its code); a
   wrapper, a call that returns a ``Callable`` and is given one of these (``around(read)``);
-  ``a or b`` of one; and a local name bound to any of these. A parameter is not: what a
-  function was given and passes on (``watch_devices(callback)``) is counted once, where
-  its owner hands it down.
+  ``a or b`` of one; a local name bound to any of these; and a parameter annotated
+  ``Callable``, of the function's layer (it came from there or above): passed on further
+  down (``watch_devices(callback)`` to ``PipelineHealth.listen``), it is handed again.
+  Other parameters, and data, are not.
 * **The taker** is a function or class of a layer, or a method of an object whose class is
-  of one (``setup.ahead.follow``); a field of such an object typed ``Callable[..., T]`` takes
+  of one (``setup.ahead.follow``), or of an object such an object holds
+  (``health._listeners.append``); a field of such an object typed ``Callable[..., T]`` takes
   for T's layer (``setup.schedule(read)`` gives a scheduling ``Ticket``); a method of an
   object a layer's call returned (``ticket.future(seq).add_done_callback``) for that layer;
-  ``functools.partial(taker, ...)`` passes its arguments to the taker. Setting an attribute
-  of an object hands the value to the object's class (``job.finish = ...``).
+  ``functools.partial(taker, ...)`` passes its arguments to the taker. Setting a field or
+  an item of another's object hands the value to the object's class (``job.finish = ...``).
 * **It climbs** where the callable's layer is above the taker's.
 """
 
@@ -101,6 +103,11 @@ def _written(expr: ast.expr) -> str:
     if isinstance(expr, ast.Lambda):
         expr = ast.Lambda(expr.args, ast.Constant(...))
     return ast.unparse(expr)
+
+
+def _is_callable(annotation: ast.expr | None) -> bool:
+    """Whether ``annotation`` says a callable: ``Callable[...]`` (``| None`` too)."""
+    return annotation is not None and ast.unparse(annotation).startswith("Callable")
 
 
 def _is_self(expr: ast.expr) -> bool:
@@ -287,7 +294,7 @@ class _Reader:
 
     def code(self, expr: ast.expr, scope: _Scope) -> int | None:
         """The layer whose code ``expr`` runs when called back, if it is a callable (or an
-        object whose methods are called) of a layer; None for data and parameters."""
+        object whose methods are called) of a layer; None for data."""
         here = layer(self.module.name)
         if isinstance(expr, ast.Lambda):
             return here
@@ -305,10 +312,7 @@ class _Reader:
                 return self.code(expr.args[0], scope)
             if func in self.index.defs and _is_generator(self.index.defs[func][1]):
                 return layer(func)  # its iterator runs the generator's code
-            returns = self.returns(func)
-            if returns is not None and ast.unparse(returns).startswith(
-                "Callable"
-            ):  # a wrapper of what it is given
+            if _is_callable(self.returns(func)):  # a wrapper of what it is given
                 given = [*expr.args, *(k.value for k in expr.keywords)]
                 return next((c for a in given if (c := self.code(a, scope)) is not None), None)
             return None
@@ -394,7 +398,7 @@ class _Reader:
                 inner.code.pop(arg.arg, None)
                 if (found := self.annotated(self.module, arg.annotation)) is not None:
                     inner.types[arg.arg] = found
-                if ast.unparse(arg.annotation or ast.Constant(None)).startswith("Callable"):
+                if _is_callable(arg.annotation):
                     # A callable given from this layer or one above: passed on, it is handed.
                     inner.code[arg.arg] = layer(self.module.name) or 0
             self.walk(stmt.body, inner)
