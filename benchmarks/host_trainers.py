@@ -37,7 +37,7 @@ import select
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchwire.bench import LocalServer
@@ -66,6 +66,7 @@ DEFAULT_SERVERS = ("defaults", "no-shared-memory", "no-bulk", "workers1", "worke
 # Of the pipeline: the waiting stand-in, for which DALI's own pipeline is not run.
 WAIT_PIPELINE = "wait"
 _SETTLE_S = 1.0  # once every trainer streams, before the window opens
+_SCRAPE_TRIES = 5
 _START_TIMEOUT_S = 300.0  # for every trainer to stream (16 importing torch on 2 cores: ~30 s)
 
 
@@ -228,22 +229,25 @@ class _Totals:
 
     samples: float  # samples sent, every stream of every worker
     sent: dict[str, float]  # batches sent, by worker ("0": a lone server)
-    streams: float  # streams open, every worker
-    workers: int  # the unit's workers (1: a lone server)
 
     @classmethod
     def read(cls, probe: ServerProbe) -> _Totals:
-        samples = streams = 0.0
+        """One scrape in which every worker answered (a unit leaves out the series of a
+        worker whose own scrape timed out, on a busy host): a few tries."""
+        for _ in range(_SCRAPE_TRIES - 1):
+            samples = probe.scrape()
+            if not any(s.name == "batchwire_worker_scrape_errors" and s.value for s in samples):
+                return cls._of(samples)
+        return cls._of(probe.scrape())
+
+    @classmethod
+    def _of(cls, scraped: list[Any]) -> _Totals:
+        samples = 0.0
         sent: dict[str, float] = {}
-        workers = 1
-        for sample in probe.scrape():
+        for sample in scraped:
             if sample.name == "batchwire_samples_sent_total":
                 samples += sample.value
             elif sample.name == "batchwire_batches_sent_total":
                 worker = sample.labels.get("worker", "0")
                 sent[worker] = sent.get(worker, 0.0) + sample.value
-            elif sample.name == "batchwire_active_streams":
-                streams += sample.value
-            elif sample.name == "batchwire_workers":
-                workers = max(int(sample.value), 1)
-        return cls(samples, sent, streams, workers)
+        return cls(samples, sent)
