@@ -11,6 +11,8 @@
     python -m benchmarks --cold --data-dir D --dataset N  # a dataset read from a cold page cache vs warm
     python -m benchmarks --profile --pipeline nodecode    # where a server's time and lock go (py-spy)
     python -m benchmarks --host-trainers 1,8              # a server and K trainers on one (GPU) host vs DALI
+    python -m benchmarks --host-trainers 1,2,4,8,16 --pipeline wait \\
+        --host-servers workers4 --batch-size 64           # the same, a GPU's work as a wait
     python -m benchmarks --autoscale                      # a fleet that grows and shrinks with its trainers
 
 What a user measures is in the installed command: ``batchwire bench --address`` (a running
