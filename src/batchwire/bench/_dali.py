@@ -133,10 +133,15 @@ def run_dali(
             auto_reset=True,
         )
         done, first = 0, None
+        # What the loop takes of a segmentation batch, as RemoteLoader gives it: the masks
+        # as int64 class maps (cross_entropy's targets), not DALI's uint8.
+        masks = pipeline_spec(pipeline).form == "segmentation"
         cpu = CpuClock()  # from the first run on: a DALI user builds a pipeline once
         measured_from = time.perf_counter()
         while done < images:
             for batch in batches:
+                if masks:
+                    batch[0]["mask"] = batch[0]["mask"].long()
                 done += int(batch[0]["labels"].shape[0])
                 first = first or time.perf_counter() - started
                 if done >= images:
