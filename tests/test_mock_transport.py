@@ -6,14 +6,22 @@ fails hands its batches to the other; a dataset it lacks is NOT_FOUND."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import pytest
 import torch
 
-from batchwire.client import NotFoundError, RemoteLoader, StatusCode, UnavailableError
+from batchwire.client import (
+    BatchwireError,
+    NotFoundError,
+    RemoteLoader,
+    StatusCode,
+    UnavailableError,
+)
 from batchwire.client.testing import MockCall, MockTransport, batch_message
 from batchwire.common.sampler import Plan
+from batchwire.v1 import batchwire_pb2 as pb
 
 SAMPLES, BATCH = 52, 8  # 7 batches an epoch, the last one short
 CLASSES = ("cat", "dog", "fish")
@@ -131,3 +139,28 @@ def test_batch_message_is_a_batch_as_a_server_sends_it() -> None:
     transport = MockTransport(fixed, mock().datasets)
     with loader(transport, shuffle=False) as batches:
         assert [i for _, _, ids in batches for i in ids.tolist()] == list(range(SAMPLES))
+
+
+def test_a_server_that_sends_samples_not_of_the_batch_ends_the_pass() -> None:
+    """A server that serves another stream (here: every batch's ids shifted by one from
+    the third batch on) is not trained on: the pass ends INTERNAL, naming a bad batch, and
+    the state is still the place after the last batch that was the plan's."""
+    served = mock().handler
+
+    def shifted(call: MockCall) -> Iterable[bytes]:
+        for raw in served(call):
+            batch = pb.Batch.FromString(raw)  # images and all: a small batch
+            if batch.index >= 2:
+                batch.ids[:] = [i + 1 for i in batch.ids]
+            yield batch.SerializeToString()
+
+    transport = MockTransport(shifted, mock().datasets)
+    with loader(transport) as batches:
+        taken = []
+        with pytest.raises(BatchwireError) as raised:
+            for _, _, ids in batches:
+                taken += ids.tolist()
+        state = batches.state_dict()
+    named = re.search(r"sent batch (\d+) with samples", str(raised.value))
+    assert raised.value.code == StatusCode.INTERNAL and named and int(named[1]) >= 2
+    assert taken == order(0)[: 2 * BATCH] and state["cursor"] == 2 * BATCH

@@ -25,8 +25,9 @@ A, B = "fake-a:1", "fake-b:1"
 
 
 def message(index: int) -> bytes:
-    """Batch ``index``: samples ``100 * index + j``, the share's cursor after it."""
-    return batch_message(index, [100 * index + j for j in range(BATCH)], (index + 1) * BATCH)
+    """Batch ``index`` of the pass's plan (no shuffling): samples ``BATCH * index + j``,
+    the share's cursor after it."""
+    return batch_message(index, [BATCH * index + j for j in range(BATCH)], (index + 1) * BATCH)
 
 
 def serve(call: MockCall) -> Iterator[bytes]:
@@ -75,7 +76,7 @@ def take_all(stream_pass: StreamPass) -> list[tuple[int, list[int], int]]:
 
 
 def expected(num_batches: int) -> list[tuple[int, list[int], int]]:
-    return [(k, [100 * k + j for j in range(BATCH)], (k + 1) * BATCH) for k in range(num_batches)]
+    return [(k, [BATCH * k + j for j in range(BATCH)], (k + 1) * BATCH) for k in range(num_batches)]
 
 
 def test_batches_arrive_in_order_with_their_ids_and_cursors() -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from batchwire.client._delivery import Delivery
 from batchwire.client._transport import BatchwireError, StatusCode, UnavailableError, error_for
+from batchwire.common.sampler import Plan
 
 __all__ = ["HEDGE_FACTOR", "HEDGE_MIN_S", "Book", "Held"]
 
@@ -48,7 +49,12 @@ class Held(collections.deque[int]):
 
 
 class Book:
-    def __init__(self, *, first: int, num_batches: int, window: int) -> None:
+    def __init__(
+        self, *, first: int, num_batches: int, window: int, plan: Plan | None = None
+    ) -> None:
+        """A book of batches ``first .. num_batches-1``; with their ``plan``, each batch
+        delivered is checked against it (:meth:`_check`)."""
+        self._plan = plan
         self.num_batches = num_batches
         self._window = window
         self._cond = threading.Condition()
@@ -132,6 +138,8 @@ class Book:
                 )
             held.popleft()  # the call has room for another batch either way
             self._cond.notify_all()
+        self._check(delivery)
+        with self._cond:
             if delivery.index < self._next or delivery.index in self._arrived:
                 self.duplicates += 1  # the other copy of a hedged batch came first
                 return
@@ -139,6 +147,37 @@ class Book:
             self._arrived[delivery.index] = delivery
             self._gaps.append(now - self._progress_at)
             self._progress_at = now
+
+    def _check(self, delivery: Delivery) -> None:
+        """The samples of a delivered batch are the plan's, in its order, those the server
+        skipped left out, and its cursor is where the plan's batch ends: else the server
+        serves another stream than this pass's (a replaced dataset, a release that splits
+        epochs otherwise, a bug), and the pass ends rather than train on it."""
+        if self._plan is None:
+            return
+        planned = self._plan.batch(delivery.index)
+        expected = planned.ids.tolist()
+        for sample in delivery.skipped_ids:
+            if sample in expected:
+                expected.remove(sample)
+        if delivery.ids.tolist() == expected and delivery.cursor == planned.end:
+            return
+        if self._plan.origin:
+            raise BatchwireError(
+                f"the server sent batch {delivery.index} of its split of the whole epoch, not "
+                "of the rest of the epoch that this resumed job splits: it is of a release "
+                "before elastic resume (StreamBatchesRequest.origin). Upgrade the servers, or "
+                "resume on the world size and batch size the state was saved with",
+                code=StatusCode.FAILED_PRECONDITION,
+            )
+        raise BatchwireError(
+            f"the server sent batch {delivery.index} with samples or a cursor that are not "
+            f"the batch's (ids {delivery.ids.tolist()[:4]}..., cursor {delivery.cursor}; "
+            f"planned {planned.ids.tolist()[:4]}..., cursor {planned.end}): it serves another "
+            "stream than this pass's; check that every server serves the same release and "
+            "dataset",
+            code=StatusCode.INTERNAL,
+        )
 
     def give_back(self, held: Held, failure: tuple[StatusCode, str] | None = None) -> list[int]:
         """A call ended holding ``held``: those batches go to other servers (the call

@@ -680,8 +680,6 @@ class RemoteLoader(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
                         # The dataset was replaced: the next pass describes it again.
                         self._info = None
                     raise
-                if index == stream_pass.first:  # see LoaderState.begin
-                    self._state.check_served(stream_pass.id, index, delivery.ids)
                 stream_pass.cursor = delivery.cursor
                 self.skipped_ids.extend(delivery.skipped_ids)
                 # Also a batch whose every sample was unreadable (empty): every rank takes

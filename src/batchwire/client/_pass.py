@@ -117,7 +117,7 @@ class StreamPass:
         self._resolve_every = options.resolve_every
         self._stop = threading.Event()
         self._superseded = False
-        self.book = Book(first=self.first, num_batches=plan.num_batches, window=window)
+        self.book = Book(first=self.first, num_batches=plan.num_batches, window=window, plan=plan)
         self._servers = servers
 
         def puller(server: Server) -> ServerPuller:

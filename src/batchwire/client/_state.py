@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchwire.client._frameworks import worker_id
 from batchwire.client._ledger import Ledger
 from batchwire.client._rank import Rank
-from batchwire.client._transport import BatchwireError, InvalidArgumentError, StatusCode
+from batchwire.client._transport import InvalidArgumentError
 from batchwire.common.sampler import Plan
 
 if TYPE_CHECKING:
@@ -141,8 +141,6 @@ class LoaderState:
         self._elastic_batch_size = elastic_batch_size
         # load_state_dict ran in this DataLoader worker: see RemoteLoader._begin.
         self.loaded_in_worker = False
-        # The pass, index and ids of a first batch to check (check_served).
-        self._probe: tuple[int, int, set[int]] | None = None
 
     def place(self, current: StreamPass | None) -> Place:
         """After the last batch ``current``, the loader's last pass, handed out (running,
@@ -199,26 +197,6 @@ class LoaderState:
             entry.place, entry.fresh = Place(plan.epoch, plan.origin, plan.start), False
         self.loaded_in_worker = False
         entry.pass_id, entry.in_workers = pass_id, worker_id() is not None
-        # A server of a release before origins serves the split of the whole epoch instead
-        # of the rest's: the first batch of a pass with an origin shows which one it is.
-        first = plan.start // plan.batch_size
-        self._probe = (pass_id, first, set(plan.batch(first).ids.tolist())) if plan.origin else None
-
-    def check_served(self, pass_id: int, index: int, ids: Iterable[int]) -> None:
-        """FAILED_PRECONDITION if batch ``index`` of pass ``pass_id``, the first of a
-        pass with an origin, is not the planned one (see ``begin``)."""
-        probe = self._probe
-        if probe is None or probe[:2] != (pass_id, index):
-            return
-        self._probe = None
-        if not probe[2].issuperset(int(i) for i in ids):
-            raise BatchwireError(
-                f"the server sent batch {index} of its split of the whole epoch, not of the "
-                "rest of the epoch that this resumed job splits: it is of a release before "
-                "elastic resume (StreamBatchesRequest.origin). Upgrade the servers, or resume "
-                "on the world size and batch size the state was saved with",
-                code=StatusCode.FAILED_PRECONDITION,
-            )
 
     def end(self, stream_pass: StreamPass) -> None:
         """A pass that ran to its end: the next one starts the following epoch."""
@@ -227,7 +205,7 @@ class LoaderState:
                 entry.start_at(Place(stream_pass.plan.epoch + 1), directive=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "loaded_in_worker": False, "_probe": None}
+        return {**self.__dict__, "loaded_in_worker": False}
 
     def plan(self, rank: Rank, place: Place, info: Described) -> tuple[StreamSpec, Plan]:
         """The stream of ``rank`` from ``place`` (in the loader's units) of the dataset

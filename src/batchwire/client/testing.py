@@ -47,7 +47,7 @@ from batchwire.common.stream import StreamSpec
 from batchwire.common.tensors import to_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["MockCall", "MockTransport", "batch_message", "dataset_info"]
+__all__ = ["Handler", "MockCall", "MockTransport", "batch_message", "dataset_info"]
 
 _END = object()  # the handler returned: the server ended the call
 _GUARD_S = 60.0  # how long a call waits for its handler's next message: a hang guard
@@ -55,6 +55,7 @@ _GUARD_S = 60.0  # how long a call waits for its handler's next message: a hang 
 _MEAN = (123.675, 116.28, 103.53)
 _STD = (58.395, 57.12, 57.375)
 
+# What answers a mock server's PullBatches calls (see the module).
 Handler = Callable[["MockCall"], Iterable[bytes]]
 
 
