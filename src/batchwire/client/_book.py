@@ -131,15 +131,15 @@ class Book:
         """A call delivered the first batch it holds."""
         with self._cond:
             expected = held[0] if held else None
-            if delivery.index != expected:
-                raise BatchwireError(
-                    f"the server sent batch {delivery.index} where batch {expected} was asked for",
-                    code=StatusCode.INTERNAL,
-                )
-            held.popleft()  # the call has room for another batch either way
-            self._cond.notify_all()
+        if delivery.index != expected:
+            raise BatchwireError(
+                f"the server sent batch {delivery.index} where batch {expected} was asked for",
+                code=StatusCode.INTERNAL,
+            )
         self._check(delivery)
         with self._cond:
+            held.popleft()  # the call has room for another batch either way
+            self._cond.notify_all()
             if delivery.index < self._next or delivery.index in self._arrived:
                 self.duplicates += 1  # the other copy of a hedged batch came first
                 return
