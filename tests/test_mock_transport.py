@@ -155,7 +155,10 @@ def test_a_server_that_sends_samples_not_of_the_batch_ends_the_pass() -> None:
             yield batch.SerializeToString()
 
     transport = MockTransport(shifted, mock().datasets)
-    with loader(transport) as batches:
+    # One server: its batches arrive in order, the good ones before the first bad one.
+    with RemoteLoader(
+        "mock-a:1", dataset="pets", batch_size=BATCH, return_ids=True, seed=5, transport=transport
+    ) as batches:
         taken = []
         with pytest.raises(BatchwireError) as raised:
             for _, _, ids in batches:
