@@ -85,6 +85,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "multicrop remote/DALI images/s",
         "detection: DALI's own (COCO reader)",
         "detection server/DALI CPU",
+        "segmentation: DALI's own (2 readers)",
+        "segmentation remote/DALI images/s",
         "bytes per image",
     ):
         assert label in out
@@ -109,6 +111,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "remote-multicrop",
         "dali-detection",
         "remote-detection",
+        "dali-segmentation",
+        "remote-segmentation",
     }
     for name, row in summary.items():
         # CPU figures are measured, not tested: tiny runs fall within a clock tick.
