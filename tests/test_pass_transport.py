@@ -100,9 +100,13 @@ def test_batches_arrive_in_order_with_their_ids_and_cursors() -> None:
 
 
 def test_a_server_that_fails_mid_pass_hands_its_batches_to_the_other() -> None:
+    a_failed = threading.Event()
+
     def serve_a_while(call: MockCall) -> Iterable[bytes]:
-        """B serves; A sends 3 batches, then fails and stays down."""
+        """A sends 3 batches, then fails (holding the batches it was asked for next) and
+        stays down; B serves once A failed, so that the pass cannot end without A's."""
         if call.server.address == B:
+            a_failed.wait(60)  # a hang guard
             yield from serve(call)
             return
         if call is not transport.calls_to(A)[0]:
@@ -111,6 +115,7 @@ def test_a_server_that_fails_mid_pass_hands_its_batches_to_the_other() -> None:
         for request in call.requests:
             for index in request.batches:
                 if sent == 3:
+                    a_failed.set()
                     raise UnavailableError(f"server {A} is draining")
                 yield message(index)
                 sent += 1
