@@ -41,7 +41,7 @@ from batchwire.server.engine._devices import DevicePlan
 from batchwire.server.engine._preprocess import PreprocessBatcher, PreprocessLimits
 from batchwire.server.engine._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.engine._stats import EngineStats
-from batchwire.server.engine._stream import Batch, BatchStream, StreamSetup, own, share_batches
+from batchwire.server.engine._stream import Batch, BatchStream, StreamSetup, share_batches
 from batchwire.server.errors import (
     Draining,
     InvalidRequest,
@@ -53,6 +53,7 @@ from batchwire.server.runners import (
     Runner,
     RunnerKey,
     StageTimes,
+    keep,
     pipeline_named,
     runner_key,
 )
@@ -173,7 +174,7 @@ class Engine:
         self,
         spec: StreamSpec,
         *,
-        encode: Callable[[Batch], Any] = own,
+        encode: Callable[[Batch], Any] = keep,
         batches: Callable[[Plan], Sequence[int]] | None = share_batches,
     ) -> BatchStream[Any]:
         """Validate ``spec`` and start its stream.

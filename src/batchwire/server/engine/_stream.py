@@ -78,7 +78,7 @@ from batchwire.common.mixture import MixturePlan, split_ids
 from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.data.records import Records, StreamReadAhead
 from batchwire.server.errors import Draining, InvalidRequest
-from batchwire.server.runners import Batch, Job, StageTimes, batch_entropy, keep, read_job
+from batchwire.server.runners import Batch, Job, StageTimes, batch_entropy, read_job
 from batchwire.server.scheduling import Ticket
 
 __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
@@ -86,10 +86,6 @@ __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
 P = TypeVar("P")  # what the stream hands out for each batch (its encode's return)
 
 _POLL_S = 0.25  # how often a stream waiting for requests or results checks for a drain
-
-
-# The encode of a stream that hands out Batches: each with images of its own.
-own = keep
 
 
 def share_batches(plan: Plan) -> range:
