@@ -39,11 +39,10 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchwire.bench import wait_serving
 from batchwire.client import RemoteLoader
 from batchwire.common.sampler import Plan
 
@@ -201,7 +200,7 @@ class ServerProcess:
             raise RuntimeError(f"batchwire serve did not start: {log.read_text()[-2000:]}")
         self.port, self.metrics_port = int(match.group(2)), int(match.group(3))
         self.address = f"{host}:{self.port}"
-        _wait_serving(self.address, 120.0)
+        wait_serving(self.address, 120.0)
         self.warm_up_seconds = time.monotonic() - started  # process start to SERVING
         self.baseline = self.scrape()
         self.baseline_at = time.monotonic()
@@ -230,17 +229,6 @@ class ServerProcess:
             self.process.wait(10)
         if self.process.stdout is not None:
             self.process.stdout.close()
-
-
-def _wait_serving(address: str, timeout: float) -> None:
-    with grpc.insecure_channel(address) as channel:
-        watch = health_pb2_grpc.HealthStub(channel).Watch(
-            health_pb2.HealthCheckRequest(service=""), timeout=timeout
-        )
-        for reply in watch:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-    raise RuntimeError(f"{address} ended the health stream before SERVING")
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from batchwire.bench._runs import (
     progress,
     run_inprocess,
     run_remote,
+    wait_serving,
 )
 from batchwire.bench._transport import (
     plain_server,
@@ -98,5 +99,6 @@ __all__ = [
     "summarize",
     "table",
     "transport_server",
+    "wait_serving",
     "write_json",
 ]

@@ -56,6 +56,7 @@ __all__ = [
     "progress",
     "run_inprocess",
     "run_remote",
+    "wait_serving",
 ]
 
 IMAGE_BYTES = 3 * 224 * 224  # one uint8 NCHW sample of the train pipeline
@@ -351,7 +352,7 @@ class LocalServer:
             )
         self.address = f"localhost:{match.group(1)}"
         self.metrics_port = int(match.group(2)) if match.group(2) else None
-        _wait_serving(self.address, 180.0)
+        wait_serving(self.address, 180.0)
 
     @property
     def pid(self) -> int:
@@ -416,7 +417,9 @@ def _server_table(settings: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _wait_serving(address: str, timeout: float) -> None:
+def wait_serving(address: str, timeout: float) -> None:
+    """Until the server at ``address`` (plaintext) says SERVING on the health service's
+    Watch stream, for at most ``timeout`` seconds; RuntimeError if it stops before."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
