@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from batchwire.client._bulk import BulkReader
-from batchwire.client._outputs import TORCH_DTYPES, Named, arrange, unpack
+from batchwire.client._outputs import TORCH_DTYPES, arrange, unpack
 from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import BatchwireError, StatusCode
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
@@ -238,19 +238,15 @@ class Tensors:
 
     def _finish(self, d: Delivery) -> Delivery:
         """Labels pinned for a GPU, or CPU images normalized: work kept off the loop (a
-        batch of named outputs on the CPU: its outputs made ready, image ones normalized;
-        for a GPU they are normalized there, as the loop takes them)."""
-        if d.outputs:
-            to_normalize = self.options.normalize and d.to_normalize
-            if self._cuda:
-                labels = d.labels.pin_memory()
-                return dataclasses.replace(d, labels=labels, to_normalize=to_normalize)
-            d = dataclasses.replace(d, to_normalize=to_normalize)
-            return dataclasses.replace(d, ready=self._named(d), to_normalize=False)
+        batch of named outputs on the CPU: made wholly ready, image outputs normalized; for
+        a GPU they are normalized there, as the loop takes them)."""
+        to_normalize = self.options.normalize and d.to_normalize
         if self._cuda:
-            to_normalize = self.options.normalize and d.to_normalize
             return dataclasses.replace(d, labels=d.labels.pin_memory(), to_normalize=to_normalize)
-        if self.options.normalize and d.to_normalize:
+        if d.outputs:
+            ready = self._named(dataclasses.replace(d, to_normalize=to_normalize))
+            return dataclasses.replace(d, ready=ready, to_normalize=False)
+        if to_normalize:
             images = normalize(d.images, self.mean, self.std)
             return dataclasses.replace(d, images=images, to_normalize=False)
         return dataclasses.replace(d, to_normalize=False)
@@ -275,16 +271,6 @@ class Tensors:
     def _named(self, d: Delivery) -> tuple[Any, ...]:
         """A batch of named outputs as the pipeline's form arranges it (``_outputs``): each
         on the device, image outputs normalized there."""
-        named = self._ready(d)
-        labels = d.labels.to(self.options.device, non_blocking=True) if self._cuda else d.labels
-        out = arrange(self._form, named, d.outputs, labels.reshape(-1))
-        if self.options.return_ids:
-            return (*out, torch.from_numpy(np.asarray(d.ids, dtype=np.int64)))
-        return out
-
-    def _ready(self, d: Delivery) -> Named:
-        """A batch's named outputs (``_outputs.unpack``), each on the device, image ones
-        normalized where they are still to be."""
         device, cuda = self.options.device, self._cuda
         named = unpack(d.images, d.outputs)
         for head in d.outputs:
@@ -300,4 +286,8 @@ class Tensors:
             if head.kind == "image" and d.to_normalize and value.dtype == torch.uint8:
                 value = normalize(value, self.mean, self.std)
             named[head.name] = value
-        return named
+        labels = d.labels.to(device, non_blocking=True) if cuda else d.labels
+        out = arrange(self._form, named, d.outputs, labels.reshape(-1))
+        if self.options.return_ids:
+            return (*out, torch.from_numpy(np.asarray(d.ids, dtype=np.int64)))
+        return out
