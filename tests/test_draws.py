@@ -142,3 +142,26 @@ def test_a_resumed_pass_draws_what_the_whole_pass_drew(
     rest = list(resumed)
     resumed.close()
     assert same(whole, taken + rest)
+
+
+def test_batches_whose_outputs_vary_in_size_all_travel_in_shared_memory(
+    servers: list[BatchwireServer],
+) -> None:
+    """detection's boxes make each batch's payload a little larger or smaller than its
+    pass's first, which sized the stream's shared memory: every batch still goes there
+    (none in its message), in every epoch."""
+    server = servers[0]
+    labels = {"dataset": "boxes", "pipeline": "detection"}
+
+    def shared() -> float:
+        sample = "batchwire_shared_memory_bytes_total"
+        return server.metrics.registry.get_sample_value(sample, labels) or 0.0
+
+    before, received, boxes = shared(), 0, set()
+    with loader(server.target, "detection") as passes:
+        for _ in range(4):  # epochs 0 to 3: a call, and a ring, each
+            for _, targets, _ in passes:
+                boxes.add(sum(len(target["boxes"]) for target in targets))
+        received = passes.transfer.received
+    assert len(boxes) > 1  # batches of several sizes
+    assert shared() - before == received > 0

@@ -6,6 +6,7 @@ left behind once a stream ends, and the socket path whenever memory cannot be sh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import mmap
 import multiprocessing
@@ -28,6 +29,7 @@ from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import read_grant
 from batchwire.common import shared_memory as common_shared_memory
 from batchwire.common.batch_codec import decode_batch
+from batchwire.common.outputs import Output, pack
 from batchwire.common.sampler import Plan
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.server import BatchwireServer
@@ -478,3 +480,34 @@ def test_two_pipelines_through_shared_memory_lose_and_repeat_nothing_when_a_serv
         # with it, and the loaders unmapped theirs as their calls ended.
         assert eventually(lambda: nothing_held(b.process.pid))
         assert eventually(nothing_held)
+
+
+def payload_batch(index: int, nbytes: int) -> Batch:
+    """A batch of named outputs whose payload is ``nbytes`` (ragged outputs make it vary)."""
+    data = np.random.default_rng(index).integers(0, 255, nbytes, dtype=np.uint8)
+    payload, heads = pack([Output(name="boxes", kind="ragged", data=[data])])
+    return dataclasses.replace(batch(index, samples=1), images=payload, outputs=heads)
+
+
+def test_a_ring_of_named_outputs_takes_batches_larger_than_its_first(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first batch sizes a ring's buffers; a payload of named outputs leaves room for
+    later batches a little larger (ragged outputs), and one larger than that goes in its
+    message, said once."""
+    monkeypatch.setattr(common_shared_memory, "_warned", set())
+    budget = RingBudget(2**30)
+    ring, fd = claimed_ring(3, budget)
+    first = payload_batch(0, 4 << 20)
+    larger = payload_batch(1, (4 << 20) + (4 << 20) // 5)  # a fifth larger
+    assert ring.encode(first) is not None
+    with caplog.at_level(logging.INFO):
+        encoded = ring.encode(larger)
+        assert encoded is not None
+        assert np.array_equal(images_at(fd, encoded.messages[0]), np.asarray(larger.images))
+        assert ring.encode(payload_batch(2, 8 << 20)) is None  # twice as large
+        assert ring.encode(payload_batch(3, 8 << 20)) is None
+    assert caplog.text.count("larger than its stream's shared-memory buffers") == 1
+    os.close(fd)
+    ring.close()
+    assert budget.used == 0

@@ -17,7 +17,9 @@ free buffer of ``buffers`` batch-sized ones, and its message carries the header 
 the images lie (``SharedImages``): the pixels are neither copied into gRPC's buffers nor
 sent through the kernel's TCP stack, on either side. The client copies a batch out and
 releases its buffer with its next request. The ring is sized, mapped and sealed at its
-first batch, in the pipeline's thread; its buffers are backed with memory as first used.
+first batch, in the pipeline's thread (its buffers a quarter larger than that batch where
+it is a payload of named outputs, whose ragged ones vary from batch to batch); its
+buffers are backed with memory as first used.
 
 Shared memory never fails a stream: a batch that finds no free buffer, or is larger than
 a buffer, or a ring that could not be made or claimed (no memory to spare within the
@@ -46,12 +48,14 @@ from typing import Any
 import numpy as np
 
 from batchwire.common.batch_codec import fill
+from batchwire.common.outputs import Payload
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
     KEY_BYTES,
     MEMFD_NAME,
     SEALS,
+    log_once,
     namespace,
     socket_address,
     warn_once,
@@ -158,6 +162,22 @@ class RingBudget:
         self.__init__(state["limit"], state["counter"])  # type: ignore[misc]
 
 
+# Room a ring's buffers leave beyond its first batch, when the batch is a payload of
+# named outputs: ragged ones (a detection batch's boxes, captions) make each batch a
+# little larger or smaller than the first, and a batch that does not fit goes in its
+# message. A batch of images alone is never larger than the first (only the last is short).
+PAYLOAD_ROOM = 0.25
+PAYLOAD_ROOM_MIN = 1 << 20
+
+
+def buffer_bytes(images: np.ndarray | Payload) -> int:
+    """The bytes of each buffer of a ring whose first batch is ``images``: its size, with
+    room for later batches where it is a payload of named outputs (:data:`PAYLOAD_ROOM`)."""
+    if isinstance(images, Payload):
+        return images.nbytes + max(int(images.nbytes * PAYLOAD_ROOM), PAYLOAD_ROOM_MIN)
+    return images.nbytes
+
+
 class SharedRing:
     """``buffers`` batch-sized buffers of shared memory for one stream's batches, used
     once its client has claimed them (thread-safe: the pipeline fills buffers, the event
@@ -246,7 +266,7 @@ class SharedRing:
         """``batch`` as one message whose images lie in a buffer (copied there once), or
         None when the ring is not claimed, no buffer is free or it does not fit."""
         images = batch.images
-        buffer = self._acquire(images.nbytes)
+        buffer = self._acquire(images.nbytes, buffer_bytes(images))
         if buffer is None:
             return None
         assert self._memory is not None
@@ -260,13 +280,27 @@ class SharedRing:
         where = pb.SharedImages(buffer=buffer, offset=offset, length=images.nbytes)
         return encode_elsewhere(batch, shared=where)
 
-    def _acquire(self, nbytes: int) -> int | None:
+    def _acquire(self, nbytes: int, buffer_bytes: int) -> int | None:
+        """A free buffer for a batch of ``nbytes``, the ring made first with buffers of
+        ``buffer_bytes`` (at its first batch); None if none."""
         with self._lock:
             if not self._usable or not self._claimed or not nbytes:
                 return None
-            if self._memory is None and not self._make(nbytes):
+            if self._memory is None and not self._make(buffer_bytes):
                 return None
-            if nbytes > self._buffer_bytes or not self._free:
+            if nbytes > self._buffer_bytes:
+                log_once(
+                    log,
+                    logging.INFO,
+                    "larger",
+                    "a batch of %.1f MiB is larger than its stream's shared-memory buffers "
+                    "(%.1f MiB, made for its first batch): it goes in its message, as do "
+                    "others of a pipeline whose outputs vary in size this much",
+                    nbytes / 2**20,
+                    self._buffer_bytes / 2**20,
+                )
+                return None
+            if not self._free:
                 return None
             buffer = self._free.pop()
             if buffer not in self._backed and not self._back(buffer):
