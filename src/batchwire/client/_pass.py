@@ -327,39 +327,10 @@ class ServerPuller(threading.Thread):
             over = threading.Event()  # the call is over: its request stream asks for nothing
             failure: tuple[StatusCode, str] | None = None
             before = self.delivered
-            # Each call offers shared memory anew: a server on this host grants it.
-            ring = RingReader.offer(self._credit + 1) if self._shared_memory else None
-            # And a bulk connection, to a server named by its host, if it can be reached.
-            bulk = None
-            if self._tensors.options.bulk and BulkReader.offered(self.server.address):
-                bulk = BulkReader(self._tensors.options.timeout, self._transport.tls_context())
-            # Where the server may be on this host (its shared memory was taken before, or
-            # this is the first call to it), the first batches are asked for once the ring
-            # is claimed, so that they go there too; else (a server on another host) with
-            # the call's first message, not a round trip later.
-            accepted = threading.Event()
-            if ring is None or not self._transport.shares_memory.get(self.server, True):
-                accepted.set()
+            ring, bulk, accepted = self._side_channels()
             try:
-                with self._lock:
-                    if self._halted():
-                        return
-                    self._bulk = bulk
-                    call = self._call = self._transport.open_pull(
-                        self.server, self._requests(held, over, accepted, ring, bulk is not None)
-                    )
-                with call:  # what the call raises comes out of it as a BatchwireError
-                    grant = call.grant()  # sent once it opened
-                    # Batches the server finishes before a claim is done come in their
-                    # messages.
-                    if ring is not None:
-                        ring.claim(grant, self.server.address)
-                        self._transport.shares_memory[self.server] = ring.claimed
-                    if bulk is not None and not (ring is not None and ring.claimed):
-                        bulk.claim(call.bulk_grant(), self.server.address, self.server.tls_name)
-                    accepted.set()
-                    self._receive(call, held, ring, bulk)
-                return  # the stream ended: the pass is finished
+                self._call_once(held, over, accepted, ring, bulk)
+                return  # the stream ended (the pass is finished), or the puller halted
             except SharedMemoryFailed as exc:
                 if self._halted():
                     return
@@ -384,15 +355,7 @@ class ServerPuller(threading.Thread):
                 said = rpc_details(exc)
                 failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
-                over.set()  # before giving back, so the request stream claims no more
-                accepted.set()  # the request stream may wait for one of the two
-                returned = self._book.give_back(held, failure)
-                if ring is not None:
-                    ring.close()
-                if bulk is not None:
-                    with self._lock:
-                        self._bulk = None
-                    bulk.close()
+                returned = self._end_call(held, over, accepted, ring, bulk, failure)
             if failure is None:
                 continue  # shared memory failed: again at once, over the socket
             self._servers.mark_failed(self.server)
@@ -401,6 +364,75 @@ class ServerPuller(threading.Thread):
             if self._pass_stop.wait(retry_in):
                 return
             attempt += 1
+
+    def _side_channels(self) -> tuple[RingReader | None, BulkReader | None, threading.Event]:
+        """A call's offers beside it: shared memory, a bulk connection, and the event set
+        once the first batches may be asked for."""
+        # Each call offers shared memory anew: a server on this host grants it.
+        ring = RingReader.offer(self._credit + 1) if self._shared_memory else None
+        # And a bulk connection, to a server named by its host, if it can be reached.
+        bulk = None
+        if self._tensors.options.bulk and BulkReader.offered(self.server.address):
+            bulk = BulkReader(self._tensors.options.timeout, self._transport.tls_context())
+        # Where the server may be on this host (its shared memory was taken before, or
+        # this is the first call to it), the first batches are asked for once the ring
+        # is claimed, so that they go there too; else (a server on another host) with
+        # the call's first message, not a round trip later.
+        accepted = threading.Event()
+        if ring is None or not self._transport.shares_memory.get(self.server, True):
+            accepted.set()
+        return ring, bulk, accepted
+
+    def _call_once(
+        self,
+        held: Held,
+        over: threading.Event,
+        accepted: threading.Event,
+        ring: RingReader | None,
+        bulk: BulkReader | None,
+    ) -> None:
+        """One call to the server, its side channels claimed, until its stream ends (or
+        at once if the puller halted); what the call raises comes out as a
+        BatchwireError."""
+        with self._lock:
+            if self._halted():
+                return
+            self._bulk = bulk
+            call = self._call = self._transport.open_pull(
+                self.server, self._requests(held, over, accepted, ring, bulk is not None)
+            )
+        with call:
+            grant = call.grant()  # sent once it opened
+            # Batches the server finishes before a claim is done come in their messages.
+            if ring is not None:
+                ring.claim(grant, self.server.address)
+                self._transport.shares_memory[self.server] = ring.claimed
+            if bulk is not None and not (ring is not None and ring.claimed):
+                bulk.claim(call.bulk_grant(), self.server.address, self.server.tls_name)
+            accepted.set()
+            self._receive(call, held, ring, bulk)
+
+    def _end_call(
+        self,
+        held: Held,
+        over: threading.Event,
+        accepted: threading.Event,
+        ring: RingReader | None,
+        bulk: BulkReader | None,
+        failure: tuple[StatusCode, str] | None,
+    ) -> list[int]:
+        """Close a call's side channels and give the batches it held back to the book:
+        the indices given back."""
+        over.set()  # before giving back, so the request stream claims no more
+        accepted.set()  # the request stream may wait for one of the two
+        returned = self._book.give_back(held, failure)
+        if ring is not None:
+            ring.close()
+        if bulk is not None:
+            with self._lock:
+                self._bulk = None
+            bulk.close()
+        return returned
 
     def _receive(
         self,
