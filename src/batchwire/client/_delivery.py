@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from batchwire.client._bulk import BulkReader
+from batchwire.client._memory import BatchMemory
 from batchwire.client._outputs import TORCH_DTYPES, arrange, unpack
 from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import BatchwireError, StatusCode
@@ -202,7 +203,9 @@ class Tensors:
         self.mean, self.std = channel_stats(info.mean, info.std, layout, options.device)
         self._form = info.form
         self._cuda = options.device.type == "cuda"
-        self._allocate = _pinned_memory if self._cuda else _numpy_memory
+        # On the CPU, buffers of batches the loop let go of are lent again: as many as
+        # the batches of a window (prefetch + 2), the one the loop holds and the next.
+        self._allocate = _pinned_memory if self._cuda else BatchMemory(options.prefetch + 4)
         self._stats = stats
 
     def deliveries(
