@@ -110,6 +110,10 @@ class TransferStats:
             self.received += received
             self.copied += copied
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (spawned DataLoader workers, ddp_spawn) counts from zero.
+        return (TransferStats, ())
+
 
 # allocate(shape, dtype) -> (the tensor, a writable NumPy view of its memory)
 Allocator = Callable[[tuple[int, ...], np.dtype], tuple[torch.Tensor, np.ndarray]]

@@ -18,7 +18,7 @@ from batchwire.common.mixture import check_length, check_weights, mixture_counts
 from batchwire.common.stream import Source, check_name
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["Described", "Mixture"]
+__all__ = ["Described", "Mixture", "spec_names"]
 
 
 class Mixture:
@@ -126,6 +126,16 @@ class Mixture:
         if self._per_source:
             text += f", per_source={ {k: v.given() for k, v in self._per_source}!r}"
         return text + ")"
+
+
+def spec_names(dataset: str | Mixture) -> dict[str, Any]:
+    """The StreamSpec fields that name ``dataset``. A mixture given weights has no counts
+    until its sources are described (each pass, :class:`Described`): its counts here are
+    placeholders, so that the spec is checked as one of a mixture."""
+    if not isinstance(dataset, Mixture):
+        return {"dataset": dataset}
+    counts = dataset.counts or {}
+    return {"sources": tuple(Source(name, counts.get(name, 1)) for name in dataset.names)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,15 +12,23 @@ that fails is avoided for ``cooldown`` seconds by the calls that pick one
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from batchwire.client._transport import InvalidArgumentError, Server, StatusCode, UnavailableError
+from batchwire.client._transport import (
+    InvalidArgumentError,
+    Server,
+    StatusCode,
+    UnavailableError,
+    check_target,
+)
 
-__all__ = ["RETRIABLE", "ServerSet", "backoff", "resolve"]
+__all__ = ["RETRIABLE", "ServerSet", "backoff", "checked_targets", "resolve"]
 
 # Codes after which the same stream may continue elsewhere from its cursor.
 RETRIABLE = frozenset(
@@ -32,6 +40,14 @@ RETRIABLE = frozenset(
     }
 )
 _DNS = "dns:///"
+
+
+def checked_targets(address: str | Sequence[str]) -> tuple[str, ...]:
+    """The targets a loader is given as ``address``: one, or a list of them, each checked."""
+    addresses = (address,) if isinstance(address, str) else tuple(address)
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise InvalidArgumentError("address must be 'host:port', a gRPC target, or a list of them")
+    return tuple(check_target(target) for target in addresses)
 
 
 def resolve(targets: Sequence[str]) -> list[Server]:
@@ -76,6 +92,11 @@ class ServerSet:
         # Servers whose streams failed and have not delivered since: when the outage
         # began, and the failures counted in it (by every pass of the loader).
         self._outages: dict[Server, tuple[float, int]] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (spawned DataLoader workers, ddp_spawn) knows the targets, not what was
+        # learned of them: it resolves them, and finds a unit's workers, again.
+        return (functools.partial(ServerSet, cooldown=self._cooldown), (self._targets,))
 
     def servers(self) -> list[Server]:
         """The servers to pull from: a unit's workers in place of the unit."""

@@ -1,28 +1,28 @@
-"""Where a loader stands in its epochs, and how that is kept and saved.
+"""Where a stream stands in its epochs: the place of its next pass, kept and shared.
 
-A pass starts at a :class:`Place`: an epoch, the origin of its split and a cursor. A
-loader's :class:`LoaderState`, which :class:`~batchwire.client.RemoteLoader` holds, keeps
-the place its next pass starts at in the :class:`Entry` of its ledger
-(``batchwire.client._ledger``), which it shares with its own DataLoader workers; it
-builds a pass's place from the pass's plan and cursor, and saves (``state_dict``) and
-restores (``load_state_dict``) it.
+A **place** is a resume point: where a pass of an epoch starts or stands, the ``origin``
+of the epoch's split it belongs to and its ``cursor`` in the share of each rank (the
+offset a stream resumes at, as the wire's ``Batch.cursor`` says it). A stream's
+:class:`Places` keep the place its next pass starts at in the :class:`Entry` of its ledger
+(``batchwire.client._ledger``), which it shares with its loader's DataLoader workers, and
+read the place a running pass stands at from that pass (``StreamPass.cursor``). The dict
+that saves a place (``state_dict``) is ``batchwire.client._state_dict``'s.
 
-A state records the job's global position in the epoch besides the rank's cursor. The
-ranks of a job move in lockstep: global step ``k`` is the ``k``-th batch of every rank,
-and a DDP step is a collective, so at a checkpoint every rank holds the same cursor
-``c``. A pass whose split began at ``origin`` (0 for a whole epoch) has then consumed
-elements ``[origin, origin + c·W)`` of the epoch order, all ranks together: the global
-position ``G = min(origin + c·W, N)``. A state thus loads on every rank of the job, and
-on a job of another world size ``W'`` (or, with ``elastic_batch_size``, another batch
-size): its next pass starts the split at ``origin = G``, and the ranks split the rest of
-the order as the contract splits an epoch (``batchwire.common.sampler``).
+A place is saved with the job's global position in the epoch. The ranks of a job move in
+lockstep: global step ``k`` is the ``k``-th batch of every rank, and a DDP step is a
+collective, so at a checkpoint every rank holds the same cursor ``c``. A pass whose split
+began at ``origin`` (0 for a whole epoch) has then consumed elements
+``[origin, origin + c·W)`` of the epoch order, all ranks together: the global position
+``G = min(origin + c·W, N)``. A place thus loads on every rank of the job, and on a job of
+another world size ``W'`` (or, with ``elastic_batch_size``, another batch size): its next
+pass starts the split at ``origin = G``, and the ranks split the rest of the order as the
+contract splits an epoch (``batchwire.common.sampler``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchwire.client._frameworks import worker_id
@@ -36,25 +36,8 @@ if TYPE_CHECKING:
     from batchwire.client._pass import StreamPass
     from batchwire.common.stream import StreamSpec
 
-__all__ = ["Entry", "LoaderState", "Place"]
+__all__ = ["Entry", "Place", "Places"]
 
-_STATE_VERSION = 3
-# 1: batchwire 0.1, 2: the release after it. Same fields and meaning, without origin (0).
-_READABLE_STATES = (1, 2, 3)
-# A state loads into a loader only if these match (a mixture's "dataset" is its sources'
-# names joined by "+"). The rank may differ (frameworks save rank 0's state and load it on
-# every rank), and so may the world size (see the module).
-_IDENTITY = ("dataset", "seed", "shuffle", "drop_last")
-# The version of the dataset's content a state was saved on (DatasetInfo.version): a
-# state loads only where the server serves that version. Absent in states saved by
-# earlier releases, or before the loader described its dataset: not checked.
-_DATASET_VERSION = "dataset_version"
-# A mixture's sources as its state's epoch was planned: [dataset, count, version] each.
-# The rest of that epoch is the same order only where the server serves those versions
-# and the loader plans those counts.
-_SOURCES = "sources"
-# A mixture's state batched per source or stratified: its parts' states, by source name.
-_PARTS = "parts"
 # An entry's bytes in the ledger (batchwire.client._ledger.SIZE of them), which a loader's
 # DataLoader workers read: version, epoch, cursor, fresh, pass_id, in_workers, origin,
 # world, batch.
@@ -123,23 +106,17 @@ class Entry:
         return cls(place, bool(fresh), pass_id, bool(in_workers), version)
 
 
-class LoaderState:
-    """Where a loader stands in its epochs (see the module): kept in ``ledger``; its
-    ``state_dict``'s ``position`` is the job's global position in an epoch.
-
-    The loader passes in what that depends on (the pass running, the rank,
-    the dataset's description); ``spec`` gives the loader's settings, ``batching`` its
-    mixture's batching ("random" for one dataset).
+class Places:
+    """Where a stream of ``spec`` stands in its epochs (see the module): the place its
+    next pass starts at, kept in ``ledger``, and the place its running pass stands at.
+    The stream passes in what that depends on (the pass running, the rank, the
+    dataset's description).
     """
 
-    def __init__(
-        self, spec: StreamSpec, *, batching: str = "random", elastic_batch_size: bool = False
-    ) -> None:
+    def __init__(self, spec: StreamSpec) -> None:
         self.ledger = Ledger(Entry())
         self._spec = spec
-        self._batching = batching
-        self._elastic_batch_size = elastic_batch_size
-        # load_state_dict ran in this DataLoader worker: see RemoteLoader._begin.
+        # A loaded place in this DataLoader worker: see Epochs.begin.
         self.loaded_in_worker = False
 
     def place(self, current: StreamPass | None) -> Place:
@@ -150,7 +127,7 @@ class LoaderState:
         if current is not None and entry.pass_id == current.id:
             plan = current.plan
             if current.cursor == plan.share_size:
-                return Place(plan.epoch + 1)  # after the last batch: see RemoteLoader._begin
+                return Place(plan.epoch + 1)  # after the last batch: see Epochs.begin
             return Place(plan.epoch, plan.origin, current.cursor, plan.world_size)
         return entry.place if entry.fresh else Place(entry.place.epoch + 1)
 
@@ -192,7 +169,7 @@ class LoaderState:
 
     def begin(self, entry: Entry, pass_id: int, plan: Plan) -> None:
         """Pass ``pass_id`` starts as ``plan`` plans it; unless it only tries a state
-        loaded in a DataLoader worker (see RemoteLoader._begin), it uses the place up."""
+        loaded in a DataLoader worker (see Epochs.begin), it uses the place up."""
         if not self.loaded_in_worker:
             entry.place, entry.fresh = Place(plan.epoch, plan.origin, plan.start), False
         self.loaded_in_worker = False
@@ -244,12 +221,16 @@ class LoaderState:
             if not (entry.fresh and entry.place.epoch == epoch):
                 entry.start_at(Place(epoch))
 
-    def state_dict(
-        self, current: StreamPass | None, rank: Rank, info: Described | None
-    ) -> dict[str, Any]:
-        """The state of RemoteLoader.state_dict: ``epoch``, ``origin``, ``cursor`` in
-        shares of ``world_size`` ranks of ``batch_size``, and ``position``, the samples of
-        the epoch the job consumed (all ranks together)."""
+    def load(self, place: Place) -> None:
+        """The next pass starts at ``place``, a loaded one: in a DataLoader worker, only
+        the pass made right after it uses it up (see ``begin``)."""
+        with self.ledger.update() as entry:
+            entry.start_at(place)
+        self.loaded_in_worker = worker_id() is not None
+
+    def refuse_if_in_workers(self) -> None:
+        """Raise outside DataLoader workers if the last pass ran in them: this process
+        cannot know how far training got."""
         if worker_id() is None and self.ledger.read().in_workers:
             raise InvalidArgumentError(
                 "this loader's last pass ran in DataLoader worker processes, so this process "
@@ -258,153 +239,3 @@ class LoaderState:
                 "saves its state_dict() itself), or use num_workers=0, where the server does the "
                 "work all the same"
             )
-        place = self.place(current)
-        world = place.world or rank.world_size
-        position = place.origin + place.cursor * world
-        state = {
-            "version": _STATE_VERSION,
-            **self._identity(),
-            "batch_size": place.batch or self._spec.batch_size,
-            "world_size": world,
-            "pipeline": self._spec.pipeline,
-            "rank": rank.rank,
-            "epoch": place.epoch,
-            "origin": place.origin,
-            "cursor": place.cursor,
-            "position": min(position, info.num_samples) if info is not None else position,
-        }
-        # Known once the loader described its dataset, which every pass does first.
-        if info is not None and info.version:
-            state[_DATASET_VERSION] = info.version
-        if info is not None and info.sources:
-            state[_SOURCES] = _sources_of(info)
-        return state
-
-    def _identity(self) -> dict[str, Any]:
-        return {
-            key: self._spec.name if key == "dataset" else getattr(self._spec, key)
-            for key in _IDENTITY
-        }
-
-    def mixture_state(self, rank: Rank, parts: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-        """The state of RemoteLoader.state_dict of a mixture batched per source or
-        stratified: its settings, ``epoch``, the earliest a part stands in, and ``parts``,
-        each part's state by its source's name."""
-        return {
-            "version": _STATE_VERSION,
-            **self._identity(),
-            "batching": self._batching,
-            "batch_size": self._spec.batch_size,
-            "epoch": min(state["epoch"] for state in parts.values()),
-            "world_size": rank.world_size,
-            "rank": rank.rank,
-            _PARTS: dict(parts),
-        }
-
-    def parts_of(self, state: Mapping[str, Any], names: Sequence[str]) -> Mapping[str, Any]:
-        """The parts' states of a mixture's ``state`` (see ``mixture_state``), once
-        ``check_identity`` passed it: one for each of ``names``, its sources' names."""
-        self.check_identity(state)
-        parts = state.get(_PARTS)
-        if not isinstance(parts, Mapping) or sorted(parts) != sorted(names):
-            raise InvalidArgumentError(
-                f"this state of a per-source mixture holds the states of "
-                f"{sorted(parts) if isinstance(parts, Mapping) else parts!r}, not of its "
-                f"sources {list(names)}: it was not saved by a loader of this mixture"
-            )
-        return parts
-
-    def check_identity(self, state: Mapping[str, Any]) -> None:
-        """Refuse a state of a loader of another batching, of another version of the
-        format, or of a loader of another dataset, seed, shuffle or drop_last, or (unless
-        elastic) batch size."""
-        saved = state.get("batching", "random")
-        if saved != self._batching:
-            raise InvalidArgumentError(
-                f"state was saved by a loader of batching={saved!r} but this loader has "
-                f"batching={self._batching!r}; create the loader with the same mixture to "
-                "resume"
-            )
-        if state.get("version") not in _READABLE_STATES:
-            raise InvalidArgumentError(
-                f"state version {state.get('version')!r} is not one of {_READABLE_STATES}"
-            )
-        for key, value in self._identity().items():
-            if state.get(key) != value:
-                raise InvalidArgumentError(
-                    f"state was saved with {key}={state.get(key)!r} but this loader has "
-                    f"{key}={value!r}; create the loader with the same settings to resume"
-                )
-        if state.get("batch_size") != self._spec.batch_size and not self._elastic_batch_size:
-            raise InvalidArgumentError(
-                f"state was saved with batch_size={state.get('batch_size')!r} but this loader "
-                f"has batch_size={self._spec.batch_size}; create the loader with the same "
-                "batch_size, or pass elastic_batch_size=True to resume at the same global "
-                "position with batches of the new size"
-            )
-
-    def load_state_dict(self, state: Mapping[str, Any], describe: Callable[[], Described]) -> bool:
-        """Check ``state`` (see RemoteLoader.load_state_dict) and make it the place the
-        next pass starts at; False in a DataLoader worker that streams nothing.
-        ``describe`` asks a server for the dataset as it is served now."""
-        self.check_identity(state)
-        epoch, origin, cursor = (int(state.get(key, 0)) for key in ("epoch", "origin", "cursor"))
-        place = Place(epoch, origin, cursor, int(state["world_size"]), int(state["batch_size"]))
-        if min(place.epoch, place.origin, place.cursor) < 0 or min(place.world, place.batch) < 1:
-            raise InvalidArgumentError(
-                f"state has epoch={place.epoch}, origin={place.origin}, cursor={place.cursor} "
-                f"(each must be >= 0), world_size={place.world}, batch_size={place.batch} "
-                "(each must be >= 1): it was not saved by a RemoteLoader"
-            )
-        worker = worker_id()
-        if worker not in (None, 0):
-            return False  # workers other than 0 stream nothing (see RemoteLoader)
-        if place.cursor > 0 or place.origin > 0:  # at an epoch's start nothing is left over
-            if self._spec.sources:
-                _check_sources(state.get(_SOURCES), describe)
-            else:
-                _check_dataset_version(self._spec.dataset, state.get(_DATASET_VERSION), describe)
-        with self.ledger.update() as entry:
-            entry.start_at(place)
-        self.loaded_in_worker = worker is not None
-        return True
-
-
-def _sources_of(info: Described) -> list[list[Any]]:
-    return [[source.dataset, source.count, source.version] for source in info.sources]
-
-
-def _check_sources(saved: object, describe: Callable[[], Described]) -> None:
-    """Refuse a mixture's state whose epoch was planned on other counts, or on other
-    versions of its datasets, than this loader plans on what the server serves now."""
-    if saved is None:
-        raise InvalidArgumentError(
-            "this state of a mixture does not say its sources' counts and versions: it was "
-            "not saved by a RemoteLoader of a mixture"
-        )
-    now = _sources_of(describe())
-    try:
-        if [list(source) for source in saved] == now:  # type: ignore[attr-defined]
-            return
-    except TypeError:
-        pass  # not a list of lists: refused below
-    raise InvalidArgumentError(
-        f"state was saved on the mixture's sources {saved} ([dataset, samples per epoch, "
-        f"version]) but this loader plans {now} on what the server serves now: a dataset "
-        "was replaced (re-ingested) or the weights changed, and the rest of the saved "
-        "epoch no longer exists. Start the epoch again (load no state, or call set_epoch), "
-        "or serve the old versions with the same weights"
-    )
-
-
-def _check_dataset_version(dataset: str, saved: object, describe: Callable[[], Described]) -> None:
-    """Refuse a state saved on another version of the dataset than the server's."""
-    if not saved:
-        return
-    serving = describe().version
-    if serving and saved != serving:
-        raise InvalidArgumentError(
-            f"state was saved on version {saved} of dataset {dataset!r} but the server now "
-            f"serves version {serving}: the dataset was replaced (re-ingested). Start the "
-            "epoch again (load no state, or call set_epoch) or serve the old version"
-        )
