@@ -186,7 +186,7 @@ class ServerProcess:
             "serve",
             *("--data-dir", str(data_dir), "--host", host, "--port", str(port)),
             *("--metrics-port", "0", "--device", "cpu", "--num-threads", "1"),
-            *("--pipelines-per-device", "1", "--grace", f"{grace:g}"),
+            *("--slots-per-device", "1", "--grace", f"{grace:g}"),
         ]
         with open(log, "w") as stderr:
             self.process = subprocess.Popen(

@@ -6,7 +6,7 @@ Starts `batchwire serve` as a child process over a small generated dataset (or
 --data-dir), warms it up at full concurrency, then runs rounds of streams that
 each read one batch and cancel, printing the server's resident memory and
 thread count (from /proc) after each round. Flat numbers across rounds mean
-cancelled streams free what they used: the server keeps pipelines_per_device
+cancelled streams free what they used: the server keeps slots_per_device
 (config, default 2) pipelines per device for all streams and at most
 max_streams + 4 stream threads.
 """

@@ -187,7 +187,7 @@ def test_an_overloaded_and_a_lightly_loaded_server_differ_as_documented(
             ("dataset", "pipeline") if "stream" in name else ("pipeline",)
         }, name
     ((labels, slots),) = names["batchwire_pipeline_slots"]
-    assert labels == {} and slots == 2  # pipelines_per_device (2) on the one CPU device
+    assert labels == {} and slots == 2  # slots_per_device (2) on the one CPU device
     # Open stream-seconds: the trainers' streams were open (a loader holds one a server
     # during its pass; between passes, briefly, none).
     assert overloaded.open_streams > 0 and light.open_streams > 0
@@ -374,7 +374,7 @@ def test_a_units_measures_are_its_workers_summed_and_differ_as_documented(
     ):
         assert {frozenset(lb) for lb, _ in found[name]} == {frozenset(labels)}, name
         assert {lb["worker"] for lb, _ in found[name]} == {"0", "1"}, name
-    # Slots: each worker's own (pipelines_per_device, 2, on its CPU device), the unit's 4.
+    # Slots: each worker's own (slots_per_device, 2, on its CPU device), the unit's 4.
     assert by_worker(light.second, "batchwire_pipeline_slots") == {"0": 2, "1": 2}
     # Under load both workers had the trainers' streams open and ran their batches: each
     # loader pulled from both, and each worker counted its own streams' time.

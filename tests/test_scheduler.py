@@ -68,7 +68,7 @@ def held() -> Iterator[tuple[threading.Event, Scheduler]]:
         assert release.wait(30)
         return EchoRunner()
 
-    scheduler = Scheduler(build, (None,), pipelines_per_device=1)  # type: ignore[arg-type]
+    scheduler = Scheduler(build, (None,), slots_per_device=1)  # type: ignore[arg-type]
     yield release, scheduler
     release.set()
     scheduler.close()
@@ -141,7 +141,7 @@ def test_a_pipeline_that_cannot_be_built_fails_its_streams_and_not_others() -> N
             raise RuntimeError("DALI cannot build this graph")
         return EchoRunner()
 
-    scheduler = Scheduler(build, (None,), pipelines_per_device=1)  # type: ignore[arg-type]
+    scheduler = Scheduler(build, (None,), slots_per_device=1)  # type: ignore[arg-type]
     try:
         reads = Reads()
         broken = scheduler.ticket(key(pipeline="broken"), 2, reads.of("broken"), window=2)

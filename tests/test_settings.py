@@ -33,6 +33,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "max_batch_size": ("512", 512),
     "max_streams": ("300", 300),
     "max_idle_pipelines": ("6", 6),
+    "slots_per_device": ("3", 3),
     "pipelines_per_device": ("3", 3),
     "metrics_port": ("9405", 9405),
     "worker_port": ("50100", 50100),
@@ -178,3 +179,30 @@ def test_bulk_ports_past_the_last_port_are_refused_before_anything_listens() -> 
     with pytest.raises(ConfigError, match="the last bulk port would be 65536: pick a lower"):
         ServerConfig(data_dir="/d", workers=4, bulk_port=65533)
     assert ServerConfig(data_dir="/d", workers=4, bulk_port=65532).bulk_port == 65532
+
+
+def test_slots_per_device_is_also_taken_by_its_former_name(tmp_path: pathlib.Path) -> None:
+    """``pipelines_per_device`` (flag, variable, file key) still sets the slots; given
+    with ``slots_per_device`` saying otherwise, the config is refused, naming both."""
+    parser = _parser()
+    by_flag = _serve.resolve_config(
+        parser.parse_args(["serve", "--data-dir", "/d", "--pipelines-per-device", "3"]), {}
+    )
+    environ = {"BATCHWIRE_DATA_DIR": "/d", "BATCHWIRE_PIPELINES_PER_DEVICE": "4"}
+    by_variable = _serve.resolve_config(parser.parse_args(["serve"]), environ)
+    config_file = tmp_path / "server.toml"
+    config_file.write_text('[server]\ndata_dir = "/d"\npipelines_per_device = 5\n')
+    by_file = _serve.resolve_config(parser.parse_args(["serve", "--config", str(config_file)]), {})
+    assert [c.slots_per_device for c in (by_flag, by_variable, by_file)] == [3, 4, 5]
+    assert (
+        ServerConfig(data_dir="/d", slots_per_device=3, pipelines_per_device=3).slots_per_device
+        == 3
+    )
+    with pytest.raises(ConfigError, match=r"slots_per_device \(3\) and pipelines_per_device \(4\)"):
+        ServerConfig(data_dir="/d", slots_per_device=3, pipelines_per_device=4)
+    assert "--pipelines-per-device" not in parser.format_help() + _serve_help(parser)
+
+
+def _serve_help(parser: argparse.ArgumentParser) -> str:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["serve"].format_help()

@@ -80,6 +80,9 @@ def _setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+DEFAULT_SLOTS_PER_DEVICE = 2
+
+
 def _presets() -> dict[str, PipelineSpec]:
     return dict(PRESETS)
 
@@ -196,10 +199,17 @@ class ServerConfig:
         "turns (default 4)",
         bounds=(1, 256),
     )
-    pipelines_per_device: int = _setting(
-        2,
-        "pipelines each device runs for all streams; they do not grow with streams (default 2)",
+    slots_per_device: int = _setting(
+        DEFAULT_SLOTS_PER_DEVICE,
+        "pipeline slots each device runs for all streams and Preprocess requests, a pipeline "
+        "at a time each; they do not grow with streams (default 2)",
         bounds=(1, 64),
+    )
+    pipelines_per_device: int | None = _setting(
+        None,
+        "the former name of slots_per_device, still taken",
+        bounds=(1, 64),
+        deprecated=True,
     )
     metrics_port: int | None = _setting(
         None,
@@ -355,6 +365,7 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._take_former_names()
         if self.read_workers:
             warnings.warn(
                 "read_workers (--read-workers, BATCHWIRE_READ_WORKERS) is ignored and will be "
@@ -363,6 +374,19 @@ class ServerConfig:
                 FutureWarning,
                 stacklevel=2,
             )
+
+    def _take_former_names(self) -> None:
+        """A setting given by its former name (``pipelines_per_device``) is the setting."""
+        former = self.pipelines_per_device
+        if former is None or former == self.slots_per_device:
+            return
+        if self.slots_per_device != DEFAULT_SLOTS_PER_DEVICE:
+            raise ConfigError(
+                f"slots_per_device ({self.slots_per_device}) and pipelines_per_device "
+                f"({former}), its former name, say different things: give slots_per_device "
+                "(--slots-per-device) alone"
+            )
+        object.__setattr__(self, "slots_per_device", former)
 
 
 @dataclasses.dataclass(frozen=True)

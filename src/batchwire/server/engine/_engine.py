@@ -96,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(
             self._build_runner,
             self.devices.device_ids,
-            pipelines_per_device=config.pipelines_per_device,
+            slots_per_device=config.slots_per_device,
             max_idle_pipelines=config.max_idle_pipelines,
         )
         self._streams = 0
@@ -332,7 +332,7 @@ class Engine:
             batches_failed=health.batches_failed(),
             devices=health.devices(),
             readahead=None if self.readahead is None else self.readahead.stats(),
-            pipeline_slots=len(self.devices.device_ids) * self.config.pipelines_per_device,
+            pipeline_slots=len(self.devices.device_ids) * self.config.slots_per_device,
         )
 
     def broken_devices(self) -> dict[str, str]:

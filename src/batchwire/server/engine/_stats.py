@@ -35,5 +35,5 @@ class EngineStats:
     readahead: ReadAheadStats | None
     """What the read-ahead did and holds, or None where the server reads nothing ahead."""
     pipeline_slots: int = 0
-    """The scheduler's pipeline slots (``pipelines_per_device`` for each device): what
+    """The scheduler's pipeline slots (``slots_per_device`` for each device): what
     ``busy_seconds`` can add up to per second."""

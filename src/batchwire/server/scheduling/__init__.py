@@ -1,5 +1,5 @@
 """Scheduling: the runners of a server shared among its streams. Each device has
-``pipelines_per_device`` slots, a thread each, that run the batches of every stream's
+``slots_per_device`` slots, a thread each, that run the batches of every stream's
 :class:`Ticket` (its place in the fair queue) on the runner of its key, in the order of the
 fairness policy (:class:`FairQueue`), building and keeping runners as keys come and go.
 Never loads grpc.

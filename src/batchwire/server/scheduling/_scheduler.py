@@ -3,7 +3,7 @@
 A stream does not get a pipeline of its own. It asks for its next batches through a
 :class:`~batchwire.server.scheduling._ticket.Ticket`, at most ``window`` ahead of what its client
 has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` RPC's
-batches all go through the same tickets. Each device has ``pipelines_per_device`` pipeline
+batches all go through the same tickets. Each device has ``slots_per_device`` pipeline
 slots; a slot is a thread that takes requests in the order of the fairness policy
 (:mod:`batchwire.server.scheduling._fair`: every stream an equal share of pipeline time, by
 measured cost), runs them, and hands each result back to its ticket.
@@ -84,14 +84,14 @@ class _Slot:
 
 
 class Scheduler:
-    """``pipelines_per_device`` pipelines for each device id, fed from every ticket by the fair policy."""
+    """``slots_per_device`` pipelines for each device id, fed from every ticket by the fair policy."""
 
     def __init__(
         self,
         build: Callable[[RunnerKey], Runner],
         device_ids: tuple[int | None, ...],
         *,
-        pipelines_per_device: int,
+        slots_per_device: int,
         max_idle_pipelines: int = 4,
     ) -> None:
         self._build = build
@@ -101,7 +101,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._stopped = False
         self._slots = [
-            _Slot(device_id) for device_id in device_ids for _ in range(pipelines_per_device)
+            _Slot(device_id) for device_id in device_ids for _ in range(slots_per_device)
         ]
         for index, slot in enumerate(self._slots):
             slot.thread = threading.Thread(

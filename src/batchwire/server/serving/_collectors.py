@@ -120,7 +120,7 @@ def _slots(stats: EngineStats) -> Iterator[Metric]:
     yield summary
     yield GaugeMetricFamily(
         "batchwire_pipeline_slots",
-        "Pipeline slots (pipelines_per_device for each device): the rate of "
+        "Pipeline slots (slots_per_device for each device): the rate of "
         "batchwire_pipeline_busy_seconds_total divided by this is how busy they are.",
         value=stats.pipeline_slots,
     )
