@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from batchwire.client import RemoteLoader
-from batchwire.client._memory import BatchMemory
+from batchwire.client._delivery import BatchMemory
 from batchwire.server import BatchwireServer
 
 
