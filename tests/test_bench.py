@@ -87,6 +87,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "detection server/DALI CPU",
         "segmentation: DALI's own (2 readers)",
         "segmentation remote/DALI images/s",
+        "captions: DALI's own (WebDataset)",
+        "captions server/DALI CPU",
         "bytes per image",
     ):
         assert label in out
@@ -113,6 +115,8 @@ def test_compare_runs_every_measurement_and_writes_json_and_a_chart(
         "remote-detection",
         "dali-segmentation",
         "remote-segmentation",
+        "dali-captions",
+        "remote-captions",
     }
     for name, row in summary.items():
         # CPU figures are measured, not tested: tiny runs fall within a clock tick.
@@ -176,6 +180,85 @@ def test_compare_can_run_a_subset_to_profile_it(
     assert "d/e images/s" in capsys.readouterr().out
     assert main([*common, "--runs", "transport,nope"]) == 2
     assert "--runs takes names from" in capsys.readouterr().err
+
+
+def test_compare_captions_runs_dalis_webdataset_reader_beside_the_server(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The captions row: DALI's WebDataset reader over the generated shards and the
+    captions preset's graph in this process, beside a server of the same shards ingested,
+    each run counting its samples as a batch of images and captions holds them."""
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    result = tmp_path / "bench.json"
+    args = ["bench", "--compare", "--runs", "captions", "--photos", "40", "--images", "32"]
+    assert main([*args, "--batch-size", "16", "--repeats", "1", "--json", str(result)]) == 0
+    out = capsys.readouterr().out
+    for label in (
+        "captions: DALI's own (WebDataset)",
+        "captions: server -> RemoteLoader",
+        "captions remote/DALI images/s",
+        "captions server/DALI CPU",
+    ):
+        assert label in out, out
+    summary = json.loads(result.read_text())["summary"]
+    assert set(summary) == {"dali-captions", "remote-captions"}
+    # Two batches of 16 each: a sample a caption, however long its caption.
+    assert summary["dali-captions"]["images"] == summary["remote-captions"]["images"] == 32
+    # A batch as the loop takes it: 224 x 224 x 3 pixels and a caption of 30 to 150 bytes.
+    per_image = summary["remote-captions"]["bytes_per_image"]
+    assert 3 * 224 * 224 + 30 <= per_image <= 3 * 224 * 224 + 150, per_image
+    assert f"captions: server -> RemoteLoader: {per_image:,.0f} bytes per image" in out
+
+
+def test_the_captions_data_is_webdataset_shards_that_dali_indexes_and_ingest_serves(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The captions row's data, made once: photos with captions as WebDataset shards
+    (``key.jpg`` beside ``key.txt``) each with its DALI index, and the same shards ingested:
+    the server gives every caption of the shards, once."""
+    import tarfile
+
+    from batchwire.bench import bench_captions
+    from batchwire.client import RemoteLoader
+
+    monkeypatch.setenv("BATCHWIRE_CACHE", str(tmp_path / "cache"))
+    shards, data_dir, name = bench_captions(20, progress=False)
+    assert "generating 20 photos with captions" in capsys.readouterr().err
+    assert bench_captions(20, progress=False) == (shards, data_dir, name)
+    assert "generating" not in capsys.readouterr().err
+    tars = sorted(shards.glob("*.tar"))
+    assert len(tars) == 8 and all(t.with_suffix(".idx").is_file() for t in tars)
+    captions: dict[str, str] = {}
+    for shard in tars:
+        with tarfile.open(shard) as archive:
+            names = archive.getnames()
+            keys = {n.rsplit(".", 1)[0] for n in names}
+            assert sorted(names) == sorted(f"{k}.{e}" for k in keys for e in ("jpg", "txt"))
+            for key in keys:
+                member = archive.extractfile(f"{key}.txt")
+                assert member is not None
+                captions[key] = member.read().decode()
+            # DALI's index: its samples, each a jpg and a txt.
+            index = shard.with_suffix(".idx").read_text().splitlines()
+            assert index[0] == f"v1.2 {len(keys)}" and len(index) == len(keys) + 1
+    assert len(captions) == 20
+    # A sentence or two each, of varying length.
+    assert all(t.endswith(".") and 1 <= t.count(".") <= 2 for t in captions.values())
+    assert len({len(t) for t in captions.values()}) > 3
+    server = start_server(data_dir)
+    try:
+        with RemoteLoader(
+            server.target,
+            dataset=name,
+            pipeline="captions",
+            batch_size=5,
+            shuffle=False,
+            normalize=False,
+        ) as loader:
+            served = [text for _, texts in loader for text in texts]
+    finally:
+        server.stop(grace=1.0)
+    assert sorted(served) == sorted(captions.values())
 
 
 @pytest.mark.slow

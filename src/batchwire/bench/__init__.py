@@ -12,7 +12,9 @@ same code:
 - servers: :class:`LocalServer` (``batchwire serve`` in a child process, waited for until
   SERVING), :func:`transport_server` and :func:`raw_server` (the transport without DALI);
 - data: :func:`bench_dataset` (generated ImageNet-sized JPEGs, built once in
-  ``~/.cache/batchwire/bench``);
+  ``~/.cache/batchwire/bench``), :func:`bench_coco` and :func:`bench_masks` (generated COCO
+  pictures, their boxes and masks), :func:`bench_captions` (the photos with captions, as
+  WebDataset shards and ingested);
 - probes: :class:`CpuClock`, :class:`RssSampler`, :func:`process_tree`, :func:`rss_mib`,
   :func:`process_cpu_seconds`;
 - reports: :func:`summarize`, :func:`ratios`, :func:`table`, :func:`write_json`,
@@ -21,6 +23,7 @@ same code:
 
 from __future__ import annotations
 
+from batchwire.bench._captions import bench_captions, write_caption_shards
 from batchwire.bench._dali import (
     NO_DECODE_TOML,
     SMALL_PHOTO,
@@ -74,6 +77,7 @@ __all__ = [
     "RunResult",
     "ServerStartError",
     "add_run_arguments",
+    "bench_captions",
     "bench_coco",
     "bench_dataset",
     "bench_masks",
@@ -100,5 +104,6 @@ __all__ = [
     "table",
     "transport_server",
     "wait_serving",
+    "write_caption_shards",
     "write_json",
 ]

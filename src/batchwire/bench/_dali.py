@@ -3,7 +3,9 @@
 ``fn.readers.caffe`` over the dataset's shards (DALI's C++ reader: LMDB, the Datum parse and
 the shuffle buffer, no Python per record), the served pipeline's own graph function on the
 same device, and DALI's PyTorch iterator, whose tensors stay where DALI made them: on the
-GPU on a GPU host. This is what a DALI user runs instead of a batchwire server.
+GPU on a GPU host. This is what a DALI user runs instead of a batchwire server. The presets
+of several outputs read their data as a DALI user reads it: detection with the COCO reader,
+segmentation with two file readers, captions with the WebDataset reader.
 
 And the two stand-ins that isolate what batchwire adds around DALI on a host without a GPU,
 each measured against this anchor: :func:`no_decode` (a record's bytes cut or padded to one
@@ -56,6 +58,9 @@ preset = "detection"
 [pipelines.segmentation]
 preset = "segmentation"
 
+[pipelines.captions]
+preset = "captions"
+
 [pipelines.nodecode]
 function = "batchwire.bench._dali:no_decode"
 description = "a record's bytes cut or padded to one size x size x 3 image: no decoding"
@@ -102,12 +107,15 @@ def run_dali(
     hw_decoder_load: float | None = None,
     coco: pathlib.Path | None = None,
     masks: pathlib.Path | None = None,
+    webdataset: pathlib.Path | None = None,
 ) -> RunResult:
     """``images`` images of ``pipeline``'s graph fed by DALI's caffe reader in this process
     (or, with ``coco``, an ``instances.json`` beside its ``images/``, by DALI's COCO reader,
     as a DALI user reads a detection dataset; with ``masks``, a folder of ``images/`` and
     their ``masks/`` PNGs by two of DALI's file readers shuffled alike, as a DALI user reads
-    a segmentation dataset), iterated with DALI's PyTorch iterator
+    a segmentation dataset; with ``webdataset``, a folder of WebDataset ``.tar`` shards and
+    their DALI indexes by DALI's WebDataset reader, as a DALI user reads image-text data),
+    iterated with DALI's PyTorch iterator
     (outputs left on the device they are made on). Threads as the server gives a pipeline
     (``num_threads`` 0: its default), and the server's ``hw_decoder_load`` unless given."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -121,6 +129,10 @@ def run_dali(
             pipe, names = _coco_pipeline(coco, pipeline, params, batch_size, gpu, num_threads)
         elif masks is not None:
             pipe, names = _masks_pipeline(masks, pipeline, params, batch_size, gpu, num_threads)
+        elif webdataset is not None:
+            pipe, names = _webdataset_pipeline(
+                webdataset, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
+            )
         else:
             pipe, names = _caffe_pipeline(
                 dataset_dir, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
@@ -133,16 +145,12 @@ def run_dali(
             auto_reset=True,
         )
         done, first = 0, None
-        # What the loop takes of a segmentation batch, as RemoteLoader gives it: the masks
-        # as int64 class maps (cross_entropy's targets), not DALI's uint8.
-        masks = pipeline_spec(pipeline).form == "segmentation"
+        form = pipeline_spec(pipeline).form
         cpu = CpuClock()  # from the first run on: a DALI user builds a pipeline once
         measured_from = time.perf_counter()
         while done < images:
             for batch in batches:
-                if masks:
-                    batch[0]["mask"] = batch[0]["mask"].long()
-                done += int(batch[0]["labels"].shape[0])
+                done += _take(form, batch[0])
                 first = first or time.perf_counter() - started
                 if done >= images:
                     break
@@ -153,6 +161,22 @@ def run_dali(
         seconds = time.perf_counter() - measured_from
         del batches, pipe
     return RunResult(name, done, seconds, cpu.seconds(), None, rss.peaks[0], None, first)
+
+
+def _take(form: str, outputs: dict[str, Any]) -> int:
+    """Makes a batch's ``outputs`` what the loop takes, as RemoteLoader gives them, and
+    returns its samples: a segmentation batch's masks as int64 class maps (cross_entropy's
+    targets), not DALI's uint8; a captions batch's captions as one ``str`` a sample, decoded
+    from DALI's bytes of them (padded to the batch's longest, each with its length)."""
+    if form == "segmentation":
+        outputs["mask"] = outputs["mask"].long()
+    if form == "captions":
+        rows, lengths = outputs["caption"].numpy(), outputs.pop("caption_bytes").tolist()
+        outputs["caption"] = [
+            rows[i, :n].tobytes().decode("utf-8") for i, (n,) in enumerate(lengths)
+        ]
+        return len(outputs["caption"])
+    return int(outputs["labels"].shape[0])
 
 
 def _caffe_pipeline(
@@ -258,6 +282,45 @@ def _masks_pipeline(
         pipe.set_outputs(*(made[name] for name in names), labels)
     pipe.build()
     return pipe, [*names, "labels"]
+
+
+def _webdataset_pipeline(
+    root: pathlib.Path,
+    pipeline: str,
+    params: Mapping[str, float] | None,
+    batch_size: int,
+    gpu: bool,
+    num_threads: int,
+    hw_decoder_load: float | None,
+) -> tuple[Any, list[str]]:
+    """A built DALI pipeline: DALI's WebDataset reader over ``root``'s ``.tar`` shards with
+    their indexes (each shard's ``.idx`` beside it; shuffled), each sample's ``jpg`` and its
+    ``txt`` as the ``caption`` field, then ``pipeline``'s graph as the server builds it; the
+    captions' bytes padded to the batch's longest, and their lengths (``caption_bytes``)."""
+    from nvidia.dali import fn
+
+    from batchwire.server import ServerConfig
+    from batchwire.server.pipelines import BuildContext, OutputSpec
+
+    spec = pipeline_spec(pipeline)
+    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
+    shards = sorted(root.glob("*.tar"))
+    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
+    with pipe:
+        encoded, text = fn.readers.webdataset(
+            paths=[str(shard) for shard in shards],
+            index_paths=[str(shard.with_suffix(".idx")) for shard in shards],
+            ext=["jpg", "txt"],
+            random_shuffle=True,
+            name="Reader",
+        )
+        # No labels: an image-text sample has none (the graph passes them through).
+        made = spec.function(encoded, None, ctx, spec.resolve(params), {"caption": text})
+        caption = made["caption"]
+        pipe.set_outputs(made["images"], fn.pad(caption), caption.shape())
+    pipe.build()
+    return pipe, ["images", "caption", "caption_bytes"]
 
 
 def _pipeline(batch_size: int, gpu: bool, num_threads: int, device: str) -> Any:

@@ -34,6 +34,8 @@ LABELS = {
     "remote-detection": "detection: server -> RemoteLoader",
     "dali-segmentation": "segmentation: DALI's own (2 readers)",
     "remote-segmentation": "segmentation: server -> RemoteLoader",
+    "dali-captions": "captions: DALI's own (WebDataset)",
+    "remote-captions": "captions: server -> RemoteLoader",
 }
 
 
@@ -114,6 +116,7 @@ TARGETS: tuple[tuple[str, Callable[[dict[str, Any]], float], float, bool], ...] 
     *_against_dali("multicrop"),
     *_against_dali("detection"),
     *_against_dali("segmentation"),
+    *_against_dali("captions"),
 )
 
 
@@ -179,7 +182,12 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             f"{_fmt(row['trainer_peak_rss_mib'], '12.0f')} {_fmt(row['server_peak_rss_mib'], '11.0f')}"
         )
     lines.append("")
-    for name in ("remote-multicrop", "remote-detection", "remote-segmentation"):
+    for name in (
+        "remote-multicrop",
+        "remote-detection",
+        "remote-segmentation",
+        "remote-captions",
+    ):
         if summary.get(name, {}).get("bytes_per_image"):
             per_image = summary[name]["bytes_per_image"]
             lines.append(f"{LABELS[name]}: {per_image:,.0f} bytes per image, as the loop takes it")

@@ -21,9 +21,12 @@
   beside one of them, both without decoding, so that what mixing costs shows; and the
   presets of several outputs, each beside DALI's own pipeline of the same graph: multicrop
   (DINO's ten views of each photo), detection (generated COCO pictures, DALI's COCO
-  reader for DALI's own) and segmentation (the same pictures and their masks as PNGs,
-  DALI's file readers for DALI's own). It prints the ratios against their targets. Without --data-dir it builds
-  generated ImageNet-sized photos once in the cache (~/.cache/batchwire/bench).
+  reader for DALI's own), segmentation (the same pictures and their masks as PNGs,
+  DALI's file readers for DALI's own) and captions (the generated photos with a caption
+  each, as WebDataset .tar shards: DALI's WebDataset reader for DALI's own, the same
+  shards ingested for the server). It prints the ratios against their targets. Without
+  --data-dir it builds generated ImageNet-sized photos once in the cache
+  (~/.cache/batchwire/bench).
 
 More benchmarks (message sizes, scaling, many streams, profiles) run from a checkout of
 batchwire as python -m benchmarks.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -240,6 +244,7 @@ _RUNS = (
     "multicrop",
     "detection",
     "segmentation",
+    "captions",
 )
 # A stand-in is two measured runs: DALI's own pipeline in-process and the server's; the
 # mixture, one dataset and a mixture (batched at random, stratified and per source) through
@@ -252,6 +257,7 @@ _PAIRS = {
     "multicrop": ("dali-multicrop", "remote-multicrop"),
     "detection": ("dali-detection", "remote-detection"),
     "segmentation": ("dali-segmentation", "remote-segmentation"),
+    "captions": ("dali-captions", "remote-captions"),
 }
 
 
@@ -263,6 +269,7 @@ def _compare(args: argparse.Namespace) -> int:
         NO_DECODE_TOML,
         SMALL_PHOTO,
         LocalServer,
+        bench_captions,
         bench_coco,
         bench_dataset,
         bench_masks,
@@ -325,8 +332,17 @@ def _compare(args: argparse.Namespace) -> int:
             masks_server = stack.enter_context(LocalServer(masks_dir, work))
             servers["segmentation"] = (masks_server.address, masks_server.pid)
             servers["segmentation-dataset"] = (masks_name, 0)
+        shards = None
+        if "captions" in wanted:
+            shards, captions_dir, captions_name = bench_captions(args.photos, progress=show)
+            captions_server = stack.enter_context(
+                LocalServer(captions_dir, work, pipelines=NO_DECODE_TOML)
+            )
+            servers["captions"] = (captions_server.address, captions_server.pid)
+            servers["captions-dataset"] = (captions_name, 0)
+        data = _PresetData(coco=coco, masks=masks, shards=shards)
         runs = _compare_runs(
-            args, data_dir / dataset, small_dir / small, servers, transport, raw, coco, masks
+            args, data_dir / dataset, small_dir / small, servers, transport, raw, data
         )
         chosen = [run for name in _RUNS if name in wanted for run in _PAIRS.get(name, (name,))]
         results = _alternate({run: runs[run] for run in chosen}, args.repeats)
@@ -341,6 +357,17 @@ _MIXED = ("first", "second")
 _MULTICROP = {"global_size": 224.0, "local_size": 96.0}
 _DETECTION = {"size": 320.0}
 _SEGMENTATION = {"size": 320.0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PresetData:
+    """What DALI's own pipelines of the presets read, where their runs are asked for: the
+    COCO file of the detection run's pictures, the folder of the segmentation run's pictures
+    and masks, the folder of the captions run's WebDataset shards."""
+
+    coco: pathlib.Path | None = None
+    masks: pathlib.Path | None = None
+    shards: pathlib.Path | None = None
 
 
 def _per_message(batch_size: int) -> int:
@@ -358,8 +385,7 @@ def _compare_runs(
     servers: dict[str, tuple[str, int]],
     transport: tuple[str, int],
     raw: tuple[str, int],
-    coco: pathlib.Path | None = None,
-    masks: pathlib.Path | None = None,
+    data: _PresetData,
 ) -> dict[str, Callable[[], RunResult]]:
     """Each run as a function that measures one run of it; servers as (address, pid)."""
     from batchwire.bench import (
@@ -426,7 +452,13 @@ def _compare_runs(
             "remote-multicrop", servers[""], dataset, "multicrop", images, params=_MULTICROP
         ),
         "dali-detection": lambda: run_dali(
-            "dali-detection", dataset_dir, "detection", batch, images, params=_DETECTION, coco=coco
+            "dali-detection",
+            dataset_dir,
+            "detection",
+            batch,
+            images,
+            params=_DETECTION,
+            coco=data.coco,
         ),
         "remote-detection": lambda: remote(
             "remote-detection",
@@ -443,7 +475,7 @@ def _compare_runs(
             batch,
             images,
             params=_SEGMENTATION,
-            masks=masks,
+            masks=data.masks,
         ),
         "remote-segmentation": lambda: remote(
             "remote-segmentation",
@@ -452,6 +484,16 @@ def _compare_runs(
             "segmentation",
             images,
             params=_SEGMENTATION,
+        ),
+        "dali-captions": lambda: run_dali(
+            "dali-captions", dataset_dir, "captions", batch, images, webdataset=data.shards
+        ),
+        "remote-captions": lambda: remote(
+            "remote-captions",
+            servers["captions"],
+            servers["captions-dataset"][0],
+            "captions",
+            images,
         ),
     }
 
