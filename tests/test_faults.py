@@ -25,7 +25,14 @@ from batchwire.server import BatchwireServer, load_file, pipelines_from_config
 from batchwire.server.data import Dataset
 from batchwire.server.errors import PipelineFault
 from batchwire.server.pipelines import PRESETS, BuildContext, OutputSpec, PipelineSpec
-from batchwire.server.runners import FAULTS_IN_A_ROW, Job, PipelineHealth, Runner, RunnerKey
+from batchwire.server.runners import (
+    FAULTS_IN_A_ROW,
+    Job,
+    PipelineHealth,
+    Runner,
+    RunnerKey,
+    keep,
+)
 from batchwire.server.runners._dali import fault_kind
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -275,7 +282,7 @@ def test_bisection_finds_every_culprit_of_a_batch(
 ) -> None:
     health = PipelineHealth()
     bad = {1: {0, 5, 6, 15}, 2: set(range(16))}
-    results = list(runner(specs["val"], health).run(iter(jobs(data_dir, 4, bad))))
+    results = [keep(r) for r in runner(specs["val"], health).run(iter(jobs(data_dir, 4, bad)))]
     assert [r.seq for r in results] == [0, 1, 2, 3]
     for result in results:
         culprits = {result.seq * 16 + i for i in bad.get(result.seq, ())}

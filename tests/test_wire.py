@@ -156,13 +156,12 @@ def finish(result):
 
 with Dataset(sys.argv[1]) as dataset:
     jobs = [read_job(dataset, seq, np.arange(seq * 16, seq * 16 + 16)) for seq in range(6)]
-    for job in jobs:
-        job.finish = finish
     shapes = []
     tracemalloc.start()
-    for message in runner.run(iter(jobs)):  # what finish made of each job's result
+    for result in runner.run(iter(jobs)):  # finished before the runner runs on, as a slot does
+        message = finish(result)
         shapes.append(list(decode_batch(message).images.shape))
-        del message
+        del message, result
     _, peak = tracemalloc.get_traced_memory()
 print(json.dumps({"peak": peak, "views": views, "shapes": shapes}))
 """

@@ -253,7 +253,7 @@ class PreprocessBatcher:
         key = dataclasses.replace(key, device_id=self._next_device())
         jobs: dict[int, Job] = {}
         read = self._stages.timed("read", jobs.pop)
-        queue = _Queue(key, self._lock, self._scheduler.ticket(key, 0, read, QUEUE_WINDOW))
+        queue = _Queue(key, self._lock, self._scheduler.ticket(key, 0, read, window=QUEUE_WINDOW))
         queue.jobs = jobs
         queue.ticket.start(0)
         self._serial += 1

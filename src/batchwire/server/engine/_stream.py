@@ -24,13 +24,13 @@ here (each line a call, with the thread it runs in and what it hands on)::
               BatchStream._read           back up into this stream
                 read_job                  down to the records: Dataset.read_screened
                                           (pread, Datum walk, screen): a Job
-        Runner._result                  DALI's output a Batch, images a view of its buffer
-          Job.finish                    back up into this stream: BatchStream._finish
-            encode                      the Batch with the stream's place and format, through
-                                        StageTimes "encode", to serving's
-                                        encoder: encode_parts or SharedRing.encode, the
-                                        one copy of the pixels: the EncodedBatch the
-                                        runner yields
+        Runner._result                  DALI's output a Batch, images a view of its buffer,
+                                        yielded to the slot, which before it resumes the
+      Ticket.finish                     runner hands the batch on, back up into this
+        BatchStream.finish                stream: the Batch with its place and format
+          encode                          through StageTimes "encode" to serving's encoder:
+                                          encode_parts or SharedRing.encode, the one copy
+                                          of the pixels: an EncodedBatch
       Ticket.deliver                    the next in flight: the future of its seq set
     serve_stream                      the event loop again
       BatchStream.next_async            the future awaited: the EncodedBatch
@@ -49,15 +49,15 @@ result.
 
 Six calls on this path go up a layer, each to a function a layer above handed down: DALI's
 input takes its next job from the scheduler's generator (``Scheduler._jobs``); the ticket's
-read goes through the read-ahead into this stream (``BatchStream._read``); the runner
-finishes through this stream (``Job.finish``), and the stream's finish through serving's
-encoder; the read-ahead takes the next ids from this stream (``batch_ids``) and adds its
+read goes through the read-ahead into this stream (``BatchStream._read``); the slot hands
+the batch the runner yields to this stream (``BatchStream.finish``), and the stream's
+finish goes through serving's encoder; the read-ahead takes the next ids from this stream (``batch_ids``) and adds its
 seconds to the runners' stage times. docs/development.md ("Calls handed down") lists every
 call handed down across the server's layers, these and the others (the builder, a lane's
 batches, the health listener, a preprocessed batch), with their count and why each is.
 Inside scheduling, a ticket only asks: what it has asked for and been served is the fair
 queue's to keep, under the scheduler's lock. At its open the stream takes its ticket from
-the scheduler (``StreamSetup.schedule``) and hands its reader down to it, and its guess of
+the scheduler (``StreamSetup.schedule``) and hands its reader and finish down to it, and its guess of
 the next ids to its read-ahead.
 """
 
@@ -67,7 +67,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -99,14 +98,14 @@ def share_batches(plan: Plan) -> range:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamSetup:
     """What the engine gives a stream: its plan and output format, the scheduler's ticket
-    for its reads (``schedule(read)``), its read-ahead if any, the stage times its reads
+    for its reads and finishes (``schedule(read, finish)``), its read-ahead if any, the stage times its reads
     add to, its end (``release``) and a drain's notice."""
 
     dataset: Records
     plan: Plan
     normalized: bool
     layout: str
-    schedule: Callable[[Callable[[int], Job[Any]]], Ticket]
+    schedule: Callable[[Callable[[int], Job], Callable[[Batch], Any]], Ticket]
     ahead: StreamReadAhead | None
     stages: StageTimes
     release: Callable[[], None]
@@ -153,10 +152,10 @@ class BatchStream(Generic[P]):
         self._closed = False
         self.produced = 0  # batches handed out so far
         self._next_seq = 0  # the batch to hand out next, in the order asked
-        read: Callable[[int], Job[P]] = self._read
+        read: Callable[[int], Job] = self._read
         if setup.ahead is not None:
             read = setup.ahead.around(read)  # the read-ahead learns which batch is read
-        self._ticket = setup.schedule(setup.stages.timed("read", read))
+        self._ticket = setup.schedule(setup.stages.timed("read", read), self.finish)
         try:
             if batches is not None:
                 self.want(batches)
@@ -168,16 +167,18 @@ class BatchStream(Generic[P]):
         if setup.ahead is not None:
             setup.ahead.follow(self.batch_ids)
 
-    def _read(self, seq: int) -> Job[P]:
+    def _read(self, seq: int) -> Job:
         ids = self._planned[seq].ids
         plan = self._setup.plan
         entropy = batch_entropy(plan.seed, plan.epoch, ids)
-        job: Job[P] = read_job(self._setup.dataset, seq, ids, self._setup.inputs, entropy)
-        job.finish = functools.partial(self._finish, seq)
-        return job
+        return read_job(self._setup.dataset, seq, ids, self._setup.inputs, entropy)
 
-    def _finish(self, seq: int, batch: Batch) -> P:
-        planned = self._planned[seq]
+    def finish(self, batch: Batch) -> P:
+        """What the stream hands out for ``batch``, a pipeline's run of its job: the batch
+        with its place in the share and its format, encoded. Called on the pipeline's
+        thread while the images are a view of DALI's output buffer, which the encoder
+        copies, once, into what it builds."""
+        planned = self._planned[batch.seq]
         plan = self._setup.plan
         source_counts: tuple[int, ...] = ()
         if isinstance(plan, MixturePlan):

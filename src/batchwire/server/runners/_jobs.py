@@ -1,5 +1,4 @@
-"""What a pipeline runs and what comes out: a :class:`Job`, its :class:`Batch`, and what
-the job's ``finish`` makes of that batch.
+"""What a pipeline runs and what comes out: a :class:`Job` and its :class:`Batch`.
 
 :func:`read_job` makes a batch's job from the record path's output
 (:meth:`Dataset.read_screened`: its records read from LMDB, parsed and screened).
@@ -10,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,11 +30,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-P = TypeVar("P")  # what a job's ``finish`` builds from its result (a stream's message)
-
 
 @dataclasses.dataclass
-class Job(Generic[P]):
+class Job:
     """A batch to run: ``ids[i]`` is encoded as ``images[i]`` with ``labels[i]``."""
 
     seq: int  # the batch's number in its stream (its ticket's), kept by its Batch
@@ -50,12 +47,6 @@ class Job(Generic[P]):
     # seed, epoch and the batch's ids (:func:`batch_entropy`); empty: draws of its own.
     entropy: tuple[int, ...] = ()
     attempts: int = 0
-    # Called with the job's Batch while its images are a view of DALI's output buffer
-    # (valid only until the pipeline's next run): what it returns is what the runner
-    # yields for the job. This is how a stream's messages are built with the images
-    # copied once, from DALI's buffer into the message. None: :func:`keep`, a Batch
-    # that owns its images.
-    finish: Callable[[Batch], P] | None = None
 
     def inputs(self) -> tuple[Any, ...]:
         """What the pipeline's feed takes for this job: the encoded images (which the
@@ -65,7 +56,7 @@ class Job(Generic[P]):
         meta = np.stack([np.full(len(self.ids), self.seq, np.int64), self.ids], axis=1)
         return (self.images, self.labels, meta, *self.fields, self.entropy)
 
-    def only(self, keep: list[int], skipped: list[int]) -> Job[P]:
+    def only(self, keep: list[int], skipped: list[int]) -> Job:
         """This job with only the samples at positions ``keep``, ``skipped`` added to the
         ones it leaves out."""
         return dataclasses.replace(
@@ -83,10 +74,10 @@ class Batch:
     """One batch from the pipeline's output to the stream's encoder: what the runner makes
     of a job's output (:meth:`Runner.run`), and what the stream adds of it, its place in the
     share (``index``, ``cursor``, ``num_batches``) and format (``normalized``, ``layout``),
-    before the encoder makes it messages (:meth:`BatchStream._finish`).
+    before the encoder makes it messages (:meth:`BatchStream.finish`).
 
-    ``images`` may be a view of DALI's output buffer inside a job's ``finish``, valid only
-    during the call (:func:`keep` copies it); ``labels`` own their memory. A pipeline with
+    ``images`` may be a view of DALI's output buffer, as the runner yields it: valid only
+    until its run is resumed (:func:`keep` copies it); ``labels`` own their memory. A pipeline with
     named outputs puts them in ``images`` as one payload, which ``outputs`` describes
     (``batchwire.common.outputs``)."""
 
@@ -108,8 +99,8 @@ class Batch:
 
 
 def keep(batch: Batch) -> Batch:
-    """``batch`` with images that own their memory: a job's ``finish`` by default (a
-    payload of named outputs is copied by being made an array)."""
+    """``batch`` with images that own their memory, for a taker that holds it past the
+    runner's next run (a payload of named outputs is copied by being made an array)."""
     images = batch.images
     if isinstance(images, np.ndarray) and images.flags.owndata:
         return batch
@@ -118,7 +109,7 @@ def keep(batch: Batch) -> Batch:
 
 
 def empty_result(
-    job: Job[Any],
+    job: Job,
     sample_shape: tuple[int, ...] = (),
     dtype: np.dtype | type = np.uint8,
     outputs: tuple[pb.Tensor, ...] = (),
@@ -153,7 +144,7 @@ def read_job(
     ids: np.ndarray,
     inputs: Sequence[tuple[str, str]] = (),
     entropy: tuple[int, ...] = (),
-) -> Job[Any]:
+) -> Job:
     """Batch ``seq``'s job: the records of ``ids`` that may reach a pipeline, read and
     screened by the record path (:meth:`Dataset.read_screened`), with the fields
     ``inputs`` names (name, kind) where the pipeline takes some; the rest in
@@ -165,9 +156,7 @@ def read_job(
             seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy
         )
     kept, images, labels, skipped, values = dataset.read_screened_fields(ids)
-    job: Job[Any] = Job(
-        seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy
-    )
+    job = Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy)
     arrays, bad = field_arrays(dataset.name, kept, values, inputs)
     keep = [i for i in range(len(kept)) if i not in bad]
     job = job.only(keep, [int(kept[i]) for i in sorted(bad)])

@@ -43,7 +43,7 @@ from batchwire.server.runners._dali import (
     view,
 )
 from batchwire.server.runners._health import PipelineHealth
-from batchwire.server.runners._jobs import Batch, Job, empty_result, keep
+from batchwire.server.runners._jobs import Batch, Job, empty_result
 from batchwire.server.runners._keys import RunnerKey
 from batchwire.server.runners._stages import StageTimes
 from batchwire.v1 import batchwire_pb2 as pb
@@ -132,10 +132,15 @@ class Runner:
             synchronous=synchronous,
         )
 
-    def run(self, jobs: Iterator[Job[Any]]) -> Generator[Any, None, None]:
-        """Run ``jobs`` (of any streams: their ``seq`` is kept, not used) and yield what
-        each job's ``finish`` makes of its :class:`Batch` (by default, the batch itself,
-        :func:`keep`), in the order of the jobs.
+    def run(self, jobs: Iterator[Job]) -> Generator[Batch, None, None]:
+        """Run ``jobs`` (of any streams: their ``seq`` is kept, not used) and yield each
+        one's :class:`Batch`, in the order of the jobs.
+
+        A batch's ``images`` are a view of DALI's output buffer, valid only until the
+        generator is resumed (or closed), when the pipeline runs again into that buffer:
+        whoever takes a batch copies what it keeps of it before asking for the next
+        (:func:`keep` makes a batch that owns its images). So the one copy of a batch's
+        pixels is its taker's, from DALI's buffer to where they go.
 
         Closing the generator early drains what DALI still has in flight, so the
         runner can run the next jobs clean. One run at a time. Raises PipelineFault
@@ -151,8 +156,8 @@ class Runner:
         source.empty.clear()
         finished = False
         try:
-            done: dict[int, Any] = {}  # what finish made, by place in the run
-            place = 0  # the next result to yield
+            done: dict[int, Batch] = {}  # the batches to yield, by place in the run
+            place = 0  # the next batch to yield
             while True:
                 for taken, job in source.empty:
                     done[taken] = self._empty(job)
@@ -178,6 +183,8 @@ class Runner:
                         raise  # not a batch's failure: the source itself failed
                     self._repair(exc)
                     continue
+                # Yielded before the next run reuses DALI's buffer: every job taken before
+                # this one came out of an earlier run, or was empty (``source.empty``).
                 taken, job = source.in_flight.popleft()
                 done[taken] = self._result(job, outputs)
         finally:
@@ -198,28 +205,26 @@ class Runner:
             ran = time.perf_counter() - started - (source.seconds - fed)
             self._stages.add("pipeline", max(ran, 0.0))
 
-    def _result(self, job: Job[Any], outputs: Any) -> Any:
-        """What ``job.finish`` makes of the job's result, before the next run, while
-        DALI's buffer holds its images (a pipeline's named outputs: their payload, still in
-        DALI's buffers until ``finish`` copies it)."""
+    def _result(self, job: Job, outputs: Any) -> Batch:
+        """The job's batch of DALI's ``outputs``, its images (or a pipeline's named outputs:
+        their payload) a view of DALI's buffers, valid until the pipeline's next run."""
         meta = to_numpy(outputs[-1])
         if meta.shape[0] != len(job.ids) or not np.array_equal(meta[:, 1], job.ids):
             raise RuntimeError(f"DALI output of batch {meta[0, 0]} does not match job {job.seq}")
         if self._pipeline.outputs:
-            return (job.finish or keep)(self._named(job, outputs[:-2], to_numpy(outputs[-2])))
+            return self._named(job, outputs[:-2], to_numpy(outputs[-2]))
         images = view(outputs[0])
         labels = to_numpy(outputs[1])
         self._health.ran(self.key, images, job.images[0], int(job.labels[0]))
-        result = Batch(
+        return Batch(
             seq=job.seq,
             ids=job.ids,
             images=images,
             labels=labels.reshape(-1).astype(np.int64, copy=False),
             skipped_ids=tuple(job.skipped),
         )
-        return (job.finish or keep)(result)
 
-    def _named(self, job: Job[Any], outputs: Any, labels: np.ndarray) -> Batch:
+    def _named(self, job: Job, outputs: Any, labels: np.ndarray) -> Batch:
         """The result of a pipeline with named outputs: their payload, and the samples' own
         ``labels``."""
         named = []
@@ -238,9 +243,8 @@ class Runner:
             outputs=heads,
         )
 
-    def _empty(self, job: Job[Any]) -> Any:
-        """What ``job.finish`` makes of the result of a job none of whose samples is left:
-        no images, shaped as this configuration's batches are once one has run (``(0,)``
+    def _empty(self, job: Job) -> Batch:
+        """The batch of a job none of whose samples is left: no images, shaped as this configuration's batches are once one has run (``(0,)``
         before)."""
         known = self._health.output_shape(self.key)
         shape, dtype = known if known is not None else ((), np.dtype(self.key.dtype))
@@ -249,7 +253,7 @@ class Runner:
             pb.Tensor(name=o.name, kind=o.kind, layout=o.layout, dtype=pb.UINT8)
             for o in self._pipeline.outputs
         )
-        return (job.finish or keep)(empty_result(job, shape, dtype, heads))
+        return empty_result(job, shape, dtype, heads)
 
     def _repair(self, exc: Exception) -> None:
         """The oldest batch in flight failed with ``exc``: find its bad samples and queue

@@ -6,7 +6,9 @@ has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` 
 batches all go through the same tickets. Each device has ``slots_per_device`` pipeline
 slots; a slot is a thread that takes requests in the order of the fairness policy
 (:mod:`batchwire.server.scheduling._fair`: every stream an equal share of pipeline time, by
-measured cost), runs them, and hands each result back to its ticket.
+measured cost), runs them, and hands each batch to its ticket's ``finish`` as the runner
+yields it (while its images are still in DALI's buffer), and what that makes back to the
+ticket.
 
 A slot keeps the pipelines (:class:`Runner`) it built for the keys it ran, at most
 ``max_idle_pipelines``, the least recently used dropped first. Requests with different
@@ -27,9 +29,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from batchwire.server.errors import PipelineFault
-from batchwire.server.runners import Job, Runner, RunnerKey
+from batchwire.server.runners import Batch, Job, Runner, RunnerKey, keep
 from batchwire.server.scheduling._fair import FairQueue
 from batchwire.server.scheduling._ticket import Ticket
 
@@ -109,10 +112,19 @@ class Scheduler:
             )
             slot.thread.start()
 
-    def ticket(self, key: RunnerKey, count: int, read: Callable[[int], Job], window: int) -> Ticket:
-        """A stream's ticket: ``count`` batches, ``read(seq)`` the job of batch ``seq``, at
-        most ``window`` asked ahead of those taken. Close it when done."""
-        ticket = Ticket(key, count, read, window, self)
+    def ticket(
+        self,
+        key: RunnerKey,
+        count: int,
+        read: Callable[[int], Job],
+        finish: Callable[[Batch], Any] = keep,
+        *,
+        window: int,
+    ) -> Ticket:
+        """A stream's ticket: ``count`` batches, ``read(seq)`` the job of batch ``seq``,
+        ``finish(batch)`` what the stream hands out of the batch run, at most ``window``
+        asked ahead of those taken. Close it when done."""
+        ticket = Ticket(key, count, read, window, self, finish)
         with self._lock:
             self._fair.open(ticket)
         return ticket
@@ -246,7 +258,9 @@ class Scheduler:
         last: float | None = None
         started = time.monotonic()
         try:
-            for result in runner.run(jobs):
+            for batch in runner.run(jobs):
+                ticket, seq = in_flight.popleft()
+                result = _finish(ticket, batch)  # before the runner runs on: see _finish
                 now = time.monotonic()
                 self.stats.add(
                     "busy_seconds", key.pipeline, now - (started if last is None else last)
@@ -254,7 +268,6 @@ class Scheduler:
                 if last is not None:
                     self._measured(key, now - last)
                 last = now
-                ticket, seq = in_flight.popleft()
                 ticket.deliver(seq, result)
         except Exception as exc:
             # A pipeline that fails outside a bad sample (which the runner skips) fails
@@ -292,3 +305,14 @@ class Scheduler:
             if slot.thread is not None:
                 slot.thread.join(30)
             slot.runners.clear()
+
+
+def _finish(ticket: Ticket, batch: Batch) -> Any:
+    """What ``ticket``'s stream makes of ``batch``, or the exception that failed it (the
+    stream fails, not the slot). Called before the runner is resumed: its images are a view
+    of DALI's buffer until then, and the stream copies them once, from there into what it
+    hands out."""
+    try:
+        return ticket.finish(batch)
+    except Exception as exc:
+        return exc

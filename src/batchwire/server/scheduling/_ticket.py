@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from batchwire.server.runners import Job, RunnerKey
+from batchwire.server.runners import Batch, Job, RunnerKey, keep
 
 __all__ = ["Ticket"]
 
@@ -30,8 +30,10 @@ class _Requests(Protocol):
 class Ticket:
     """One stream's requests and results.
 
-    ``read(seq)`` gives the job of the stream's batch ``seq`` (its records read); results
-    come back through :meth:`future`, each batch's once (:meth:`deliver` hands them in).
+    ``read(seq)`` gives the job of the stream's batch ``seq`` (its records read), and
+    ``finish(batch)`` what the stream hands out for the batch a pipeline made of it (by
+    default the batch, :func:`keep`); results come back through :meth:`future`, each
+    batch's once (:meth:`deliver` hands them in).
     A ticket is not a pipeline: the scheduler's slots run its requests on theirs.
 
     The fairness policy's state lives here too, kept by the fair queue under the
@@ -49,10 +51,12 @@ class Ticket:
         read: Callable[[int], Job],
         window: int,
         scheduler: _Requests,
+        finish: Callable[[Batch], Any] = keep,
     ) -> None:
         self.key = key
         self.count = count
         self.read = read
+        self.finish = finish
         self._window = window
         self._scheduler = scheduler
         self.allowed = 0
@@ -79,8 +83,8 @@ class Ticket:
         self._scheduler.request(self, 0, more=count)
 
     def deliver(self, seq: int, result: Any) -> None:
-        """Batch ``seq`` ran: ``result`` is what its job's ``finish`` made, or the
-        exception that failed it."""
+        """Batch ``seq`` ran: ``result`` is what ``finish`` made of it, or the exception
+        that failed it."""
         with self._lock:
             if self.closed:
                 return
