@@ -28,7 +28,7 @@ from test_shared_memory import assert_same, epoch, eventually
 from test_shared_memory_faults import assert_saved_same, run_trainer, stalled_trainer
 
 from batchwire.client import RemoteLoader
-from batchwire.client import _bulk as client_bulk
+from batchwire.client._transport import _bulk as client_bulk
 from batchwire.client._transport import read_bulk_grant
 from batchwire.common.batch_codec import decode_batch
 from batchwire.common.bulk import ACK, KEY_BYTES
@@ -345,7 +345,7 @@ def test_a_fork_during_a_pass_leaves_the_parents_connection_alone(
     fork = """
 if n == 2:
     import gc
-    from batchwire.client._bulk import BulkReader
+    from batchwire.client._transport._bulk import BulkReader
     child = os.fork()
     if child == 0:
         readers = [o for o in gc.get_objects() if isinstance(o, BulkReader)]

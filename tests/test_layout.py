@@ -500,11 +500,13 @@ print(json.dumps(sorted(seen)))
 """
 
 
-def test_a_batch_crosses_at_most_27_files(data_dir: pathlib.Path) -> None:
+def test_a_batch_crosses_at_most_28_files(data_dir: pathlib.Path) -> None:
     """The path of a steady-state batch, from the records the server reads to the tensors
     the loop gets, in every thread of a server and a loader started for it: the package's
-    files it runs in. A reader following one batch opens at most 27 files, 8 of them the
-    client's and ``batchwire.common``'s; a new hop on that path shows up here."""
+    files it runs in. A reader following one batch opens at most 28 files, 9 of them the
+    client's and ``batchwire.common``'s (the client's transport among them, which decodes
+    each message of a call and holds its shared memory); a new hop on that path shows up
+    here."""
     out = subprocess.run(
         [sys.executable, "-c", _BATCH_PATH, str(data_dir)],
         capture_output=True,
@@ -519,20 +521,20 @@ def test_a_batch_crosses_at_most_27_files(data_dir: pathlib.Path) -> None:
     # the demand metrics), the scheduler, its fair queue and the
     # stream's ticket in it, the runner, DALI, health, stage times, the record path (the dataset, the
     # shard's index that locates a record in its file, the Datum walk that locates the
-    # image in the record, the screen) and its read-ahead; the client: the loop, the pass and its book, _delivery, and the
-    # codec; and, the loader being on the server's host, the stream's shared memory on
-    # both sides.
+    # image in the record, the screen) and its read-ahead; the client: the loop, the pass and its book, the
+    # transport's call, _delivery, and the codec; and, the loader being on the server's
+    # host, the stream's shared memory on both sides.
     for path in (
         "server/runners/_runner.py",
         "server/data/records/_dataset.py",
         "client/_delivery.py",
         "server/serving/_shared_memory.py",
-        "client/_shared_memory.py",
+        "client/_transport/_shared_memory.py",
     ):
         assert path in seen, sorted(seen)
-    assert len(seen) <= 27, "\n".join(sorted(seen))
+    assert len(seen) <= 28, "\n".join(sorted(seen))
     client = {path for path in seen if path.startswith(("client/", "common/"))}
-    assert len(client) <= 8, "\n".join(sorted(client))
+    assert len(client) <= 9, "\n".join(sorted(client))
 
 
 def test_the_paths_the_docs_name_exist() -> None:

@@ -90,10 +90,9 @@ def test_batches_arrive_in_order_with_their_ids_and_cursors() -> None:
     (call,) = transport.calls
     first = call.read[0]
     assert first.stream.dataset == "fake" and first.stream.batch_size == BATCH
-    # The call offered shared memory; the fake granted none, so the batches came in their
-    # messages and the next call to this server will not wait for a ring.
-    assert first.HasField("shared_memory")
-    assert transport.shares_memory == {Server(A): False}
+    # The pass offered shared memory; the mock takes none: the batches came in their
+    # messages.
+    assert call.options.shared_memory
     assert call.asked() == list(range(12))
     # A finished pass's call ends with its request stream, not with a cancel.
     assert call.ended.is_set() and not call.cancelled_while_open

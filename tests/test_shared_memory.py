@@ -25,8 +25,8 @@ from conftest import start_server
 from processes import serve_process
 
 from batchwire.client import RemoteLoader
-from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import read_grant
+from batchwire.client._transport._shared_memory import RingReader
 from batchwire.common import shared_memory as common_shared_memory
 from batchwire.common.batch_codec import decode_batch
 from batchwire.common.outputs import Output, pack

@@ -76,7 +76,7 @@ def test_a_batch_in_parts_becomes_one_normalized_delivery_with_one_copy() -> Non
     stats = TransferStats()
     options = LoaderOptions(device=torch.device("cpu"), return_ids=True)
     tensors = Tensors(options, info, "NCHW", stats)
-    (delivery,) = tensors.deliveries(_parts(images, 2))
+    (delivery,) = tensors.deliveries(map(decode_batch, _parts(images, 2)))
     assert (delivery.index, delivery.cursor) == (7, 45)
     assert stats.received == stats.copied == images.nbytes  # joined in the one copy
     out, labels, ids = tensors.output(delivery)
@@ -86,7 +86,7 @@ def test_a_batch_in_parts_becomes_one_normalized_delivery_with_one_copy() -> Non
     assert np.allclose(out.numpy(), (images - mean) / std)
     assert labels.tolist() == [0, 1, 2, 3, 4] and ids.tolist() == [100, 101, 102, 103, 104]
     plain = Tensors(LoaderOptions(device=torch.device("cpu"), normalize=False), info, "NCHW")
-    raw, _ = plain.output(next(plain.deliveries(_parts(images, 3))))
+    raw, _ = plain.output(next(plain.deliveries(map(decode_batch, _parts(images, 3)))))
     assert raw.dtype == torch.uint8 and np.array_equal(raw.numpy(), images)
 
 
@@ -94,7 +94,7 @@ def test_parts_out_of_order_fail_the_call_with_a_clear_error() -> None:
     images = np.zeros((4, 3, 2, 2), np.uint8)
     tensors = Tensors(LoaderOptions(device=torch.device("cpu")), pb.PipelineInfo(), "NCHW")
     with pytest.raises(BatchwireError, match="part 1 arrived after 0 parts") as caught:
-        list(tensors.deliveries(_parts(images, 2)[1:]))
+        list(tensors.deliveries(map(decode_batch, _parts(images, 2)[1:])))
     assert caught.value.code == grpc.StatusCode.INTERNAL
 
 

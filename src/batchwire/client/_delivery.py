@@ -1,10 +1,11 @@
 """How a loader delivers what it streams: its options, and the path of a received batch
 to the tensors the loop yields, all of it here::
 
-    Tensors.deliveries(messages)      a puller thread, per call: the bytes received
-      decode_batch                    the header parsed, the images a view (no copy) of
-                                      the message, or of shared memory (a server on
-                                      this host; the buffer is released once copied)
+    PullCall (the transport's)        a puller thread, per call: each message received,
+                                      its header parsed, its images a view (no copy) of
+                                      the message, or of shared memory (a server on this
+                                      host; the buffer is released once copied)
+    Tensors.deliveries(parts)         a batch's parts, once its last arrived:
       assemble                        a batch's parts joined: the one copy of the images,
                                       into pinned memory when bound for a GPU, else into
                                       memory of a batch the loop let go of (BatchMemory;
@@ -27,11 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchwire.client._bulk import BulkReader
 from batchwire.client._outputs import TORCH_DTYPES, arrange, unpack
-from batchwire.client._shared_memory import RingReader
 from batchwire.client._transport import BatchwireError, StatusCode
-from batchwire.common.batch_codec import DecodedBatch, decode_batch
+from batchwire.common.batch_codec import DecodedBatch
 from batchwire.common.tensors import from_proto
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -217,22 +216,23 @@ def assemble(
     parts: list[DecodedBatch],
     allocate: Allocator = _numpy_memory,
     stats: TransferStats | None = None,
-    bulk: BulkReader | None = None,
+    read_images: Callable[[np.ndarray], None] | None = None,
 ) -> Delivery:
     """One Delivery from a batch's parts: image data copied once, into ``allocate``'d
-    memory, so that the one copy from the received bytes is also the last (images on
-    the call's ``bulk`` connection are read into it from there)."""
+    memory, so that the one copy from the received bytes is also the last (images the
+    server sent on the call's bulk connection are read into it from there:
+    ``read_images``, the call's)."""
     first, last = parts[0].header, parts[-1].header
     views = [p.images for p in parts]
     samples = sum(len(v) for v in views)
     images, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
     if first.HasField("bulk_images"):
-        if bulk is None:
+        if read_images is None:
             raise BatchwireError(
                 "the server sent a batch on a bulk connection this call did not offer",
                 code=StatusCode.INTERNAL,
             )
-        bulk.read_into(out)  # the one copy: from the kernel, into the tensor
+        read_images(out)  # the one copy: from the kernel, into the tensor
     else:
         position = 0
         for view in views:
@@ -295,32 +295,27 @@ class Tensors:
 
     def deliveries(
         self,
-        messages: Iterable[bytes],
-        ring: RingReader | None = None,
-        bulk: BulkReader | None = None,
+        parts: Iterable[DecodedBatch],
+        read_images: Callable[[np.ndarray], None] | None = None,
     ) -> Iterator[Delivery]:
-        """Runs in a puller thread: each batch of one call's ``messages`` (Batch message
-        bytes, a batch in one or more parts) once its last part arrived; a batch in the
-        server's shared memory is copied out of the call's ``ring`` and its buffer
-        released, one on the call's ``bulk`` connection read from there."""
-        parts: list[DecodedBatch] = []
-        view = None if ring is None else ring.view
-        for raw in messages:
-            part = decode_batch(raw, view)
-            if part.header.part != len(parts):
+        """Runs in a puller thread: each batch of one call's decoded messages (``parts``:
+        a batch in one or more, its images a view valid until the next is taken) once its
+        last part arrived, its images copied out (those on the call's bulk connection read
+        with ``read_images``)."""
+        batch: list[DecodedBatch] = []
+        for part in parts:
+            if part.header.part != len(batch):
                 raise BatchwireError(
                     f"batch {part.header.index}: part {part.header.part} arrived "
-                    f"after {len(parts)} parts",
+                    f"after {len(batch)} parts",
                     code=StatusCode.INTERNAL,
                 )
-            parts.append(part)
-            if len(parts) == (part.header.parts or 1):
-                delivery = assemble(parts, self._allocate, self._stats, bulk)
-                if ring is not None and part.header.HasField("shared_images"):
-                    ring.copied(part.header.shared_images.buffer)
+            batch.append(part)
+            if len(batch) == (part.header.parts or 1):
+                delivery = assemble(batch, self._allocate, self._stats, read_images)
                 # Let go of the views before yielding: a view of shared memory keeps the
                 # server's ring mapped for as long as this generator may be kept.
-                parts = []
+                batch = []
                 del part
                 yield self._finish(delivery)
 

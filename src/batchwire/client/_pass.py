@@ -28,18 +28,17 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from batchwire.client._book import Book, Held
-from batchwire.client._bulk import BulkReader
 from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._servers import RETRIABLE, ServerSet, backoff
-from batchwire.client._shared_memory import RingReader, SharedMemoryFailed
 from batchwire.client._transport import (
     BatchwireError,
     PullCall,
+    PullOptions,
     Server,
+    SharedMemoryFailed,
     StatusCode,
     Transport,
     rpc_details,
@@ -252,7 +251,6 @@ class ServerPuller(threading.Thread):
         self._pass_stop = stop  # the pass's (not _stop: Thread has one)
         self._cancelled = threading.Event()  # this puller's: set before the pass's stop
         self._call: PullCall | None = None
-        self._bulk: BulkReader | None = None  # the call's bulk connection, if it has one
         self._lock = threading.Lock()
         self.delivered = 0  # batches this server delivered in this pass
         # Off for this pass once the server's shared memory could not be read.
@@ -327,9 +325,8 @@ class ServerPuller(threading.Thread):
             over = threading.Event()  # the call is over: its request stream asks for nothing
             failure: tuple[StatusCode, str] | None = None
             before = self.delivered
-            ring, bulk, accepted = self._side_channels()
             try:
-                self._call_once(held, over, accepted, ring, bulk)
+                self._call_once(held, over)
                 return  # the stream ended (the pass is finished), or the puller halted
             except SharedMemoryFailed as exc:
                 if self._halted():
@@ -355,7 +352,8 @@ class ServerPuller(threading.Thread):
                 said = rpc_details(exc)
                 failure = (exc.code, f"{self.server.address}: {exc.code.name}: {said}")
             finally:
-                returned = self._end_call(held, over, accepted, ring, bulk, failure)
+                over.set()  # before giving back, so that its request stream claims no more
+                returned = self._book.give_back(held, failure)
             if failure is None:
                 continue  # shared memory failed: again at once, over the socket
             self._servers.mark_failed(self.server)
@@ -365,123 +363,36 @@ class ServerPuller(threading.Thread):
                 return
             attempt += 1
 
-    def _side_channels(self) -> tuple[RingReader | None, BulkReader | None, threading.Event]:
-        """A call's offers beside it: shared memory, a bulk connection, and the event set
-        once the first batches may be asked for."""
-        # Each call offers shared memory anew: a server on this host grants it.
-        ring = RingReader.offer(self._credit + 1) if self._shared_memory else None
-        # And a bulk connection, to a server named by its host, if it can be reached.
-        bulk = None
-        if self._tensors.options.bulk and BulkReader.offered(self.server.address):
-            bulk = BulkReader(self._tensors.options.timeout, self._transport.tls_context())
-        # Where the server may be on this host (its shared memory was taken before, or
-        # this is the first call to it), the first batches are asked for once the ring
-        # is claimed, so that they go there too; else (a server on another host) with
-        # the call's first message, not a round trip later.
-        accepted = threading.Event()
-        if ring is None or not self._transport.shares_memory.get(self.server, True):
-            accepted.set()
-        return ring, bulk, accepted
-
-    def _call_once(
-        self,
-        held: Held,
-        over: threading.Event,
-        accepted: threading.Event,
-        ring: RingReader | None,
-        bulk: BulkReader | None,
-    ) -> None:
-        """One call to the server, its side channels claimed, until its stream ends (or
-        at once if the puller halted); what the call raises comes out as a
+    def _call_once(self, held: Held, over: threading.Event) -> None:
+        """One call to the server until its stream ends (or at once if the puller
+        halted), asking for batches as it has room; what the call raises comes out as a
         BatchwireError."""
-        with self._lock:
-            if self._halted():
-                return
-            self._bulk = bulk
-            call = self._call = self._transport.open_pull(
-                self.server, self._requests(held, over, accepted, ring, bulk is not None)
-            )
-        with call:
-            grant = call.grant()  # sent once it opened
-            # Batches the server finishes before a claim is done come in their messages.
-            if ring is not None:
-                ring.claim(grant, self.server.address)
-                self._transport.shares_memory[self.server] = ring.claimed
-            if bulk is not None and not (ring is not None and ring.claimed):
-                bulk.claim(call.bulk_grant(), self.server.address, self.server.tls_name)
-            accepted.set()
-            self._receive(call, held, ring, bulk)
-
-    def _end_call(
-        self,
-        held: Held,
-        over: threading.Event,
-        accepted: threading.Event,
-        ring: RingReader | None,
-        bulk: BulkReader | None,
-        failure: tuple[StatusCode, str] | None,
-    ) -> list[int]:
-        """Close a call's side channels and give the batches it held back to the book:
-        the indices given back."""
-        over.set()  # before giving back, so the request stream claims no more
-        accepted.set()  # the request stream may wait for one of the two
-        returned = self._book.give_back(held, failure)
-        if ring is not None:
-            ring.close()
-        if bulk is not None:
-            with self._lock:
-                self._bulk = None
-            bulk.close()
-        return returned
-
-    def _receive(
-        self,
-        call: Iterable[bytes],
-        held: Held,
-        ring: RingReader | None,
-        bulk: BulkReader | None,
-    ) -> None:
-        """Hand the call's batches to the book as their last parts arrive, until it ends."""
-        first = True
-        for delivery in self._tensors.deliveries(
-            call, ring, bulk if bulk and bulk.claimed else None
-        ):
-            self._book.deliver(held, delivery)
-            self.delivered += 1
-            if first:  # the server serves: an outage of it (of this pass or another) ended
-                first = False
-                self._served_again()
-
-    def _requests(
-        self,
-        held: Held,
-        over: threading.Event,
-        accepted: threading.Event,
-        ring: RingReader | None,
-        bulk: bool,
-    ) -> Iterator[pb.PullRequest]:
-        """The call's request stream (read by gRPC's own thread): the stream (and offers
-        of shared memory and of a bulk connection), with the first batches it has room
-        for unless a ring is awaited (``accepted`` not set), so that the server starts on
-        them without waiting a round trip for the call to open; then batches as the server has room, each request
-        releasing the shared memory buffers copied out since the last. Ends (half-closes)
-        once the pass is finished or the call is over."""
 
         def ended() -> bool:
             return over.is_set() or self._pass_stop.is_set()
 
-        offer = None if ring is None else ring.message()
-        first = self._book.claim(held, self._credit, ended, wait=False) if accepted.is_set() else []
-        yield pb.PullRequest(stream=self._spec, shared_memory=offer, bulk=bulk, batches=first or ())
-        # Set once the ring is claimed (where one is awaited), or the call is over (every
-        # way out of _pull sets it; the pass's stop cancels the call first).
-        accepted.wait()
-        while True:
-            batches = self._book.claim(held, self._credit, ended)
-            if batches is None:
+        def claim(wait: bool) -> list[int] | None:
+            return self._book.claim(held, self._credit, ended, wait=wait)
+
+        options = self._tensors.options
+        offers = PullOptions(
+            shared_memory=self._shared_memory,
+            bulk=options.bulk,
+            buffers=self._credit + 1,
+            timeout=options.timeout,
+        )
+        with self._lock:
+            if self._halted():
                 return
-            released = () if ring is None else ring.take_released()
-            yield pb.PullRequest(batches=batches, released_buffers=released)
+            call = self._call = self._transport.open_pull(self.server, self._spec, claim, offers)
+        with call:
+            first = True
+            for delivery in self._tensors.deliveries(call, call.read_images):
+                self._book.deliver(held, delivery)
+                self.delivered += 1
+                if first:  # the server serves: an outage of it (of any pass) ended
+                    first = False
+                    self._served_again()
 
     def _halted(self) -> bool:
         return self._cancelled.is_set() or self._pass_stop.is_set()
@@ -492,6 +403,4 @@ class ServerPuller(threading.Thread):
         with self._lock:
             self._cancelled.set()
             if self._call is not None:
-                self._call.cancel()
-            if self._bulk is not None:
-                self._bulk.shut()  # a read of images waiting on it ends too
+                self._call.cancel()  # and its bulk connection: a read waiting on it ends

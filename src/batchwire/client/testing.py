@@ -35,13 +35,15 @@ import numpy as np
 
 from batchwire.client._transport import (
     BatchwireError,
+    Claim,
     InvalidArgumentError,
     NotFoundError,
+    PullOptions,
     Server,
     StatusCode,
     UnavailableError,
 )
-from batchwire.common.batch_codec import encode_batch
+from batchwire.common.batch_codec import DecodedBatch, decode_batch, encode_batch
 from batchwire.common.sampler import Plan
 from batchwire.common.stream import StreamSpec
 from batchwire.common.tensors import to_proto
@@ -105,8 +107,15 @@ def dataset_info(
 class MockCall:
     """One ``PullBatches`` call to a mock server (a ``PullCall``)."""
 
-    def __init__(self, server: Server, requests: Iterator[pb.PullRequest], handler: Handler):
+    def __init__(
+        self,
+        server: Server,
+        requests: Iterator[pb.PullRequest],
+        handler: Handler,
+        options: PullOptions | None = None,
+    ):
         self.server = server
+        self.options = options or PullOptions()  # what the pass offered (none is taken)
         self.read: list[pb.PullRequest] = []  # the requests the handler read
         self.cancelled = threading.Event()
         self.ended = threading.Event()  # the handler returned or raised
@@ -156,7 +165,7 @@ class MockCall:
     def __exit__(self, *exc_info: object) -> None:
         return None  # what the call raises is a BatchwireError already
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[DecodedBatch]:
         while True:
             try:
                 item = self._out.get(timeout=_GUARD_S)
@@ -170,13 +179,13 @@ class MockCall:
             if isinstance(item, BatchwireError):
                 raise item
             assert isinstance(item, bytes)
-            yield item
+            yield decode_batch(item)
 
-    def grant(self) -> pb.SharedMemoryGrant | None:
-        return None  # a server on another host: no shared memory
-
-    def bulk_grant(self) -> pb.BulkGrant | None:
-        return None  # a server that keeps images in the call's messages
+    def read_images(self, out: np.ndarray) -> None:
+        raise BatchwireError(
+            "a mock server sends every batch in its messages, none on a bulk connection",
+            code=StatusCode.INTERNAL,
+        )
 
     def cancel(self) -> None:
         self.cancelled_while_open = self.cancelled_while_open or not self.ended.is_set()
@@ -208,7 +217,6 @@ class MockTransport:
         self.handler = handler
         self.datasets = dict(datasets or {})
         self.calls: list[MockCall] = []
-        self.shares_memory: dict[Server, bool] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -226,11 +234,10 @@ class MockTransport:
         serve = _DatasetServer(num_samples, len(classes), image_shape)
         return cls(serve, {dataset: dataset_info(dataset, num_samples, classes, pipelines)})
 
-    def tls_context(self) -> None:
-        return None
-
-    def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> MockCall:
-        call = MockCall(server, requests, self.handler)
+    def open_pull(
+        self, server: Server, stream: pb.StreamBatchesRequest, claim: Claim, options: PullOptions
+    ) -> MockCall:
+        call = MockCall(server, _requests(stream, claim), self.handler, options)
         with self._lock:
             self.calls.append(call)
         call.start()
@@ -266,6 +273,14 @@ class MockTransport:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(state["handler"], state["datasets"])  # type: ignore[misc]
+
+
+def _requests(stream: pb.StreamBatchesRequest, claim: Claim) -> Iterator[pb.PullRequest]:
+    """A pass's request stream, as a server on another host reads it: the stream and the
+    first batches, then batches as the pass has room, until it asks for no more."""
+    yield pb.PullRequest(stream=stream, batches=claim(False) or ())
+    while (batches := claim(True)) is not None:
+        yield pb.PullRequest(batches=batches)
 
 
 class _DatasetServer:

@@ -1,6 +1,6 @@
 """How a server sends one stream's images on a TCP connection of their own, beside the
 gRPC call: the rules both sides keep (``batchwire.server.serving._bulk`` grants and
-writes, ``batchwire.client._bulk`` claims and reads).
+writes, ``batchwire.client._transport._bulk`` claims and reads).
 
 gRPC's Python server sends a message with the interpreter lock held and copies it once
 more into its own buffers; for a stream of images that is most of what the server spends

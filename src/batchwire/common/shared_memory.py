@@ -1,6 +1,6 @@
 """How a server hands one stream's shared memory to the client on its host: the rules
 both sides keep (``batchwire.server.serving._shared_memory`` grants and makes rings,
-``batchwire.client._shared_memory`` claims and maps them).
+``batchwire.client._transport._shared_memory`` claims and maps them).
 
 Shared memory has no name. A ring is a memfd (``memfd_create``): memory that no
 directory lists, that only the processes holding its descriptor can reach, and that the

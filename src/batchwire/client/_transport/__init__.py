@@ -17,7 +17,15 @@ receive ``batchwire.v1`` messages, and catch the client's own exceptions.
 
 from __future__ import annotations
 
-from batchwire.client._transport._base import Pending, PullCall, Server, Transport
+from batchwire.client._transport._base import (
+    Claim,
+    Pending,
+    PullCall,
+    PullOptions,
+    Server,
+    Transport,
+    host_of,
+)
 from batchwire.client._transport._exceptions import (
     AuthenticationError,
     BadImagesError,
@@ -34,13 +42,13 @@ from batchwire.client._transport._grpc import (
     GrpcTransport,
     check_health,
     check_target,
-    host_of,
     list_datasets,
     read_bulk_grant,
     read_grant,
     rpc_details,
 )
 from batchwire.client._transport._security import ChannelSecurity, PemSource
+from batchwire.client._transport._shared_memory import SharedMemoryFailed
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -48,14 +56,17 @@ __all__ = [
     "BadImagesError",
     "BatchwireError",
     "ChannelSecurity",
+    "Claim",
     "GrpcTransport",
     "InvalidArgumentError",
     "NotFoundError",
     "PemSource",
     "Pending",
     "PullCall",
+    "PullOptions",
     "ResourceExhaustedError",
     "Server",
+    "SharedMemoryFailed",
     "StatusCode",
     "Transport",
     "UnavailableError",

@@ -12,20 +12,31 @@ import contextlib
 import os
 import re
 import ssl
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Generic, TypeVar
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchwire.client._transport._base import Server
+from batchwire.client._transport._base import (
+    HOST_PORT,
+    Claim,
+    PullOptions,
+    Server,
+)
+from batchwire.client._transport._bulk import BulkReader
 from batchwire.client._transport._exceptions import (
     BatchwireError,
     InvalidArgumentError,
+    StatusCode,
     error_for,
 )
 from batchwire.client._transport._security import ChannelSecurity
+from batchwire.client._transport._shared_memory import RingReader
+from batchwire.common.batch_codec import DecodedBatch, decode_batch
 from batchwire.common.bulk import GRANT_METADATA as BULK_GRANT_METADATA
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.common.tls import tls_context
@@ -37,7 +48,6 @@ __all__ = [
     "GrpcTransport",
     "check_health",
     "check_target",
-    "host_of",
     "list_datasets",
     "map_rpc_errors",
     "open_channel",
@@ -57,8 +67,6 @@ CHANNEL_OPTIONS = (
 )
 _PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
 
-# host:port or [v6]:port; anything with a scheme (dns:///, unix:, ipv4:) is gRPC's to parse.
-_HOST_PORT = re.compile(r"(\[[^\]]+\]|[^:\[\]/]+):\d{1,5}")
 # Web URLs, which gRPC would take for a DNS name ("Misformatted domain name").
 _URL_SCHEME = re.compile(r"(https?|grpcs?)://", re.IGNORECASE)
 
@@ -122,18 +130,12 @@ def check_target(target: str) -> str:
         )
     if ":/" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "unix-abstract:")):
         return target
-    if not _HOST_PORT.fullmatch(target):
+    if not HOST_PORT.fullmatch(target):
         raise InvalidArgumentError(
             f"address {target!r} has no port: write HOST:PORT, e.g. gpu-host:50051 "
             "(batchwire serve's default port), or dns:///NAME:PORT"
         )
     return target
-
-
-def host_of(address: str) -> str | None:
-    """The host of a ``host:port`` (or ``[v6]:port``) address; None for another gRPC
-    target (``unix:``, ``ipv4:``, ``dns:///``), which names no one host."""
-    return address.rpartition(":")[0] if _HOST_PORT.fullmatch(address) else None
 
 
 def read_grant(metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.SharedMemoryGrant | None:
@@ -198,14 +200,52 @@ class _Pending(Generic[_T]):
         self._future.cancel()
 
 
-class _PullCall:
-    """A ``PullBatches`` call (``PullCall``). Its errors are mapped when they leave the
-    ``with`` block, not message by message: iterating it is iterating gRPC's call, with
-    no frame of the transport's for each batch."""
+def _requests(
+    stream: pb.StreamBatchesRequest,
+    claim: Claim,
+    *,
+    shared_memory: pb.SharedMemoryOffer | None = None,
+    bulk: bool = False,
+    accepted: threading.Event | None = None,
+    released: Callable[[], Sequence[int]] | None = None,
+) -> Iterator[pb.PullRequest]:
+    """A call's request stream: the stream (with the offers of shared memory and of a
+    bulk connection) and the first batches ``claim`` has room for without waiting, so
+    that the server starts on them without a round trip; none until ``accepted`` is set
+    where it is not yet (a ring being claimed, so that they go there too). Then the
+    batches as the server has room, each request releasing the shared memory buffers
+    copied out since the last (``released``). Ends (half-closes) when ``claim`` gives
+    None."""
+    first = claim(False) if accepted is None or accepted.is_set() else ()
+    yield pb.PullRequest(stream=stream, shared_memory=shared_memory, bulk=bulk, batches=first or ())
+    if accepted is not None:
+        accepted.wait()
+    while (batches := claim(True)) is not None:
+        yield pb.PullRequest(batches=batches, released_buffers=released() if released else ())
 
-    def __init__(self, call: grpc.Call, address: str) -> None:
+
+class _PullCall:
+    """A ``PullBatches`` call (``PullCall``) and what it offered beside it: the ring of
+    the server's shared memory and a bulk connection, claimed once the call opened, let
+    go of at the block's end. Its errors are mapped when they leave the ``with`` block,
+    not message by message."""
+
+    def __init__(
+        self,
+        call: grpc.Call,
+        server: Server,
+        ring: RingReader | None,
+        bulk: BulkReader | None,
+        accepted: threading.Event,
+        shares_memory: dict[Server, bool],
+    ) -> None:
         self._call = call
-        self._address = address
+        self._server = server
+        self._ring = ring
+        self._bulk = bulk
+        self._accepted = accepted
+        self._shares_memory = shares_memory
+        self._lock = threading.Lock()  # the bulk connection: read here, shut by cancel
 
     def __enter__(self) -> _PullCall:
         return self
@@ -216,21 +256,56 @@ class _PullCall:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._accepted.set()  # the request stream may wait for the claim
+        if self._ring is not None:
+            self._ring.close()
+        with self._lock:
+            bulk, self._bulk = self._bulk, None
+        if bulk is not None:
+            bulk.close()
         if isinstance(error, grpc.RpcError):
-            raise _error_from(error, self._address) from None
+            raise _error_from(error, self._server.address) from None
 
-    def __iter__(self) -> Iterator[bytes]:
-        messages: Iterator[bytes] = iter(self._call)
-        return messages
+    def __iter__(self) -> Iterator[DecodedBatch]:
+        self._claim()
+        ring = self._ring
+        view = None if ring is None else ring.view
+        for raw in self._call:
+            part = decode_batch(raw, view)
+            shared = part.header.HasField("shared_images")
+            buffer = part.header.shared_images.buffer
+            yield part
+            del part  # its images are a view of the ring: gone before the buffer is released
+            if shared and ring is not None:
+                ring.copied(buffer)  # the next request releases it
 
-    def grant(self) -> pb.SharedMemoryGrant | None:
-        return read_grant(self._call.initial_metadata())
+    def _claim(self) -> None:
+        """Claim what the server granted beside the call, once it opened: batches it
+        finishes before then come in their messages."""
+        metadata = self._call.initial_metadata()
+        ring, address = self._ring, self._server.address
+        if ring is not None:
+            ring.claim(read_grant(metadata), address)
+            self._shares_memory[self._server] = ring.claimed
+        bulk = self._bulk
+        if bulk is not None and not (ring is not None and ring.claimed):
+            bulk.claim(read_bulk_grant(metadata), address, self._server.tls_name)
+        self._accepted.set()
 
-    def bulk_grant(self) -> pb.BulkGrant | None:
-        return read_bulk_grant(self._call.initial_metadata())
+    def read_images(self, out: np.ndarray) -> None:
+        bulk = self._bulk
+        if bulk is None or not bulk.claimed:
+            raise BatchwireError(
+                "the server sent a batch on a bulk connection this call did not offer",
+                code=StatusCode.INTERNAL,
+            )
+        bulk.read_into(out)  # the one copy: from the kernel, into the tensor
 
     def cancel(self) -> None:
         self._call.cancel()
+        with self._lock:
+            if self._bulk is not None:
+                self._bulk.shut()  # a read of images waiting on it ends too
 
 
 class GrpcTransport:
@@ -248,6 +323,8 @@ class GrpcTransport:
         self._on_open = on_open
         self._channels: dict[Server, grpc.Channel] = {}
         self._pid = os.getpid()
+        # Whether a server's last call gave this process its shared memory (it is on this
+        # host): a call to one that did not asks for batches without waiting for a ring.
         self.shares_memory: dict[Server, bool] = {}
         self._tls: ssl.SSLContext | None = None  # for bulk connections, made when first used
 
@@ -276,17 +353,46 @@ class GrpcTransport:
             )
         return self._tls
 
-    def open_pull(self, server: Server, requests: Iterator[pb.PullRequest]) -> _PullCall:
-        """A ``PullBatches`` call on ``server`` sending ``requests``. It yields each batch
-        message as the bytes received (no deserializer): the client parses them without
-        copying the image payload (``batchwire.common.batch_codec``)."""
-        with map_rpc_errors(server.address):
-            pull = self.channel(server).stream_stream(
-                _PULL_METHOD,
-                request_serializer=pb.PullRequest.SerializeToString,
-                response_deserializer=None,
-            )
-            return _PullCall(pull(requests, metadata=self.metadata), server.address)
+    def open_pull(
+        self, server: Server, stream: pb.StreamBatchesRequest, claim: Claim, options: PullOptions
+    ) -> _PullCall:
+        """A ``PullBatches`` call on ``server`` for ``stream``. Each call offers shared
+        memory anew (a server on this host grants it) and a bulk connection to a server
+        named by its host, if it can be reached. Where the server may be on this host (its
+        shared memory was taken before, or this is the first call to it), the first
+        batches are asked for once the ring is claimed, so that they go there too; else
+        with the call's first message. Its batch messages come as the bytes received (no
+        deserializer): the client parses them without copying the images
+        (``batchwire.common.batch_codec``)."""
+        ring = RingReader.offer(options.buffers) if options.shared_memory else None
+        bulk = None
+        if options.bulk and BulkReader.offered(server.address):
+            bulk = BulkReader(options.timeout, self.tls_context())
+        accepted = threading.Event()
+        if ring is None or not self.shares_memory.get(server, True):
+            accepted.set()
+        requests = _requests(
+            stream,
+            claim,
+            shared_memory=None if ring is None else ring.message(),
+            bulk=bulk is not None,
+            accepted=accepted,
+            released=None if ring is None else ring.take_released,
+        )
+        try:
+            with map_rpc_errors(server.address):
+                pull = self.channel(server).stream_stream(
+                    _PULL_METHOD,
+                    request_serializer=pb.PullRequest.SerializeToString,
+                    response_deserializer=None,
+                )
+                call = pull(requests, metadata=self.metadata)
+        except BaseException:
+            for side in (ring, bulk):
+                if side is not None:
+                    side.close()
+            raise
+        return _PullCall(call, server, ring, bulk, accepted, self.shares_memory)
 
     def describe(self, server: Server, dataset: str, *, timeout: float) -> _Pending[pb.DatasetInfo]:
         """A ``DescribeDataset`` call for ``dataset`` on ``server``."""

@@ -27,7 +27,8 @@ import threading
 
 import numpy as np
 
-from batchwire.client._transport import BatchwireError, StatusCode, host_of
+from batchwire.client._transport._base import host_of
+from batchwire.client._transport._exceptions import BatchwireError, StatusCode
 from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, CONNECT_TIMEOUT_S, receive_into
 from batchwire.common.shared_memory import log_once, warn_once
 from batchwire.v1 import batchwire_pb2 as pb

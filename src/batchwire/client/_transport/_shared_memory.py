@@ -34,7 +34,7 @@ import weakref
 
 import numpy as np
 
-from batchwire.client._transport import BatchwireError, StatusCode
+from batchwire.client._transport._exceptions import BatchwireError, StatusCode
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
