@@ -18,7 +18,7 @@ import pytest
 from batchwire.common.stream import StreamSpec
 from batchwire.server import ServerConfig
 from batchwire.server.engine import BatchStream, Engine
-from batchwire.server.runners import Job, RunnerKey
+from batchwire.server.runners import Batch, Job, RunnerKey
 from batchwire.server.scheduling import Ticket
 from batchwire.server.scheduling._fair import FairQueue
 
@@ -27,8 +27,14 @@ def key(pipeline: str = "train", size: float = 32) -> RunnerKey:
     return RunnerKey(pipeline, (("size", size),), "uint8", "NCHW", 8, "cpu", None)
 
 
-def read(seq: int) -> Job:
-    return Job(seq=seq, ids=np.arange(1), images=[np.zeros(1, np.uint8)], labels=np.zeros(1))
+class Stream:
+    """A ticket's stream of one-sample batches (the slot here only takes them, in turn)."""
+
+    def read(self, seq: int) -> Job:
+        return Job(seq=seq, ids=np.arange(1), images=[np.zeros(1, np.uint8)], labels=np.zeros(1))
+
+    def finish(self, batch: Batch) -> Batch:
+        return batch
 
 
 class Requests:
@@ -58,7 +64,7 @@ class Slot:
         self.current: RunnerKey | None = None
 
     def open(self, k: RunnerKey, window: int = 4) -> Ticket:
-        ticket = Ticket(k, 10**9, read, window, self.requests)
+        ticket = Ticket(k, 10**9, Stream(), window, self.requests)
         self.fair.open(ticket)
         ticket.start(0)
         return ticket

@@ -3,6 +3,7 @@ closed stream's read-ahead ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -21,15 +22,35 @@ from batchwire.server import BatchwireServer
 from batchwire.server.data import Dataset
 from batchwire.server.data.records import _dataset, _readahead
 from batchwire.server.data.records._readahead import ReadAhead, StreamReadAhead
-from batchwire.server.runners import read_job
+from batchwire.server.runners import Job, read_job
 from batchwire.v1 import datum_pb2
 from benchmarks.cold import evict
 
 BATCH = 16
 
 
+@dataclasses.dataclass
+class Planned:
+    """A stream of ``batches``, as its read-ahead sees it."""
+
+    batches: list[np.ndarray]
+
+    def batch_ids(self, seq: int) -> np.ndarray | None:
+        return self.batches[seq] if 0 <= seq < len(self.batches) else None
+
+
 def follow(stream: StreamReadAhead, batches: list[np.ndarray]) -> None:
-    stream.follow(lambda seq: batches[seq] if 0 <= seq < len(batches) else None)
+    stream.follow(Planned(batches))
+
+
+def read(stream: StreamReadAhead, dataset: Dataset, seq: int, ids: np.ndarray) -> Job:
+    """Batch ``seq``'s job, read as a stream reads it: its read-ahead told which batch is
+    read, and when it is."""
+    stream.reading(seq)
+    try:
+        return read_job(dataset, seq, ids)
+    finally:
+        stream.read(seq)
 
 
 def test_locate_finds_each_record_where_lmdb_keeps_it(data_dir: pathlib.Path) -> None:
@@ -84,9 +105,8 @@ def test_read_ahead_stays_within_its_bytes_shares_them_and_ends_with_its_stream(
             first.close()
             after_close = first.records
             assert first.held_bytes == 0 and pool.stats().streams == 1
-            read = second.around(lambda seq: read_job(dataset, seq, batches[::-1][seq]))
-            for seq in range(len(batches)):
-                assert len(read(seq).ids) == BATCH
+            for seq, ids in enumerate(batches[::-1]):
+                assert len(read(second, dataset, seq, ids).ids) == BATCH
             second.close()
             stats = pool.stats()
             assert first.records == after_close and second.records > 0
@@ -110,9 +130,8 @@ def test_a_stream_reads_ahead_only_while_its_reads_wait_for_the_disk(
         try:
             stream = pool.open(dataset)
             follow(stream, batches)
-            read = stream.around(lambda seq: read_job(dataset, seq, batches[seq]))
-            for seq in range(len(batches)):
-                assert len(read(seq).ids) == BATCH
+            for seq, ids in enumerate(batches):
+                assert len(read(stream, dataset, seq, ids).ids) == BATCH
             stream.close()
             return stream.records
         finally:
@@ -178,7 +197,7 @@ def test_a_stream_reads_ahead_where_its_reads_wait_long_enough_to_hold_it_back(
 
         def read(waits: list[float], first: int = 0) -> list[int]:
             """Read a batch each 20 ms, batch ``first + i`` waiting ``waits[i]`` s for the
-            disk (as ``StreamReadAhead.around`` tells it); the last batch to be read ahead
+            disk (as a stream's read tells it); the last batch to be read ahead
             after each."""
             ahead = []
             for seq, wait in enumerate(waits, first):

@@ -7,10 +7,11 @@ whole path on a real engine with DALI on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 from batchwire.common.stream import StreamSpec
 from batchwire.server import BatchwireServer, ServerConfig
 from batchwire.server.engine import Engine
-from batchwire.server.runners import Batch, Job, RunnerKey
+from batchwire.server.runners import Batch, Job, RunnerKey, keep
 from batchwire.server.scheduling import Scheduler, Ticket
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -42,21 +43,33 @@ class EchoRunner:
 
 
 class Reads:
-    """The ``read`` of each ticket, recording the order in which batches were read."""
+    """The streams of the tickets, recording the order in which batches were read."""
 
     def __init__(self) -> None:
         self.order: list[tuple[str, int]] = []
         self.fail: set[tuple[str, int]] = set()
 
-    def of(self, name: str) -> Callable[[int], Job]:
-        def read(seq: int) -> Job:
-            self.order.append((name, seq))
-            if (name, seq) in self.fail:
-                raise OSError(f"record of {name} batch {seq} unreadable")
-            ids = np.arange(seq * 10, seq * 10 + 3)
-            return Job(seq=seq, ids=ids, images=[np.zeros(1, np.uint8)] * 3, labels=ids)
+    def of(self, name: str) -> Stream:
+        return Stream(name, self)
 
-        return read
+
+@dataclasses.dataclass
+class Stream:
+    """A ticket's stream ``name``: its reads recorded in ``reads``, its batches handed out
+    as they come (with images of their own)."""
+
+    name: str
+    reads: Reads
+
+    def read(self, seq: int) -> Job:
+        self.reads.order.append((self.name, seq))
+        if (self.name, seq) in self.reads.fail:
+            raise OSError(f"record of {self.name} batch {seq} unreadable")
+        ids = np.arange(seq * 10, seq * 10 + 3)
+        return Job(seq=seq, ids=ids, images=[np.zeros(1, np.uint8)] * 3, labels=ids)
+
+    def finish(self, batch: Batch) -> Batch:
+        return keep(batch)
 
 
 @pytest.fixture

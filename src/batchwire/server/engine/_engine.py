@@ -242,11 +242,7 @@ class Engine:
                 draining=self._drain.is_set,
                 inputs=tuple((i.name, i.kind) for i in pipeline.inputs),
             )
-            stream = BatchStream(
-                setup,
-                self.stages.timed("encode", encode),
-                None if batches is None else batches(plan),
-            )
+            stream = BatchStream(setup, encode, None if batches is None else batches(plan))
             self._open_streams.add(stream)
             return stream
         except BaseException:

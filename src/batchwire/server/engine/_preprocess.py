@@ -50,10 +50,11 @@ from batchwire.server.runners import (
     Job,
     RunnerKey,
     StageTimes,
+    keep,
     pipeline_named,
     runner_key,
 )
-from batchwire.server.scheduling import Scheduler, Ticket
+from batchwire.server.scheduling import Scheduler
 
 __all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]
 
@@ -81,19 +82,34 @@ class _Part:
 
 
 class _Queue:
-    """One pipeline configuration's queue, its thread and its ticket (guarded by the
-    batcher's lock, but for ``jobs``, which the ticket's ``read`` takes from)."""
+    """One pipeline configuration's queue, its thread and its ticket, whose stream it is
+    (a :class:`StreamPort`: the ticket's batches are the jobs the thread hands it, and come
+    back as batches of their own). Guarded by the batcher's lock, but for ``jobs``, which
+    :meth:`read` takes from."""
 
-    def __init__(self, key: RunnerKey, lock: threading.Lock, ticket: Ticket) -> None:
+    def __init__(
+        self, key: RunnerKey, lock: threading.Lock, scheduler: Scheduler, stages: StageTimes
+    ) -> None:
         self.key = key
         self.parts: collections.deque[_Part] = collections.deque()
         self.queued = 0
         self.wake = threading.Condition(lock)
         self.thread: threading.Thread | None = None
-        self.ticket = ticket
         self.jobs: dict[int, Job] = {}  # batches handed to the ticket, by its number
         self.sent = 0  # batches handed to the ticket so far
         self.running = 0  # ... and not yet come back
+        self._stages = stages
+        self.ticket = scheduler.ticket(key, 0, self, QUEUE_WINDOW)
+
+    def read(self, seq: int) -> Job:
+        """The job handed to the ticket as its batch ``seq`` (the ``read`` stage)."""
+        with self._stages.timing("read"):
+            return self.jobs.pop(seq)
+
+    def finish(self, batch: Batch) -> Batch:
+        """``batch`` with images of its own: its rows go to their requests later, on the
+        future's callback (:meth:`PreprocessBatcher._finish`)."""
+        return keep(batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,10 +267,7 @@ class PreprocessBatcher:
 
     def _start_queue(self, queue_id: tuple[object, ...], key: RunnerKey) -> _Queue:
         key = dataclasses.replace(key, device_id=self._next_device())
-        jobs: dict[int, Job] = {}
-        read = self._stages.timed("read", jobs.pop)
-        queue = _Queue(key, self._lock, self._scheduler.ticket(key, 0, read, window=QUEUE_WINDOW))
-        queue.jobs = jobs
+        queue = _Queue(key, self._lock, self._scheduler, self._stages)
         queue.ticket.start(0)
         self._serial += 1
         queue.thread = threading.Thread(

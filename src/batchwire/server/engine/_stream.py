@@ -20,17 +20,18 @@ here (each line a call, with the thread it runs in and what it hands on)::
         _Source (DALI's input)          called by DALI in pipe.run, on the slot's thread
           Scheduler._jobs               the next (ticket, seq) the FairQueue gives, kept
                                         in the slot's in-flight queue
-            Ticket.read                 StageTimes "read", StreamReadAhead.around, and
-              BatchStream._read           back up into this stream
-                read_job                  down to the records: Dataset.read_screened
+            BatchStream.read            the ticket's stream, back up into this stream:
+                                        the "read" stage, the read-ahead told
+              read_job                    down to the records: Dataset.read_screened
                                           (pread, Datum walk, screen): a Job
         Runner._result                  DALI's output a Batch, images a view of its buffer,
                                         yielded to the slot, which before it resumes the
-      Ticket.finish                     runner hands the batch on, back up into this
-        BatchStream.finish                stream: the Batch with its place and format
-          encode                          through StageTimes "encode" to serving's encoder:
-                                          encode_parts or SharedRing.encode, the one copy
-                                          of the pixels: an EncodedBatch
+      BatchStream.finish                runner hands the batch to the ticket's stream,
+                                        back up into this stream: the Batch with its
+        encode                          place and format, through the "encode" stage to
+                                        serving's encoder: encode_parts or
+                                        SharedRing.encode, the one copy of the pixels:
+                                        an EncodedBatch
       Ticket.deliver                    the next in flight: the future of its seq set
     serve_stream                      the event loop again
       BatchStream.next_async            the future awaited: the EncodedBatch
@@ -47,18 +48,19 @@ DALI's output, Batch (the runner's, which the stream completes), EncodedBatch, t
 bytes. A batch keeps one number, its ``seq`` in the stream, from its request to its
 result.
 
-Six calls on this path go up a layer, each to a function a layer above handed down: DALI's
-input takes its next job from the scheduler's generator (``Scheduler._jobs``); the ticket's
-read goes through the read-ahead into this stream (``BatchStream._read``); the slot hands
-the batch the runner yields to this stream (``BatchStream.finish``), and the stream's
-finish goes through serving's encoder; the read-ahead takes the next ids from this stream (``batch_ids``) and adds its
-seconds to the runners' stage times. docs/development.md ("Calls handed down") lists every
-call handed down across the server's layers, these and the others (the builder, a lane's
-batches, the health listener, a preprocessed batch), with their count and why each is.
-Inside scheduling, a ticket only asks: what it has asked for and been served is the fair
-queue's to keep, under the scheduler's lock. At its open the stream takes its ticket from
-the scheduler (``StreamSetup.schedule``) and hands its reader and finish down to it, and its guess of
-the next ids to its read-ahead.
+Six calls on this path go up a layer, through five things a layer above handed down:
+DALI's input takes its next job from the scheduler's generator (``Scheduler._jobs``); a
+slot reads the batch through its ticket's stream (``BatchStream.read``) and hands it, once
+run, to that stream's finish (``BatchStream.finish``), this stream being the one object
+its ticket was given (a ``StreamPort``); the stream's finish encodes through serving's
+encoder; the read-ahead takes the next ids from this stream (``batch_ids``, the one object
+it was given too) and adds its seconds to the runners' stage times. docs/development.md
+("Calls handed down") lists every call handed down across the server's layers, these and
+the others (the builder, a lane's batches, the health listener, a Preprocess queue's own
+port and its batches' callback), with their count and why each is. Inside scheduling, a
+ticket only asks: what it has asked for and been served is the fair queue's to keep,
+under the scheduler's lock. At its open the stream takes its ticket from the scheduler
+(``StreamSetup.schedule``), handing itself down to it, and to its read-ahead.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -78,7 +80,7 @@ from batchwire.common.sampler import Plan, PlannedBatch
 from batchwire.server.data.records import Records, StreamReadAhead
 from batchwire.server.errors import Draining, InvalidRequest
 from batchwire.server.runners import Batch, Job, StageTimes, batch_entropy, read_job
-from batchwire.server.scheduling import Ticket
+from batchwire.server.scheduling import StreamPort, Ticket
 
 __all__ = ["Batch", "BatchStream", "share_batches", "wait_event"]
 
@@ -98,14 +100,14 @@ def share_batches(plan: Plan) -> range:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamSetup:
     """What the engine gives a stream: its plan and output format, the scheduler's ticket
-    for its reads and finishes (``schedule(read, finish)``), its read-ahead if any, the stage times its reads
-    add to, its end (``release``) and a drain's notice."""
+    for its batches (``schedule(stream)``), its read-ahead if any, the stage times its reads
+    and encoding add to, its end (``release``) and a drain's notice."""
 
     dataset: Records
     plan: Plan
     normalized: bool
     layout: str
-    schedule: Callable[[Callable[[int], Job], Callable[[Batch], Any]], Ticket]
+    schedule: Callable[[StreamPort], Ticket]
     ahead: StreamReadAhead | None
     stages: StageTimes
     release: Callable[[], None]
@@ -131,6 +133,11 @@ class BatchStream(Generic[P]):
 
     Take its batches either with :meth:`next_async` on one event loop or by iteration
     from one thread; :meth:`close` may come from any thread.
+
+    The stream is the one object its ticket and its read-ahead are given: the scheduler's
+    slots read its batches (:meth:`read`) and finish them (:meth:`finish`), a
+    :class:`StreamPort`; the read-ahead asks for the ids of those to come
+    (:meth:`batch_ids`).
     """
 
     def __init__(
@@ -152,10 +159,7 @@ class BatchStream(Generic[P]):
         self._closed = False
         self.produced = 0  # batches handed out so far
         self._next_seq = 0  # the batch to hand out next, in the order asked
-        read: Callable[[int], Job] = self._read
-        if setup.ahead is not None:
-            read = setup.ahead.around(read)  # the read-ahead learns which batch is read
-        self._ticket = setup.schedule(setup.stages.timed("read", read), self.finish)
+        self._ticket = setup.schedule(self)
         try:
             if batches is not None:
                 self.want(batches)
@@ -165,9 +169,23 @@ class BatchStream(Generic[P]):
             self._ticket.close()
             raise
         if setup.ahead is not None:
-            setup.ahead.follow(self.batch_ids)
+            setup.ahead.follow(self)
 
-    def _read(self, seq: int) -> Job:
+    def read(self, seq: int) -> Job:
+        """The job of batch ``seq``, its records read (on a slot's thread, as its pipeline
+        asks for input): the ``read`` stage. The read-ahead learns which batch is read, and
+        when it is, so that it advises the batches after it and frees what it held of it."""
+        ahead = self._setup.ahead
+        with self._setup.stages.timing("read"):
+            if ahead is None:
+                return self._job(seq)
+            ahead.reading(seq)
+            try:
+                return self._job(seq)
+            finally:
+                ahead.read(seq)
+
+    def _job(self, seq: int) -> Job:
         ids = self._planned[seq].ids
         plan = self._setup.plan
         entropy = batch_entropy(plan.seed, plan.epoch, ids)
@@ -175,26 +193,26 @@ class BatchStream(Generic[P]):
 
     def finish(self, batch: Batch) -> P:
         """What the stream hands out for ``batch``, a pipeline's run of its job: the batch
-        with its place in the share and its format, encoded. Called on the pipeline's
-        thread while the images are a view of DALI's output buffer, which the encoder
-        copies, once, into what it builds."""
+        with its place in the share and its format, encoded (the ``encode`` stage). Called
+        on the pipeline's thread while the images are a view of DALI's output buffer, which
+        the encoder copies, once, into what it builds."""
         planned = self._planned[batch.seq]
         plan = self._setup.plan
         source_counts: tuple[int, ...] = ()
         if isinstance(plan, MixturePlan):
             sources = split_ids(batch.ids, plan.sizes)[0]
             source_counts = tuple(np.bincount(sources, minlength=len(plan.sizes)).tolist())
-        return self._encode(
-            dataclasses.replace(
-                batch,
-                index=planned.index,
-                cursor=planned.end,
-                num_batches=plan.num_batches,
-                normalized=self._setup.normalized,
-                layout=self._setup.layout,
-                source_counts=source_counts,
-            )
+        placed = dataclasses.replace(
+            batch,
+            index=planned.index,
+            cursor=planned.end,
+            num_batches=plan.num_batches,
+            normalized=self._setup.normalized,
+            layout=self._setup.layout,
+            source_counts=source_counts,
         )
+        with self._setup.stages.timing("encode"):
+            return self._encode(placed)
 
     def batch_ids(self, seq: int) -> np.ndarray | None:
         """The ids of the stream's batch ``seq``, for reading ahead. Past the batches a

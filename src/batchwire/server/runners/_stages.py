@@ -21,10 +21,11 @@ Thread-safe: runners add from their own threads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 __all__ = ["STAGES", "StageTimes"]
@@ -48,16 +49,22 @@ class StageTimes:
         with self._lock:
             self._seconds[stage] += seconds
 
+    @contextlib.contextmanager
+    def timing(self, stage: str) -> Iterator[None]:
+        """The time spent in the ``with`` block, added to ``stage`` (whatever it raises)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - started)
+
     def timed(self, stage: str, function: Callable[_P, _R]) -> Callable[_P, _R]:
         """``function``, with the time of each call added to ``stage``."""
 
         @functools.wraps(function)
         def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            started = time.perf_counter()
-            try:
+            with self.timing(stage):
                 return function(*args, **kwargs)
-            finally:
-                self.add(stage, time.perf_counter() - started)
 
         return timed
 

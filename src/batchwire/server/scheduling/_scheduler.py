@@ -6,9 +6,9 @@ has taken; ``PullBatches`` and ``StreamBatches`` streams and the ``Preprocess`` 
 batches all go through the same tickets. Each device has ``slots_per_device`` pipeline
 slots; a slot is a thread that takes requests in the order of the fairness policy
 (:mod:`batchwire.server.scheduling._fair`: every stream an equal share of pipeline time, by
-measured cost), runs them, and hands each batch to its ticket's ``finish`` as the runner
-yields it (while its images are still in DALI's buffer), and what that makes back to the
-ticket.
+measured cost), reads them through their ticket's stream, runs them, and hands each batch
+to the stream's ``finish`` as the runner yields it (while its images are still in DALI's
+buffer), and what that makes back to the ticket.
 
 A slot keeps the pipelines (:class:`Runner`) it built for the keys it ran, at most
 ``max_idle_pipelines``, the least recently used dropped first. Requests with different
@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchwire.server.errors import PipelineFault
-from batchwire.server.runners import Batch, Job, Runner, RunnerKey, keep
+from batchwire.server.runners import Batch, Job, Runner, RunnerKey
 from batchwire.server.scheduling._fair import FairQueue
-from batchwire.server.scheduling._ticket import Ticket
+from batchwire.server.scheduling._ticket import StreamPort, Ticket
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
@@ -112,19 +112,10 @@ class Scheduler:
             )
             slot.thread.start()
 
-    def ticket(
-        self,
-        key: RunnerKey,
-        count: int,
-        read: Callable[[int], Job],
-        finish: Callable[[Batch], Any] = keep,
-        *,
-        window: int,
-    ) -> Ticket:
-        """A stream's ticket: ``count`` batches, ``read(seq)`` the job of batch ``seq``,
-        ``finish(batch)`` what the stream hands out of the batch run, at most ``window``
-        asked ahead of those taken. Close it when done."""
-        ticket = Ticket(key, count, read, window, self, finish)
+    def ticket(self, key: RunnerKey, count: int, stream: StreamPort, window: int) -> Ticket:
+        """A stream's ticket: ``count`` batches of ``stream``, at most ``window`` asked ahead
+        of those taken. Close it when done."""
+        ticket = Ticket(key, count, stream, window, self)
         with self._lock:
             self._fair.open(ticket)
         return ticket
@@ -195,7 +186,7 @@ class Scheduler:
             ticket, seq, waited = taken
             self.stats.waited(key.pipeline, waited)
             try:
-                job = ticket.read(seq)
+                job = ticket.stream.read(seq)
             except Exception as exc:  # the stream fails, not the slot
                 ticket.deliver(seq, exc)
                 continue
@@ -313,6 +304,6 @@ def _finish(ticket: Ticket, batch: Batch) -> Any:
     of DALI's buffer until then, and the stream copies them once, from there into what it
     hands out."""
     try:
-        return ticket.finish(batch)
+        return ticket.stream.finish(batch)
     except Exception as exc:
         return exc

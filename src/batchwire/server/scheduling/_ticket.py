@@ -3,7 +3,8 @@
 A stream (or a Preprocess queue) asks for its batches through its ticket, at most
 ``window`` ahead of what it has taken, so a slow client never makes the server hold more.
 The scheduler takes the requests of every ticket in the order its fair queue says
-(:mod:`batchwire.server.scheduling._fair`), and hands each result back to its ticket.
+(:mod:`batchwire.server.scheduling._fair`), reads and finishes each batch through the
+ticket's stream (:class:`StreamPort`), and hands each result back to its ticket.
 """
 
 from __future__ import annotations
@@ -11,12 +12,27 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-from collections.abc import Callable
 from typing import Any, Protocol
 
-from batchwire.server.runners import Batch, Job, RunnerKey, keep
+from batchwire.server.runners import Batch, Job, RunnerKey
 
-__all__ = ["Ticket"]
+__all__ = ["StreamPort", "Ticket"]
+
+
+class StreamPort(Protocol):
+    """A stream, as the scheduler sees it: the one object a ticket is given, whose batches
+    a slot reads and finishes, on its own thread."""
+
+    def read(self, seq: int) -> Job:
+        """The job of the stream's batch ``seq``: its records read, as a pipeline asks for
+        its next input."""
+        ...
+
+    def finish(self, batch: Batch) -> Any:
+        """What the stream hands out for ``batch``, the run of its job: its ticket is given
+        it (:meth:`Ticket.deliver`). Called before the runner runs on, while
+        ``batch.images`` is a view of DALI's buffer: what it keeps of them it copies."""
+        ...
 
 
 class _Requests(Protocol):
@@ -30,10 +46,9 @@ class _Requests(Protocol):
 class Ticket:
     """One stream's requests and results.
 
-    ``read(seq)`` gives the job of the stream's batch ``seq`` (its records read), and
-    ``finish(batch)`` what the stream hands out for the batch a pipeline made of it (by
-    default the batch, :func:`keep`); results come back through :meth:`future`, each
-    batch's once (:meth:`deliver` hands them in).
+    A slot reads the stream's batch ``seq`` through ``stream.read(seq)`` and finishes what
+    a pipeline made of it through ``stream.finish(batch)`` (:class:`StreamPort`); results
+    come back through :meth:`future`, each batch's once (:meth:`deliver` hands them in).
     A ticket is not a pipeline: the scheduler's slots run its requests on theirs.
 
     The fairness policy's state lives here too, kept by the fair queue under the
@@ -48,15 +63,13 @@ class Ticket:
         self,
         key: RunnerKey,
         count: int,
-        read: Callable[[int], Job],
+        stream: StreamPort,
         window: int,
         scheduler: _Requests,
-        finish: Callable[[Batch], Any] = keep,
     ) -> None:
         self.key = key
         self.count = count
-        self.read = read
-        self.finish = finish
+        self.stream = stream
         self._window = window
         self._scheduler = scheduler
         self.allowed = 0
@@ -83,8 +96,8 @@ class Ticket:
         self._scheduler.request(self, 0, more=count)
 
     def deliver(self, seq: int, result: Any) -> None:
-        """Batch ``seq`` ran: ``result`` is what ``finish`` made of it, or the exception
-        that failed it."""
+        """Batch ``seq`` ran: ``result`` is what the stream's ``finish`` made of it, or the
+        exception that failed it."""
         with self._lock:
             if self.closed:
                 return

@@ -52,18 +52,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol
 
 import numpy as np
 
 from batchwire.server.data.records._dataset import advise
 from batchwire.server.data.records._mixed import Records
 
-__all__ = ["ReadAhead", "ReadAheadStats", "StreamReadAhead"]
+__all__ = ["BatchIds", "ReadAhead", "ReadAheadStats", "StreamReadAhead"]
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 _WAIT_S = 0.25  # how often an idle read-ahead thread looks for a stop
 _FIRST_BATCHES = 4  # a stream's first batches are read ahead whatever the cache holds
@@ -90,18 +88,26 @@ class ReadAheadStats:
     in_flight: int  # records being looked up or advised now
 
 
+class BatchIds(Protocol):
+    """A stream, as its read-ahead sees it (:meth:`StreamReadAhead.follow`)."""
+
+    def batch_ids(self, seq: int) -> np.ndarray | None:
+        """The ids of the stream's batch ``seq``; None past those planned so far (a pulled
+        stream plans more as its client asks). Called under the read-ahead pool's lock."""
+        ...
+
+
 class StreamReadAhead:
     """One stream's read-ahead: made by :meth:`ReadAhead.open`, ended by :meth:`close`.
 
-    The stream's batch ``seq`` has the ids ``batch_ids(seq)`` (None past those planned so
-    far; a pulled stream plans more as its client asks). Wrap the function that reads a
-    batch with :meth:`around`, so the read-ahead knows which batch is being read.
+    It reads ahead the batches of the stream it follows (:meth:`follow`); the stream tells
+    it which batch it reads as it reads each (:meth:`reading`, then :meth:`read`).
     """
 
     def __init__(self, pool: ReadAhead, dataset: Records) -> None:
         self._pool = pool
         self._dataset = dataset
-        self._batch_ids: Callable[[int], np.ndarray | None] = lambda seq: None
+        self._stream: BatchIds | None = None
         self.next_seq = 0  # the batch to advise next
         self.read_seq = -1  # batches up to this one are read (their bytes freed)
         self.held: dict[int, int] = {}  # bytes advised and not yet read, by batch
@@ -115,24 +121,11 @@ class StreamReadAhead:
         self._began = -1.0  # when the read before began (perf_counter)
         self._waited_before = -1.0  # the reading thread's Dataset.waited as the read began
 
-    def follow(self, batch_ids: Callable[[int], np.ndarray | None]) -> None:
-        """Read ahead the batches ``batch_ids`` gives, from the first not yet read."""
+    def follow(self, stream: BatchIds) -> None:
+        """Read ahead the batches of ``stream``, from the first not yet read."""
         with self._pool.lock:
-            self._batch_ids = batch_ids
+            self._stream = stream
             self._pool.lock.notify_all()
-
-    def around(self, read: Callable[[int], _T]) -> Callable[[int], _T]:
-        """``read(seq)``, telling the read-ahead that batch ``seq`` is being read, then
-        that it was read (its bytes are freed)."""
-
-        def read_after_ahead(seq: int) -> _T:
-            self.reading(seq)
-            try:
-                return read(seq)
-            finally:
-                self.read(seq)
-
-        return read_after_ahead
 
     def reading(self, seq: int) -> None:
         """Batch ``seq`` is being read now, in the calling thread: advise the batches after
@@ -184,10 +177,10 @@ class StreamReadAhead:
     def next_batch(self) -> tuple[int, np.ndarray] | None:
         """(seq, ids) of the batch to advise next, the cursor moved past it; None if none
         is to be advised now. Called under the pool's lock."""
-        if not self._advisable():
+        if not self._advisable() or self._stream is None:
             return None
         try:
-            ids = self._batch_ids(self.next_seq)
+            ids = self._stream.batch_ids(self.next_seq)
         except Exception:  # a stream's plan that cannot say; never the pool's thread
             log.debug("no ids for batch %d to read ahead", self.next_seq, exc_info=True)
             return None
