@@ -10,11 +10,13 @@ server is read with the types its function's annotations and assignments give. T
   outside them (config, errors, ``batchwire.common``, the standard library, DALI) are no
   layer: nothing handed to them, or from them, counts.
 * **What is handed** is a callable and the layer whose code it runs: a lambda, a nested
-  function, a function of a module; a bound method (``self._read``, ``self.stages.add``:
-  the layer of the object's class); ``self`` itself (an object whose methods are called
-  back); a field that holds one of these (``self._encode``); ``functools.partial`` of one;
-  the iterator of a generator method (``self._jobs(...)``, whose ``next`` runs its code); a
-  wrapper, a call that returns a ``Callable`` and is given one of these (``around(read)``);
+  function, a function of a module; a bound method (``self._build_runner``,
+  ``self.stages.add``: the layer of the object's class); a port, an object whose methods
+  are called back: ``self`` itself (a stream, given to its ticket), or a name or field
+  typed with a layer's class that has methods (not data); a field that holds one of these
+  (``self._encode``); ``functools.partial`` of one; the iterator of a generator method
+  (``self._jobs(...)``, whose ``next`` runs its code); a wrapper, a call that returns a
+  ``Callable`` and is given one of these (``timed("read", read)``);
   ``a or b`` of one; a local name bound to any of these; and a parameter annotated
   ``Callable``, of the function's layer (it came from there or above): passed on further
   down (``watch_devices(callback)`` to ``PipelineHealth.listen``), it is handed again.
@@ -25,7 +27,7 @@ server is read with the types its function's annotations and assignments give. T
   for T's layer (``setup.schedule(read)`` gives a scheduling ``Ticket``); a method of an
   object a layer's call returned (``ticket.future(seq).add_done_callback``) for that layer;
   ``functools.partial(taker, ...)`` passes its arguments to the taker. Setting a field or
-  an item of another's object hands the value to the object's class (``job.finish = ...``).
+  an item of another's object hands the value to the object's class (``job.done = ...``).
 * **It climbs** where the callable's layer is above the taker's.
 """
 
@@ -53,7 +55,7 @@ def layer(qualname: str | None) -> int | None:
 class Handed:
     """One callable handed down: by module ``module`` (``engine/_stream.py``, under
     ``src/batchwire/server/``) to ``taker`` (``StreamReadAhead.follow``; a field set:
-    ``Job.finish``), ``what`` as written there (``self.batch_ids``)."""
+    ``Job.done``), ``what`` as written there (``self``)."""
 
     module: str
     taker: str
@@ -316,6 +318,8 @@ class _Reader:
                 given = [*expr.args, *(k.value for k in expr.keywords)]
                 return next((c for a in given if (c := self.code(a, scope)) is not None), None)
             return None
+        if self._is_port(found := self.type_of(expr, scope)):
+            return layer(found)  # an object whose methods are called back: a port
         func = self.ref(expr, scope)
         node = self.index.defs.get(func or "", (None, None))[1]
         if isinstance(node, _FUNCTION) and not _is_property(node):
@@ -335,6 +339,20 @@ class _Reader:
                     if found is not None:
                         return found
         return None
+
+    def _is_port(self, cls: str | None) -> bool:
+        """Whether ``cls`` is a class of a layer with methods of its own (not data, whose
+        class has fields and properties only): an object of it handed down is a port, whose
+        methods the taker calls back."""
+        node = self.index.defs.get(cls or "", (None, None))[1]
+        if not isinstance(node, ast.ClassDef) or layer(cls) is None:
+            return False
+        return any(
+            isinstance(item, _FUNCTION)
+            and not item.name.startswith("__")
+            and not _is_property(item)
+            for item in node.body
+        )
 
     def holder(self, expr: ast.expr, scope: _Scope) -> tuple[int, str] | None:
         """(layer, name) of the object ``expr`` is: of its class (``Job``), held by an object

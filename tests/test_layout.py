@@ -425,12 +425,13 @@ class High:
 
     def _build(self) -> None: ...
     def _changed(self) -> None: ...
+    def read(self, seq: int) -> int: ...
     def _jobs(self):
         yield 1
     @property
     def count(self) -> int: ...
 
-    def go(self, low: Low, callback: Callable[[], None], data: int) -> None:
+    def go(self, low: Low, callback: Callable[[], None], data: int, port: High) -> None:
         def nested(seq):
             return seq
         read = functools.partial(self._build, 1)
@@ -442,15 +443,26 @@ class High:
         helper(functools.partial(helper, self))
         read = data
         helper(read)
+        plain = Plain(1)
+        helper(port, plain)
+
+
+class Plain:  # data: fields and a property, no method to call back
+    def __init__(self, size: int) -> None:
+        self.size = size
+    @property
+    def double(self) -> int: ...
 """,
 }
 
 
 def test_the_check_finds_each_form_of_a_call_handed_down() -> None:
     """``handed_down`` finds a bound method, a lambda, a nested function, a partial, a
-    generator's iterator, a wrapper, ``self``, and a ``Callable`` parameter passed on,
-    given to a lower layer's class, function or object, set in one or appended to one's
-    list; not data (numbers, lists, builtins, properties, a lower layer's own objects)."""
+    generator's iterator, a wrapper, ``self`` or another port (an object of a class with
+    methods), and a ``Callable`` parameter passed on, given to a lower layer's class,
+    function or object, set in one or appended to one's list; not data (numbers, lists,
+    builtins, properties, an object of a class without methods, a lower layer's own
+    objects)."""
     module = "engine/_high.py"
     assert handed_down(_HANDED_SAMPLE) == {
         Handed(module, "Low", "self._build"),
@@ -462,6 +474,7 @@ def test_the_check_finds_each_form_of_a_call_handed_down() -> None:
         Handed(module, "Low.finish", "read"),
         Handed(module, "Low.future().add_done_callback", "callback"),
         Handed(module, "helper", "self"),
+        Handed(module, "helper", "port"),
     }
 
 
