@@ -155,7 +155,8 @@ def read_job(
         return Job(
             seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy
         )
-    kept, images, labels, skipped, values = dataset.read_screened_fields(ids)
+    names = {name for name, _ in inputs}  # the fields the pipeline takes, not all a record has
+    kept, images, labels, skipped, values = dataset.read_screened_fields(ids, names)
     job = Job(seq=seq, ids=kept, images=images, labels=labels, skipped=skipped, entropy=entropy)
     arrays, bad = field_arrays(dataset.name, kept, values, inputs)
     keep = [i for i in range(len(kept)) if i not in bad]

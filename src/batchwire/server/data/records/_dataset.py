@@ -31,7 +31,7 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import lmdb
@@ -327,15 +327,15 @@ class Dataset:
         return kept, images, labels, skipped
 
     def read_screened_fields(
-        self, ids: np.ndarray
+        self, ids: np.ndarray, names: Collection[str] | None = None
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
-        """:meth:`read_screened`, and each kept record's fields (:meth:`fields`) parsed from
-        the same read: empty for a record whose fields are damaged (whoever needs them
-        skips that sample)."""
-        return self._read_screened(np.asarray(ids, np.int64), True)
+        """:meth:`read_screened`, and each kept record's fields (:meth:`fields`; those of
+        ``names`` only, where given) parsed from the same read: empty for a record whose
+        fields are damaged (whoever needs them skips that sample)."""
+        return self._read_screened(np.asarray(ids, np.int64), True, names)
 
     def _read_screened(
-        self, ids: np.ndarray, with_fields: bool
+        self, ids: np.ndarray, with_fields: bool, names: Collection[str] | None = None
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
         records = self._records(ids)
         images, labels = _images(records)
@@ -352,7 +352,7 @@ class Dataset:
                 continue
             skipped.append(int(ids[i]))
             log.warning("dataset %r: skipping sample %d: %s", self.name, ids[i], reason)
-        fields = [_fields_or_none(records[i]) for i in good] if with_fields else []
+        fields = [_fields_or_none(records[i], names) for i in good] if with_fields else []
         kept_images = [images[i] for i in good]
         return ids[good], kept_images, labels[good], skipped, fields  # type: ignore[return-value]
 
@@ -510,9 +510,10 @@ def _images(records: list[memoryview]) -> tuple[list[np.ndarray | None], np.ndar
     return images, labels
 
 
-def _fields_or_none(record: memoryview) -> dict[str, FieldValue]:
-    """A record's fields; none where they are damaged (a malformed Fields message)."""
+def _fields_or_none(record: memoryview, names: Collection[str] | None) -> dict[str, FieldValue]:
+    """A record's fields (of ``names``, where given); none where they are damaged (a
+    malformed Fields message)."""
     try:
-        return decode_fields(record)
+        return decode_fields(record, names)
     except ValueError:
         return {}

@@ -11,7 +11,7 @@ own (the mixed id says which source); a record left out is reported by its mixed
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -43,7 +43,7 @@ class Records(Protocol):
     def locate(self, ids: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]: ...
 
     def read_screened_fields(
-        self, ids: np.ndarray
+        self, ids: np.ndarray, names: Collection[str] | None = None
     ) -> tuple[
         np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]
     ]: ...
@@ -92,13 +92,14 @@ class MixedDataset:
         return kept, images, labels, skipped
 
     def read_screened_fields(
-        self, ids: np.ndarray
+        self, ids: np.ndarray, names: Collection[str] | None = None
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
-        """:meth:`read_screened`, and each kept record's fields (``Dataset.fields``)."""
-        return self._read_screened(ids, True)
+        """:meth:`read_screened`, and each kept record's fields (``Dataset.fields``; those
+        of ``names`` only, where given)."""
+        return self._read_screened(ids, True, names)
 
     def _read_screened(
-        self, ids: np.ndarray, with_fields: bool
+        self, ids: np.ndarray, with_fields: bool, names: Collection[str] | None = None
     ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[int], list[dict[str, FieldValue]]]:
         ids = np.asarray(ids, dtype=np.int64)
         sources, local = split_ids(ids, self.sizes)
@@ -115,7 +116,7 @@ class MixedDataset:
                 continue
             dataset = self.sources[source]
             found_ids, found, found_labels, _, found_fields = (
-                dataset.read_screened_fields(local[positions])
+                dataset.read_screened_fields(local[positions], names)
                 if with_fields
                 else (*dataset.read_screened(local[positions]), [])
             )
