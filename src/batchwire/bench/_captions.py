@@ -6,8 +6,8 @@ shards ingested, which a server serves.
 
 The photos are :func:`~batchwire.bench.bench_dataset`'s (500x375 JPEG, the same seed: the
 same pictures as the ``train`` and ``multicrop`` rows), so that decoding weighs in the
-``captions`` row as it does in theirs. Their captions are a sentence or two, 30 to 150
-bytes, as COCO's and web-scraped captions run.
+``captions`` row as it does in theirs. Their captions are a sentence or two, 26 to 158
+bytes.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ _DETAILS = (
 
 
 def caption(rng: np.random.Generator) -> str:
-    """A caption of a sentence or two, its length varying from about 30 to 150 bytes."""
+    """A caption of a sentence or two, its length varying from 26 to 158 bytes."""
     subject, action, place = (str(rng.choice(words)) for words in (_SUBJECTS, _ACTIONS, _PLACES))
     first = f"{subject[0].upper()}{subject[1:]} {action} {place}."
     return first if rng.random() < 0.5 else f"{first} {rng.choice(_DETAILS)}"
