@@ -320,6 +320,29 @@ def test_webdataset_tar_told_from_its_name(tmp_path: pathlib.Path) -> None:
     check_webdataset(ingest(shard, tmp_path / "out", name="wds"), files, "")
 
 
+def test_webdataset_folder_of_shards_whose_keys_lie_at_their_roots(tmp_path: pathlib.Path) -> None:
+    """Several shards of ``key.png`` and its sidecars at each tar's root (as WebDataset's
+    writers make them): each shard's samples, keyed within their shard."""
+    files = webdataset_files(4)
+    (tmp_path / "src").mkdir()
+    first = sorted(name for name in files if name.startswith(("part/0000", "part/0001")))
+    for shard, names in enumerate((first, sorted(files.keys() - set(first)))):
+        with tarfile.open(tmp_path / "src" / f"shard-{shard:03d}.tar", "w") as archive:
+            for name in names:
+                info = tarfile.TarInfo(name.removeprefix("part/"))
+                info.size = len(files[name])
+                archive.addfile(info, io.BytesIO(files[name]))
+    report = ingest(tmp_path / "src", tmp_path / "out", name="wds")
+    assert report.num_samples == 3  # 0000, 0001 and 0003 (0002's .txt is not UTF-8)
+    assert sorted(r.reason for r in report.rejected) == [
+        ".txt is not UTF-8 text",
+        "no .jpg, .jpeg or .png image for this key",
+    ]
+    with Dataset(report.path) as dataset:
+        captions = sorted(sample["caption"] for sample in dataset.fields(range(3)))
+    assert captions == ["sample 0", "sample 1", "sample 3"]
+
+
 def test_the_command_ingests_and_inspect_lists_the_fields(
     coco: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

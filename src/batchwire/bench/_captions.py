@@ -71,11 +71,8 @@ def write_caption_shards(
 ) -> list[pathlib.Path]:
     """``photos`` in ``shards`` uncompressed ``.tar`` shards in ``out`` (in order, a run
     each), each photo as ``key.jpg`` beside its :func:`caption` as ``key.txt``, and each
-    shard's DALI index (``.idx``); returns the shards.
-
-    Keys are ``<shard>/<photo's name>``: ingest groups the samples of a folder of several
-    shards by the member's path after the shard's name, which a key without a folder does
-    not survive (the ``.`` of ``.tar`` is taken for the key's end)."""
+    shard's DALI index (``.idx``); returns the shards. Keys are the photos' names, at
+    each shard's root, as WebDataset's writers lay them out."""
     from wds2idx import IndexCreator  # DALI's own tool, installed with DALI
 
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +84,7 @@ def write_caption_shards(
             for photo in photos[
                 shard * len(photos) // shards : (shard + 1) * len(photos) // shards
             ]:
-                key = f"{path.stem}/{photo.stem}"
+                key = photo.stem
                 for extension, data in (
                     ("jpg", photo.read_bytes()),
                     ("txt", caption(rng).encode("utf-8")),

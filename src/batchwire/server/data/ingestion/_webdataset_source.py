@@ -33,10 +33,16 @@ _SIDECARS = ("json", "txt", "cls")
 
 
 def split_key(name: str) -> tuple[str, str]:
-    """(key, extension) of a file's path, as WebDataset splits it."""
-    folder, _, base = name.rpartition("/")
+    """(key, extension) of a file's path, as WebDataset splits it; a member of one of
+    several shards, named ``shard.tar:member``, is split in its member's name (the
+    shard's own dot is not its extension's)."""
+    shard, tar, member = name.partition(".tar:")
+    if not tar:
+        shard, member = "", name
+    folder, _, base = member.rpartition("/")
     stem, _, extension = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), extension.lower()
+    key = f"{folder}/{stem}" if folder else stem
+    return (f"{shard}{tar}{key}" if tar else key), extension.lower()
 
 
 def is_webdataset_folder(src: pathlib.Path) -> bool:
