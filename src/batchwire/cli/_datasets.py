@@ -1,5 +1,6 @@
 """``--dataset`` of the commands that stream (preview, bench): one dataset's name, or a
-mixture of several as ``NAME=WEIGHT,NAME=WEIGHT``."""
+mixture of several as ``NAME=WEIGHT,NAME=WEIGHT``; and what bench says of a dataset that
+yields no batch of ``--batch-size``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from batchwire.client import Mixture
 
-__all__ = ["DATASET_HELP", "batched", "dataset_or_mixture"]
+__all__ = ["DATASET_HELP", "batched", "dataset_or_mixture", "no_batch_error"]
 
 DATASET_HELP = (
     "dataset name on the server, or a mixture of several in set proportions: "
@@ -56,3 +57,11 @@ def batched(dataset: str | Mixture, batching: str) -> str | Mixture:
     from batchwire.client import Mixture
 
     return Mixture(dict(dataset.weights or {}), length=dataset.length, batching=batching)
+
+
+def no_batch_error(dataset: str, samples: int, batch_size: int) -> str:
+    return (
+        f"error: an epoch of {dataset!r} yielded no batch: --batch-size {batch_size} is larger "
+        f"than the dataset ({samples} samples), or than this client's share of it (the last "
+        f"partial batch is dropped); lower --batch-size"
+    )

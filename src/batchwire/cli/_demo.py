@@ -119,9 +119,6 @@ def _ensure_dataset(
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from batchwire.client import RemoteLoader
     from batchwire.server import BatchwireServer, ServerConfig
 
     cache = args.cache or _default_cache()
@@ -141,42 +138,52 @@ def run(args: argparse.Namespace) -> int:
             )
             return 1
         print(f"serving on {server.target} ({server.engine.devices.kind})")
-        with RemoteLoader(
-            server.target,
-            dataset=DATASET,
-            pipeline=args.pipeline,
-            batch_size=args.batch_size,
-            drop_last=False,
-        ) as loader:
-            images = 0
-            nbytes = 0
-            counts = [0] * len(loader.classes)
-            started = time.perf_counter()
-            with tqdm(
-                total=len(loader),
-                desc=f"streaming {DATASET}/{args.pipeline}",
-                unit="batch",
-                disable=True if args.no_progress else None,  # None: off where no terminal
-            ) as bar:
-                for batch, labels in loader:
-                    images += len(labels)
-                    nbytes += batch.numel()  # uint8 on the wire: one byte per value
-                    for label in labels.tolist():
-                        counts[label] += 1
-                    bar.update()
-            seconds = time.perf_counter() - started
-        shape = tuple(batch.shape[1:])
-        per_class = ", ".join(f"{name} {n}" for name, n in zip(loader.classes, counts, strict=True))
-        print(
-            f"streamed {images} images of {shape} in {seconds:.2f}s: {images / seconds:.0f} images/s, {nbytes / seconds / 1e6:.0f} MB/s"
-        )
-        print(f"labels per class: {per_class}")
-        print(
-            "(one epoch from a server just started: the rate includes building its DALI "
-            "pipelines and warming up, and the first run on a machine also loads DALI from "
-            "disk; `batchwire bench --address HOST:PORT --dataset NAME` measures a running "
-            "server)"
-        )
+        _stream_epoch(server.target, args)
     finally:
         server.stop(grace=1.0)
     return 0
+
+
+def _stream_epoch(target: str, args: argparse.Namespace) -> None:
+    """One epoch of the dataset from the server at ``target``, its rate and its labels per
+    class printed."""
+    from tqdm import tqdm
+
+    from batchwire.client import RemoteLoader
+
+    with RemoteLoader(
+        target,
+        dataset=DATASET,
+        pipeline=args.pipeline,
+        batch_size=args.batch_size,
+        drop_last=False,
+    ) as loader:
+        images = 0
+        nbytes = 0
+        counts = [0] * len(loader.classes)
+        started = time.perf_counter()
+        with tqdm(
+            total=len(loader),
+            desc=f"streaming {DATASET}/{args.pipeline}",
+            unit="batch",
+            disable=True if args.no_progress else None,  # None: off where no terminal
+        ) as bar:
+            for batch, labels in loader:
+                images += len(labels)
+                nbytes += batch.numel()  # uint8 on the wire: one byte per value
+                for label in labels.tolist():
+                    counts[label] += 1
+                bar.update()
+        seconds = time.perf_counter() - started
+    shape = tuple(batch.shape[1:])
+    per_class = ", ".join(f"{name} {n}" for name, n in zip(loader.classes, counts, strict=True))
+    print(
+        f"streamed {images} images of {shape} in {seconds:.2f}s: {images / seconds:.0f} images/s, {nbytes / seconds / 1e6:.0f} MB/s"
+    )
+    print(f"labels per class: {per_class}")
+    print(
+        "(one epoch from a server just started: the rate includes building its DALI "
+        "pipelines and warming up, and the first run on a machine also loads DALI from "
+        "disk; `batchwire bench --address HOST:PORT --dataset NAME` measures a running "
+        "server)"
+    )
