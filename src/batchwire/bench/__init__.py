@@ -32,6 +32,7 @@ from batchwire.bench._dali import (
     pipeline_spec,
     run_dali,
 )
+from batchwire.bench._local_server import LocalServer, ServerStartError, wait_serving
 from batchwire.bench._pil import LmdbPilDataset, pil_train_sample, run_pil
 from batchwire.bench._probe import (
     CpuClock,
@@ -43,9 +44,7 @@ from batchwire.bench._probe import (
 from batchwire.bench._report import draw_chart, ratios, summarize, table, write_json
 from batchwire.bench._runs import (
     IMAGE_BYTES,
-    LocalServer,
     RunResult,
-    ServerStartError,
     add_run_arguments,
     bench_coco,
     bench_dataset,
@@ -55,7 +54,6 @@ from batchwire.bench._runs import (
     progress,
     run_inprocess,
     run_remote,
-    wait_serving,
 )
 from batchwire.bench._transport import (
     plain_server,

@@ -144,23 +144,32 @@ def run_dali(
             last_batch_policy=LastBatchPolicy.DROP,
             auto_reset=True,
         )
-        done, first = 0, None
         form = pipeline_spec(pipeline).form
         cpu = CpuClock()  # from the first run on: a DALI user builds a pipeline once
         measured_from = time.perf_counter()
-        while done < images:
-            for batch in batches:
-                done += _take(form, batch[0])
-                first = first or time.perf_counter() - started
-                if done >= images:
-                    break
-        if gpu:
-            import torch
-
-            torch.cuda.synchronize()
+        done, first = _take_images(batches, form, images, started, gpu)
         seconds = time.perf_counter() - measured_from
         del batches, pipe
     return RunResult(name, done, seconds, cpu.seconds(), None, rss.peaks[0], None, first)
+
+
+def _take_images(
+    batches: Any, form: str, images: int, started: float, gpu: bool
+) -> tuple[int, float | None]:
+    """Batches of ``batches``, epoch after epoch, until ``images`` samples are taken (and, on
+    a GPU, made): how many were, and the seconds from ``started`` to the first."""
+    done, first = 0, None
+    while done < images:
+        for batch in batches:
+            done += _take(form, batch[0])
+            first = first or time.perf_counter() - started
+            if done >= images:
+                break
+    if gpu:
+        import torch
+
+        torch.cuda.synchronize()
+    return done, first
 
 
 def _take(form: str, outputs: dict[str, Any]) -> int:
