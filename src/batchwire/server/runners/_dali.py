@@ -148,22 +148,27 @@ def _define(
             made = pipeline.function(encoded, labels, ctx, params, named)
         else:
             made = pipeline.function(encoded, labels, ctx, params)
-        if not pipeline.outputs:
-            images, labels = made
-            pipe.set_outputs(images, labels, meta)
-        else:
-            missing = [o.name for o in pipeline.outputs if o.name not in made]
-            if missing:
-                raise ValueError(
-                    f"pipeline {pipeline.name!r} declares outputs {missing} that its function "
-                    f"does not return (it returned {sorted(made)})"
-                )
-            # The samples' labels pass through, as a one-output pipeline's do.
-            pipe.set_outputs(*(made[o.name] for o in pipeline.outputs), labels, meta)
+        pipe.set_outputs(*_outputs(pipeline, made, labels), meta)
     with warnings.catch_warnings():
         # A graph without random operators leaves the states unused: DALI warns of it.
         warnings.filterwarnings("ignore", message="The external source node .* is not used")
         pipe.build()
+
+
+def _outputs(pipeline: PipelineSpec, made: Any, labels: Any) -> tuple[Any, ...]:
+    """The nodes ``pipeline``'s function ``made`` as the pipe's outputs, in order: its images
+    and labels, or its named outputs, the samples' ``labels`` after them."""
+    if not pipeline.outputs:
+        images, labels = made
+        return images, labels
+    missing = [o.name for o in pipeline.outputs if o.name not in made]
+    if missing:
+        raise ValueError(
+            f"pipeline {pipeline.name!r} declares outputs {missing} that its function "
+            f"does not return (it returned {sorted(made)})"
+        )
+    # The samples' labels pass through, as a one-output pipeline's do.
+    return (*(made[o.name] for o in pipeline.outputs), labels)
 
 
 def _feed(source: Any, draws: Draws | None) -> tuple[Any, ...]:

@@ -28,11 +28,13 @@ into place (``_publish``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
 import shutil
 import time
+from collections.abc import Iterator
 
 from batchwire.server.data.ingestion._batches import Rejected
 from batchwire.server.data.ingestion._dataset_writer import WriteOptions, write_dataset
@@ -138,11 +140,19 @@ def ingest(
         masks=masks,
         final=final,
     )
-    try:
+    with _closing(sources):
         manifest = _write_and_publish(
             sources, src=src, out=out, options=options, overwrite=overwrite
         )
         return _report(manifest, final, started)
+
+
+@contextlib.contextmanager
+def _closing(sources: Sources | LmdbSource | SampleSource) -> Iterator[None]:
+    """Closes an LMDB or a source of samples once the ingest is done with it, whatever
+    happened (the files of a folder hold nothing open)."""
+    try:
+        yield
     finally:
         if isinstance(sources, LmdbSource | SampleSource):
             sources.close()
