@@ -14,16 +14,7 @@ from __future__ import annotations
 
 import pathlib
 
-from batchwire.server.data.records._dataset import (
-    MANIFEST,
-    MAX_LABEL,
-    NAME_PATTERN,
-    Dataset,
-    Manifest,
-    Shard,
-    manifest_version,
-    sample_key,
-)
+from batchwire.server.data.records._dataset import MAX_LABEL, Dataset, sample_key
 from batchwire.server.data.records._fields import (
     FieldValue,
     decode_fields,
@@ -31,6 +22,13 @@ from batchwire.server.data.records._fields import (
     encode_fields,
 )
 from batchwire.server.data.records._formats import unsupported_reason
+from batchwire.server.data.records._manifest import (
+    MANIFEST,
+    NAME_PATTERN,
+    Manifest,
+    Shard,
+    manifest_version,
+)
 from batchwire.server.data.records._mixed import MixedDataset, Records
 from batchwire.server.data.records._readahead import ReadAhead, ReadAheadStats, StreamReadAhead
 from batchwire.server.data.records._schema import BOX_FORMAT, CLASS_FORMAT, DTYPES, FieldSpec
