@@ -13,9 +13,9 @@ import dataclasses
 import os
 import pathlib
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
+from batchwire.server.config._setting import Setting, boolean, declared, device_ids, setting
 from batchwire.server.errors import ConfigError
 from batchwire.server.pipelines import PRESETS, PipelineSpec
 
@@ -23,61 +23,10 @@ __all__ = [
     "ConfigError",
     "ServerConfig",
     "Setting",
+    "boolean",
+    "device_ids",
     "settings",
 ]
-
-
-def device_ids(text: str) -> tuple[int, ...]:
-    """``--devices``: GPU ids as ``0,1,...``; ``all`` (or nothing) is every visible GPU."""
-    value = text.strip().lower()
-    if value in ("", "all"):
-        return ()
-    try:
-        ids = tuple(int(part) for part in value.split(","))
-    except ValueError:
-        raise ValueError(
-            f"not a list of GPU ids: {text!r} (use comma-separated numbers like 0,1 or 'all')"
-        ) from None
-    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"GPU ids must be distinct numbers >= 0, got {text!r}")
-    return ids
-
-
-def boolean(text: str) -> bool:
-    """A truth value as text: 1/true/yes/on or 0/false/no/off."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def _setting(
-    default: Any,
-    help: str,
-    parse: Callable[[str], Any] = int,
-    *,
-    metavar: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    bounds: tuple[float, float] | None = None,
-    deprecated: bool = False,
-) -> Any:
-    """A ServerConfig field that is a setting: a flag ``--name``, a variable
-    ``BATCHWIRE_NAME`` and a file key ``name`` (see :func:`settings`), with the values
-    it takes (``choices``, or ``bounds`` inclusive). A ``deprecated`` one is still taken
-    but left out of ``batchwire serve --help``."""
-    metadata = {
-        "help": help,
-        "parse": parse,
-        "metavar": metavar,
-        "choices": choices,
-        "bounds": bounds,
-        "deprecated": deprecated,
-    }
-    if default is dataclasses.MISSING:
-        return dataclasses.field(metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 DEFAULT_SLOTS_PER_DEVICE = 2
@@ -99,34 +48,34 @@ class ServerConfig:
     derives its flag, its environment variable and its config-file key from it.
     """
 
-    data_dir: pathlib.Path = _setting(
+    data_dir: pathlib.Path = setting(
         dataclasses.MISSING, "datasets live in DIR/NAME/", _path, metavar="DIR"
     )
-    host: str = _setting(
+    host: str = setting(
         "localhost",
         "address to listen on (default localhost: this machine only; 0.0.0.0 or [::]: every "
         "interface, for trainers on other hosts)",
         str,
     )
-    port: int = _setting(50051, "gRPC port (default 50051; 0: any free)", bounds=(0, 65535))
-    device: str = _setting(
+    port: int = setting(50051, "gRPC port (default 50051; 0: any free)", bounds=(0, 65535))
+    device: str = setting(
         "auto", "where pipelines run (default auto)", str, choices=("auto", "cpu", "gpu")
     )
-    devices: tuple[int, ...] = _setting(
+    devices: tuple[int, ...] = setting(
         (),
         "GPU ids to run pipelines on, e.g. 0,1; new streams are spread over them "
         "(default all: every visible GPU)",
         device_ids,
         metavar="IDS",
     )
-    workers: int | None = _setting(
+    workers: int | None = setting(
         None,
         "server processes behind the port, each with its own interpreter (SO_REUSEPORT spreads "
         "connections over them); on a GPU host the GPUs are dealt out to them (default: on "
         "GPUs, up to 4 per GPU, one per 4 usable CPUs, at least one per GPU; 1 on the CPU)",
         bounds=(1, 256),
     )
-    worker_port: int | None = _setting(
+    worker_port: int | None = setting(
         None,
         "with --workers N: worker i also listens on port PORT+i of its own, which the unit "
         "announces, so that each trainer process pulls from every worker (default: the ports "
@@ -134,7 +83,7 @@ class ServerConfig:
         metavar="PORT",
         bounds=(0, 65535),
     )
-    num_threads: int = _setting(
+    num_threads: int = setting(
         0,
         "DALI threads per pipeline (default 0: on the CPU one per CPU this process may use, "
         "by its affinity and cgroup quota; on GPUs those CPUs shared by the GPUs, at most 8 "
@@ -143,18 +92,18 @@ class ServerConfig:
     )
     # DALI's own defaults, set here so that they are seen and sized: the mixed decoder keeps
     # two pinned host buffers and one device buffer of these sizes per DALI thread.
-    decoder_host_padding_mib: int = _setting(
+    decoder_host_padding_mib: int = setting(
         8,
         "GPU decoding: pinned host memory per decoder buffer, two per DALI thread, in MiB "
         "(default 8)",
         bounds=(0, 1024),
     )
-    decoder_device_padding_mib: int = _setting(
+    decoder_device_padding_mib: int = setting(
         16,
         "GPU decoding: device memory per decoder buffer, one per DALI thread, in MiB (default 16)",
         bounds=(0, 4096),
     )
-    hw_decoder_load: float = _setting(
+    hw_decoder_load: float = setting(
         0.99,
         "GPU decoding: the share of JPEGs the GPU's hardware JPEG decoders take (A100, H100 "
         "and later; the rest are decoded by CUDA kernels, Huffman on the CPU); ignored on "
@@ -162,15 +111,15 @@ class ServerConfig:
         float,
         bounds=(0.0, 1.0),
     )
-    prefetch: int = _setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
-    read_workers: int = _setting(
+    prefetch: int = setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
+    read_workers: int = setting(
         0,
         "deprecated and ignored (removed in the next release): every stream reads its "
         "records through the one record path, which reads a batch ahead of the pipelines",
         bounds=(0, 64),
         deprecated=True,
     )
-    read_ahead_reads: int = _setting(
+    read_ahead_reads: int = setting(
         4,
         "threads that find the records of every stream's next batches and queue their reads "
         "with the kernel ahead of the pipelines, a batch at a time, one batch of a stream at "
@@ -179,85 +128,85 @@ class ServerConfig:
         "(default 4; 0: off, each batch's records asked for when it is read)",
         bounds=(0, 256),
     )
-    read_ahead_mib: int = _setting(
+    read_ahead_mib: int = setting(
         128,
         "MiB of records read ahead and not yet read by their streams, shared by all streams: "
         "bounds the reads in flight, about records/s x read latency x record size "
         "(default 128, for an NVMe disk)",
         bounds=(1, 65536),
     )
-    max_batch_size: int = _setting(
+    max_batch_size: int = setting(
         1024, "largest batch a client may ask for (default 1024)", bounds=(1, 65536)
     )
-    max_streams: int = _setting(
+    max_streams: int = setting(
         64, "concurrent streams before RESOURCE_EXHAUSTED (default 64)", bounds=(1, 4096)
     )
-    max_idle_pipelines: int = _setting(
+    max_idle_pipelines: int = setting(
         4,
         "built pipelines each pipeline slot keeps for the keys it runs (a key: pipeline, "
         "parameters, output format, batch size); more keys at once are rebuilt as they take "
         "turns (default 4)",
         bounds=(1, 256),
     )
-    slots_per_device: int = _setting(
+    slots_per_device: int = setting(
         DEFAULT_SLOTS_PER_DEVICE,
         "pipeline slots each device runs for all streams and Preprocess requests, a pipeline "
         "at a time each; they do not grow with streams (default 2)",
         bounds=(1, 64),
     )
-    pipelines_per_device: int | None = _setting(
+    pipelines_per_device: int | None = setting(
         None,
         "the former name of slots_per_device, still taken",
         bounds=(1, 64),
         deprecated=True,
     )
-    metrics_port: int | None = _setting(
+    metrics_port: int | None = setting(
         None,
         "serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0: any free)",
         metavar="PORT",
         bounds=(0, 65535),
     )
-    preprocess_batch_size: int = _setting(
+    preprocess_batch_size: int = setting(
         64,
         "Preprocess RPC: images of concurrent requests per DALI batch (default 64)",
         bounds=(1, 4096),
     )
-    preprocess_max_delay_ms: float = _setting(
+    preprocess_max_delay_ms: float = setting(
         5.0,
         "Preprocess RPC: how long a batch gathers images, in ms (default 5)",
         float,
         bounds=(0, 1000),
     )
-    preprocess_max_queued: int = _setting(
+    preprocess_max_queued: int = setting(
         1024,
         "Preprocess RPC: images that may wait before RESOURCE_EXHAUSTED (default 1024)",
         bounds=(1, 1048576),
     )
-    max_request_bytes: int = _setting(
+    max_request_bytes: int = setting(
         64 * 1024 * 1024,
         "largest request message, e.g. encoded images (default 64 MiB)",
         bounds=(65536, 1073741824),
     )
     # gRPC Python moves 8-16 MB messages fastest on loopback and slows sharply at 32 MB.
-    max_message_bytes: int = _setting(
+    max_message_bytes: int = setting(
         8 * 1024 * 1024,
         "larger batches travel as several messages of this size (default 8 MiB)",
         bounds=(65536, 1073741824),
     )
-    shared_memory: bool = _setting(
+    shared_memory: bool = setting(
         True,
         "send batches to clients on this host through shared memory (a sealed memfd "
         "passed over a Unix socket), not in their messages (default on; "
         "--no-shared-memory: always in the messages)",
         boolean,
     )
-    shared_memory_mib: int = _setting(
+    shared_memory_mib: int = setting(
         0,
         "MiB of shared memory the streams of this server (all its --workers together) "
         "may hold (default 0: a quarter of the host's or container's memory)",
         bounds=(0, 16777216),
     )
-    shared_memory_socket_dir: pathlib.Path | None = _setting(
+    shared_memory_socket_dir: pathlib.Path | None = setting(
         None,
         "make the Unix socket through which trainers claim shared memory in DIR, for "
         "trainers in other containers that mount DIR at the same path (default: a socket "
@@ -265,14 +214,14 @@ class ServerConfig:
         _path,
         metavar="DIR",
     )
-    bulk: bool = _setting(
+    bulk: bool = setting(
         True,
         "send each stream's images to trainers on other hosts on a TCP connection of its own "
         "beside the gRPC call, claimed with a one-time key, over TLS where the server has it "
         "(default on; --no-bulk: in the call's messages, slower)",
         boolean,
     )
-    bulk_port: int = _setting(
+    bulk_port: int = setting(
         0,
         "the port of the bulk connections (with --workers N: worker i's is PORT+i); "
         "trainers must reach it, else their images come in the messages (default 0: any "
@@ -280,38 +229,38 @@ class ServerConfig:
         metavar="PORT",
         bounds=(0, 65535),
     )
-    grace: float = _setting(
+    grace: float = setting(
         30.0,
         "seconds in-flight streams get on SIGTERM or SIGINT (default 30)",
         float,
         bounds=(0, 86400),
     )
-    rescan_interval: float = _setting(
+    rescan_interval: float = setting(
         5.0,
         "seconds between rescans of data_dir for datasets added, replaced (ingest "
         "--overwrite) or removed; SIGHUP rescans at once (default 5; 0: only on SIGHUP)",
         float,
         bounds=(0, 86400),
     )
-    tls_cert: pathlib.Path | None = _setting(
+    tls_cert: pathlib.Path | None = setting(
         None, "PEM certificate chain: serve TLS (needs tls_key)", _path, metavar="FILE"
     )
-    tls_key: pathlib.Path | None = _setting(
+    tls_key: pathlib.Path | None = setting(
         None, "PEM private key of tls_cert, unencrypted", _path, metavar="FILE"
     )
-    tls_client_ca: pathlib.Path | None = _setting(
+    tls_client_ca: pathlib.Path | None = setting(
         None,
         "mutual TLS: require client certificates signed by this PEM CA",
         _path,
         metavar="FILE",
     )
-    token_file: pathlib.Path | None = _setting(
+    token_file: pathlib.Path | None = setting(
         None,
         "require 'authorization: Bearer <token>' with a token from FILE (one per line, # comments)",
         _path,
         metavar="FILE",
     )
-    health_open: bool = _setting(
+    health_open: bool = setting(
         False, "with token_file: the health service needs no token (for probes)", boolean
     )
     pipelines: Mapping[str, PipelineSpec] = dataclasses.field(default_factory=_presets)
@@ -330,8 +279,8 @@ class ServerConfig:
                 if not isinstance(value, str | os.PathLike):
                     raise ConfigError(f"{name} must be a path, got {value!r}")
                 object.__setattr__(self, name, pathlib.Path(value))
-        for setting in settings():
-            setting.check(getattr(self, setting.name))
+        for each in settings():
+            each.check(getattr(self, each.name))
         checks = (
             (
                 all(isinstance(i, int) and i >= 0 for i in self.devices)
@@ -389,51 +338,6 @@ class ServerConfig:
         object.__setattr__(self, "slots_per_device", former)
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One ServerConfig field as ``batchwire serve`` takes it."""
-
-    name: str
-    help: str
-    parse: Callable[[str], Any]
-    metavar: str | None
-    choices: tuple[str, ...] | None
-    bounds: tuple[float, float] | None
-    deprecated: bool = False
-
-    def check(self, value: Any) -> None:
-        """ConfigError unless ``value`` is one this setting takes (None: unset, where the
-        setting may be left out)."""
-        if self.choices is not None and value not in self.choices:
-            raise ConfigError(
-                f"{self.name} must be one of {', '.join(self.choices)}, got {value!r}"
-            )
-        if self.bounds is None or value is None:
-            return
-        low, high = self.bounds
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not low <= value <= high
-        ):
-            raise ConfigError(f"{self.name} must be a number in [{low}, {high}], got {value!r}")
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def variable(self) -> str:
-        return "BATCHWIRE_" + self.name.upper()
-
-
-_METADATA = ("help", "parse", "metavar", "choices", "bounds", "deprecated")
-
-
 def settings() -> list[Setting]:
     """Every setting, in declaration order."""
-    return [
-        Setting(f.name, **{key: f.metadata[key] for key in _METADATA})
-        for f in dataclasses.fields(ServerConfig)
-        if "help" in f.metadata
-    ]
+    return declared(ServerConfig)
