@@ -38,8 +38,12 @@ from batchwire.server.engine._catalog import (
 )
 from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
 from batchwire.server.engine._devices import DevicePlan
-from batchwire.server.engine._preprocess import PreprocessBatcher, PreprocessLimits
-from batchwire.server.engine._preprocess_request import PreprocessRequest, PreprocessResult
+from batchwire.server.engine._preprocess import PreprocessBatcher
+from batchwire.server.engine._preprocess_request import (
+    PreprocessLimits,
+    PreprocessRequest,
+    PreprocessResult,
+)
 from batchwire.server.engine._stats import EngineStats
 from batchwire.server.engine._stream import Batch, BatchStream, StreamSetup, share_batches
 from batchwire.server.errors import (

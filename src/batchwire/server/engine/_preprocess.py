@@ -35,15 +35,15 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from batchwire.server.config import ServerConfig
 from batchwire.server.data.records import unsupported_reason
 from batchwire.server.engine._preprocess_request import (
     Pending,
+    PreprocessLimits,
     PreprocessRequest,
     PreprocessResult,
     settle,
 )
-from batchwire.server.errors import Draining, InvalidRequest, OverCapacity, PipelineFault
+from batchwire.server.errors import Draining, OverCapacity, PipelineFault
 from batchwire.server.pipelines import PipelineSpec
 from batchwire.server.runners import (
     Batch,
@@ -56,7 +56,7 @@ from batchwire.server.runners import (
 )
 from batchwire.server.scheduling import Scheduler
 
-__all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher", "PreprocessLimits"]
+__all__ = ["IDLE_SECONDS", "MAX_QUEUES", "QUEUE_WINDOW", "PreprocessBatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -112,30 +112,6 @@ class _Queue:
         return keep(batch)
 
 
-@dataclasses.dataclass(frozen=True)
-class PreprocessLimits:
-    """What bounds preprocessing: ``batch_size`` images at most in a DALI run, which waits
-    up to ``max_delay`` seconds for more; ``max_images`` and ``max_bytes`` per request;
-    ``max_queued`` images waiting in all."""
-
-    batch_size: int
-    max_delay: float
-    max_images: int
-    max_bytes: int
-    max_queued: int
-
-    @classmethod
-    def of(cls, config: ServerConfig) -> PreprocessLimits:
-        """The limits a server's settings set."""
-        return cls(
-            batch_size=config.preprocess_batch_size,
-            max_delay=config.preprocess_max_delay_ms / 1000,
-            max_images=config.max_batch_size,
-            max_bytes=config.max_request_bytes,
-            max_queued=config.preprocess_max_queued,
-        )
-
-
 class PreprocessBatcher:
     """Batches concurrent preprocessing requests into DALI runs; see the module docstring.
 
@@ -182,31 +158,8 @@ class PreprocessBatcher:
         if self._draining() or self._stop.is_set():
             raise Draining("the server is shutting down; send the request to another server")
         pipeline = pipeline_named(self._pipelines, request.pipeline)
-        if pipeline.outputs:
-            raise InvalidRequest(
-                f"pipeline {pipeline.name!r} has several named outputs, which Preprocess does "
-                "not return: stream them with RemoteLoader, or preprocess with a pipeline of "
-                "one output (val, train)"
-            )
+        self.limits.check(request, pipeline)
         count = len(request.images)
-        if count == 0:
-            raise InvalidRequest("send at least one encoded image")
-        if count > self.limits.max_images:
-            raise InvalidRequest(
-                f"{count} images exceed this server's limit of {self.limits.max_images} per request "
-                "(server setting max_batch_size): send them in several requests"
-            )
-        if count > self.limits.max_queued:
-            raise InvalidRequest(
-                f"{count} images exceed this server's preprocessing queue of {self.limits.max_queued} "
-                "(server setting preprocess_max_queued): send them in several requests"
-            )
-        size = sum(len(image) for image in request.images)
-        if size > self.limits.max_bytes:
-            raise OverCapacity(
-                f"the request holds {size} bytes of images, over this server's limit of "
-                f"{self.limits.max_bytes} (server setting max_request_bytes): send fewer images per request"
-            )
         key, output = runner_key(
             pipeline, request, batch_size=self.limits.batch_size, device=self._device
         )

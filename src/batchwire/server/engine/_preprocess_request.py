@@ -1,4 +1,5 @@
-"""A preprocessing request, its result, and the pending request that gathers the result.
+"""A preprocessing request, the limits it is checked against (:class:`PreprocessLimits`),
+its result, and the pending request that gathers the result.
 
 A request's images travel through the batcher's queues in parts; :class:`Pending` collects
 each part's rows and failures and, once the last part is done, completes the request's
@@ -14,10 +15,18 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from batchwire.server.errors import InvalidRequest
+from batchwire.server.config import ServerConfig
+from batchwire.server.errors import InvalidRequest, OverCapacity
 from batchwire.server.pipelines import OutputSpec, PipelineSpec
 
-__all__ = ["ImageFailure", "Pending", "PreprocessRequest", "PreprocessResult", "settle"]
+__all__ = [
+    "ImageFailure",
+    "Pending",
+    "PreprocessLimits",
+    "PreprocessRequest",
+    "PreprocessResult",
+    "settle",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +38,59 @@ class PreprocessRequest:
     dtype: str = "uint8"
     layout: str = "NCHW"
     params: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessLimits:
+    """What bounds preprocessing: ``batch_size`` images at most in a DALI run, which waits
+    up to ``max_delay`` seconds for more; ``max_images`` and ``max_bytes`` per request;
+    ``max_queued`` images waiting in all."""
+
+    batch_size: int
+    max_delay: float
+    max_images: int
+    max_bytes: int
+    max_queued: int
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> PreprocessLimits:
+        """The limits a server's settings set."""
+        return cls(
+            batch_size=config.preprocess_batch_size,
+            max_delay=config.preprocess_max_delay_ms / 1000,
+            max_images=config.max_batch_size,
+            max_bytes=config.max_request_bytes,
+            max_queued=config.preprocess_max_queued,
+        )
+
+    def check(self, request: PreprocessRequest, pipeline: PipelineSpec) -> None:
+        """InvalidRequest, or OverCapacity, unless ``request`` of ``pipeline`` (one of one
+        output) is within the limits."""
+        if pipeline.outputs:
+            raise InvalidRequest(
+                f"pipeline {pipeline.name!r} has several named outputs, which Preprocess does "
+                "not return: stream them with RemoteLoader, or preprocess with a pipeline of "
+                "one output (val, train)"
+            )
+        count = len(request.images)
+        if count == 0:
+            raise InvalidRequest("send at least one encoded image")
+        if count > self.max_images:
+            raise InvalidRequest(
+                f"{count} images exceed this server's limit of {self.max_images} per request "
+                "(server setting max_batch_size): send them in several requests"
+            )
+        if count > self.max_queued:
+            raise InvalidRequest(
+                f"{count} images exceed this server's preprocessing queue of {self.max_queued} "
+                "(server setting preprocess_max_queued): send them in several requests"
+            )
+        size = sum(len(image) for image in request.images)
+        if size > self.max_bytes:
+            raise OverCapacity(
+                f"the request holds {size} bytes of images, over this server's limit of "
+                f"{self.max_bytes} (server setting max_request_bytes): send fewer images per request"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
