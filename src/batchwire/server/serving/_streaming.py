@@ -1,5 +1,6 @@
 """Serving one opened stream: its batches encoded into messages (:func:`encode_parts`) and
-written until its end, its end status, its start and end log lines, and its metrics.
+written until its end, its end status, and its metrics; its start and end log lines are
+``_stream_logs``'s.
 
 Blocking work (LMDB reads, DALI runs, building messages) runs on the server's pipelines;
 the event loop only awaits it and writes to the wire, so a slow client holds back only
@@ -7,10 +8,6 @@ its own stream (it asks for a few batches ahead of those written, no more).
 
 A client that cancels its stream (or closes its channel, or exits) is normal
 operation: the stream ends with one INFO line, ``status=CANCELLED``.
-
-The start and end lines are logged under ``batchwire.server.serving._servicer``, not this
-module's name: operators find and filter them under that logger, which docs/operations.md
-(Logs) shows in a JSON line and ``tests/test_ops.py`` checks.
 """
 
 from __future__ import annotations
@@ -18,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import grpc
 import numpy as np
@@ -32,6 +27,7 @@ from batchwire.common.tensors import to_proto
 from batchwire.server.engine import Batch, BatchStream
 from batchwire.server.serving._messages import Lane, status_for
 from batchwire.server.serving._metrics import ServerMetrics
+from batchwire.server.serving._stream_logs import log_end, log_start
 from batchwire.server.serving._stream_times import StreamClock
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -45,8 +41,6 @@ __all__ = [
     "write",
 ]
 
-# The servicer's logger, not this module's: see the module docstring.
-log = logging.getLogger("batchwire.server.serving._servicer")
 
 # How long a stream whose write failed waits for gRPC to report the client gone (see write).
 _HANGUP_NOTICE_S = 5.0
@@ -255,7 +249,7 @@ async def serve_stream(
     loop = asyncio.get_running_loop()
     pulled = lane is None
     expected = None if pulled else stream.waiting
-    fields = _log_start(spec, context.peer(), lane, shared_memory, bulk is not None)
+    fields = log_start(spec, context.peer(), lane, shared_memory, bulk is not None)
     sources = [source.dataset for source in spec.sources]
     metrics = StreamMetrics(server_metrics, spec.name, spec.pipeline, sources)
     metrics.opened()
@@ -280,7 +274,7 @@ async def serve_stream(
             status = "OK"  # the client had every batch and hung up before the end
         metrics.closed(status)
         clock.close()
-        _log_end(fields, spec, progress, time.monotonic() - started, status)
+        log_end(fields, spec, progress.sent, progress.batches, time.monotonic() - started, status)
         # Runs on cancellation too: the pipeline drains and returns to the pool. A
         # cancellation arriving during this await ends the handler here (the shielded
         # close goes on), so everything else is done before it.
@@ -335,68 +329,3 @@ async def _write_batches(
             # Also when the client hangs up before this handler resumes after
             # the batch's last message, as the batch is counted sent above.
             metrics.waited(waited)
-
-
-def _log_start(
-    spec: StreamSpec, peer: str, lane: Lane | None, shared_memory: bool, bulk: bool
-) -> dict[str, Any]:
-    """Log the stream's start line; returns the fields its start and end lines share."""
-    # Structured copies of the start and end lines (JSON logs: --log-format json).
-    fields = {
-        "peer": peer,
-        "dataset": spec.name,
-        "pipeline": spec.pipeline,
-        "rank": spec.rank,
-        "world_size": spec.world_size,
-        "lane": 0 if lane is None else lane.lane,
-        "lanes": 1 if lane is None else lane.lanes,
-        "pull": lane is None,
-        "shared_memory": shared_memory,
-        "bulk": bulk,
-        "epoch": spec.epoch,
-        "start": spec.start,
-    }
-    log.info(
-        "stream start peer=%s dataset=%s pipeline=%s rank=%d/%d %s epoch=%d start=%d",
-        peer,
-        spec.name,
-        spec.pipeline,
-        spec.rank,
-        spec.world_size,
-        " ".join(
-            ("pull", *(["shared-memory"] if shared_memory else []), *(["bulk"] if bulk else []))
-        )
-        if lane is None
-        else f"lane={lane.lane}/{lane.lanes}",
-        spec.epoch,
-        spec.start,
-        extra={"event": "stream_start", **fields},
-    )
-    return fields
-
-
-def _log_end(
-    fields: dict[str, Any],
-    spec: StreamSpec,
-    progress: _Progress,
-    duration: float,
-    status: str,
-) -> None:
-    log.info(
-        "stream end peer=%s dataset=%s pipeline=%s rank=%d samples=%d seconds=%.1f status=%s",
-        fields["peer"],
-        spec.name,
-        spec.pipeline,
-        spec.rank,
-        progress.sent,
-        duration,
-        status,
-        extra={
-            "event": "stream_end",
-            **fields,
-            "samples": progress.sent,
-            "batches": progress.batches,
-            "duration_s": round(duration, 3),
-            "status": status,
-        },
-    )
