@@ -36,7 +36,9 @@ from batchwire.server import BatchwireServer
 from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving import _shared_memory as server_shared_memory
-from batchwire.server.serving._shared_memory import RingBroker, RingBudget, SharedRing
+from batchwire.server.serving._ring_broker import RingBroker
+from batchwire.server.serving._ring_budget import RingBudget
+from batchwire.server.serving._shared_memory import SharedRing
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc

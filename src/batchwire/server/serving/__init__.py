@@ -10,8 +10,8 @@ from __future__ import annotations
 from batchwire.server.serving._listening import Listening, check_port_free
 from batchwire.server.serving._malloc import tune_for_large_buffers
 from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer
+from batchwire.server.serving._ring_budget import RingBudget
 from batchwire.server.serving._server import BatchwireServer
-from batchwire.server.serving._shared_memory import RingBudget
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.server.serving._worker_states import State, UnitMember, WorkerStates
 

@@ -41,15 +41,20 @@ import numpy as np
 from batchwire.common.batch_codec import fill
 from batchwire.common.bulk import ACK, CLAIM_TIMEOUT_S, KEY_BYTES, receive_into
 from batchwire.common.shared_memory import warn_once
+from batchwire.common.tls import tls_context
+from batchwire.server.config import ServerConfig
 from batchwire.server.engine import Batch
 from batchwire.server.errors import ConnectionLost
 from batchwire.server.serving._claims import MAX_CLAIMING, accept_claims, receive
+from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._streaming import EncodedBatch, encode_elsewhere
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["BulkBroker", "BulkLink"]
+__all__ = ["BulkBroker", "BulkLink", "bulk_broker"]
 
 log = logging.getLogger(__name__)
+# What the server's start says of its bulk connections, under the server's logger.
+_start_log = logging.getLogger("batchwire.server.serving._server")
 
 _SPARE_BUFFERS = 2  # sent buffers a link keeps for its next batches
 # A client host that vanished (no reset, no FIN) with images unacknowledged: the send
@@ -332,3 +337,24 @@ _NO_BULK = (
     "cannot listen for bulk connections on %s port %s (%s): trainers on other hosts get "
     "their images in the call's messages (slower; see --bulk-port)"
 )
+
+
+def bulk_broker(config: ServerConfig, security: ServerSecurity) -> BulkBroker | None:
+    """The broker of the server's bulk connections, where ``config`` has them: as private
+    as the calls (the server's TLS), and none where Python's ssl refuses what gRPC takes."""
+    if not config.bulk:
+        return None
+    if not security.tls:
+        return BulkBroker(config.max_streams, None)
+    try:
+        tls = tls_context(
+            server=True, cert=security.tls_cert, key=security.tls_key, ca=security.tls_client_ca
+        )
+    except (ssl.SSLError, ValueError) as exc:
+        _start_log.warning(
+            "no bulk connections: Python's ssl refuses the TLS certificate or key that gRPC "
+            "takes (%s); trainers on other hosts get their images in the call's messages",
+            exc,
+        )
+        return None
+    return BulkBroker(config.max_streams, tls)

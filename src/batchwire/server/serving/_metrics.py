@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import inspect
 import logging
 import socket
@@ -71,16 +72,35 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
-from batchwire.server.engine import EngineStats
+from batchwire.server.engine import Engine, EngineStats
 from batchwire.server.errors import MetricsError
 from batchwire.server.serving._collectors import EngineCollector
 from batchwire.server.serving._stream_times import StreamTimes
+from batchwire.v1 import batchwire_pb2
 
-__all__ = ["MetricsError", "MetricsHTTPServer", "MetricsInterceptor", "ServerMetrics"]
+__all__ = [
+    "METHODS",
+    "MetricsError",
+    "MetricsHTTPServer",
+    "MetricsInterceptor",
+    "ServerMetrics",
+    "server_info",
+]
 
 log = logging.getLogger(__name__)
+
+# Methods whose errors are counted under their own name (anything else: "other").
+METHODS = tuple(
+    f"/{service.full_name}/{method.name}"
+    for service in (
+        batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"],
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
+    )
+    for method in service.methods
+)
 
 LABELS = ("dataset", "pipeline")
 OTHER_METHOD = "other"
@@ -347,3 +367,19 @@ class MetricsHTTPServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(15)
+
+
+def server_info(engine: Engine) -> dict[str, str]:
+    """The labels of ``batchwire_server_info``: the version, the devices and threads."""
+    try:
+        version = importlib.metadata.version("batchwire")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    ids = engine.devices.device_ids
+    return {
+        "version": version,
+        "device": engine.devices.kind,
+        "gpus": ",".join(str(i) for i in ids if i is not None),
+        "threads": str(engine.threads),
+        "usable_cpus": str(engine.usable_cpus),
+    }

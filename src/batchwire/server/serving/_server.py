@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib.metadata
 import logging
-import ssl
 import threading
 from collections.abc import Sequence
 
@@ -32,29 +30,31 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from batchwire.common.tls import tls_context
 from batchwire.server.config import ServerConfig
 from batchwire.server.engine import Change, Engine, wait_event
 from batchwire.server.errors import ServerError
-from batchwire.server.serving._bulk import BulkBroker
+from batchwire.server.serving._bulk import bulk_broker
 from batchwire.server.serving._event_loop import finish_tasks, new_loop
 from batchwire.server.serving._health import UnitHealthServicer
-from batchwire.server.serving._listening import Listening, check_port_free, loopback_only
-from batchwire.server.serving._metrics import MetricsError, MetricsHTTPServer, ServerMetrics
+from batchwire.server.serving._listening import Listening, announce, bind, check_port_free
+from batchwire.server.serving._metrics import (
+    METHODS,
+    MetricsError,
+    MetricsHTTPServer,
+    ServerMetrics,
+    server_info,
+)
 from batchwire.server.serving._rescans import Rescans
+from batchwire.server.serving._ring_broker import ring_broker
+from batchwire.server.serving._ring_budget import RingBudget
 from batchwire.server.serving._security import ServerSecurity
 from batchwire.server.serving._servicer import BatchwireServicer, add_to_server
-from batchwire.server.serving._shared_memory import RingBroker, RingBudget
 from batchwire.server.serving._worker_states import State, UnitMember
 from batchwire.v1 import batchwire_pb2
 
 __all__ = ["SERVICE_NAME", "BatchwireServer"]
 
 log = logging.getLogger(__name__)
-# Hosts that listen on every interface of the machine.
-_EVERY_INTERFACE = frozenset({"", "[::]", "::", "0.0.0.0", "*"})
-# What the start says of a host that only this machine reaches.
-_THIS_MACHINE = "this machine only: --host 0.0.0.0 serves other hosts"
 
 SERVICE_NAME = batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"].full_name
 _START_TIMEOUT = 30.0
@@ -64,15 +64,6 @@ _SHORT_TASK_THREADS = 8  # the pool's threads when no stream waits in one
 _UNIT_POLL_SECONDS = 0.25
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Methods whose errors are counted under their own name (anything else: "other").
-_METHODS = tuple(
-    f"/{service.full_name}/{method.name}"
-    for service in (
-        batchwire_pb2.DESCRIPTOR.services_by_name["Batchwire"],
-        health_pb2.DESCRIPTOR.services_by_name["Health"],
-    )
-    for method in service.methods
-)
 
 
 class BatchwireServer(Listening):
@@ -95,37 +86,13 @@ class BatchwireServer(Listening):
         self.config = config
         self._member = member
         self._worker_ports = tuple(worker_ports) if member is not None else ()
-        self._broker: RingBroker | None = None
-        if config.shared_memory:
-            budget = ring_budget or RingBudget(config.shared_memory_mib * 2**20)
-            worker = 0 if member is None else member.index
-            self._broker = RingBroker(budget, config.shared_memory_socket_dir, worker)
+        self._broker = ring_broker(config, ring_budget, 0 if member is None else member.index)
         self._reported: bool | None = None  # the serving state last set in health
         self.security = ServerSecurity.from_config(config)
-        self._bulk: BulkBroker | None = None
-        if config.bulk:
-            security = self.security
-            tls = None
-            if security.tls:  # the bulk connections are as private as the calls
-                try:
-                    tls = tls_context(
-                        server=True,
-                        cert=security.tls_cert,
-                        key=security.tls_key,
-                        ca=security.tls_client_ca,
-                    )
-                except (ssl.SSLError, ValueError) as exc:
-                    log.warning(
-                        "no bulk connections: Python's ssl refuses the TLS certificate or key "
-                        "that gRPC takes (%s); trainers on other hosts get their images in the "
-                        "call's messages",
-                        exc,
-                    )
-            if tls is not None or not security.tls:
-                self._bulk = BulkBroker(config.max_streams, tls)
+        self._bulk = bulk_broker(config, self.security)
         self.engine = Engine(config)
         self.metrics = ServerMetrics()
-        self.metrics.info.info(_server_info(self.engine))
+        self.metrics.info.info(server_info(self.engine))
         self.metrics.watch_engine(self.engine.stats)
         self._metrics_http: MetricsHTTPServer | None = None
         # Streams are awaited on the event loop and only open, close and build Preprocess
@@ -306,7 +273,7 @@ class BatchwireServer(Listening):
                 ("grpc.max_receive_message_length", self.config.max_request_bytes),
             ],
             # The metrics interceptor comes first, so it also counts the token check's refusals.
-            interceptors=(self.metrics.interceptor(_METHODS), *self.security.interceptors()),
+            interceptors=(self.metrics.interceptor(METHODS), *self.security.interceptors()),
         )
         servicer = BatchwireServicer(
             self.engine,
@@ -326,56 +293,25 @@ class BatchwireServer(Listening):
 
     async def _listen(self, server: grpc.aio.Server) -> None:
         """Bind the port and start ``server``; ServerError when the port is taken."""
-        address = f"{self.config.host}:{self.config.port}"
+        host = self.config.host
         if self._member is None:  # a unit's parent checked it, and holds it reserved
-            check_port_free(self.config.host, self.config.port)
+            check_port_free(host, self.config.port)
         credentials = self.security.server_credentials()
+        self._port = bind(server, f"{host}:{self.config.port}", "--port", credentials)
         own = None
         if self._worker_ports and self._member is not None:
-            own = f"{self.config.host}:{self._worker_ports[self._member.index]}"
-        for where, flag in ((address, "--port"), (own, "--worker-port")):
-            if where is None:
-                continue
-            try:
-                if credentials is None:
-                    port = server.add_insecure_port(where)
-                else:
-                    port = server.add_secure_port(where, credentials)
-            except RuntimeError as exc:
-                raise ServerError(
-                    f"cannot listen on {where} (is another process using the port? pick "
-                    f"another with {flag})"
-                ) from exc
-            if where is address:
-                self._port = port
+            own = f"{host}:{self._worker_ports[self._member.index]}"
+            bind(server, own, "--worker-port", credentials)
         await server.start()
-        host = self.config.host
-        local = loopback_only(host)
-        log.info(
-            "listening on %s:%d (%s%s)",
+        devices = self.engine.devices
+        announce(
             host,
             self._port,
-            f"{_THIS_MACHINE}; " if local else "",
-            self.security.describe(),
+            self.security,
+            own=own,
+            metrics_port=self.metrics_port,
+            gpus=list(devices.device_ids) if devices.kind == "gpu" else None,
         )
-        if own is not None:
-            log.info("and on %s, this worker's own port", own)
-        if self._metrics_http is not None:
-            log.info("metrics on http://%s:%d/metrics", self.config.host, self._metrics_http.port)
-        devices = self.engine.devices
-        if devices.kind == "gpu":
-            log.info("pipelines on GPUs %s; new streams spread over them", list(devices.device_ids))
-        if self.security.tokens and not self.security.tls:
-            log.warning("bearer tokens without TLS: anyone on the network path can read them")
-        if not local and not (self.security.tls or self.security.tokens):
-            log.warning(
-                "listening on %s in plaintext with no token: anyone who can reach this host "
-                "on port %d can read the datasets. Leave out --host (or pass --host "
-                "localhost) to serve this machine only, or pass --tls-cert/--tls-key and "
-                "--token-file (docs/security.md)",
-                f"every interface ({host})" if host in _EVERY_INTERFACE else host,
-                self._port,
-            )
 
     async def _warm_up(self) -> None:
         """Run the engine's warm-up unless warm already: SERVING once it passes with
@@ -459,18 +395,3 @@ class BatchwireServer(Listening):
         await self._health.enter_graceful_shutdown()
         await server.stop(self._grace)
         log.info("stopped")
-
-
-def _server_info(engine: Engine) -> dict[str, str]:
-    try:
-        version = importlib.metadata.version("batchwire")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    ids = engine.devices.device_ids
-    return {
-        "version": version,
-        "device": engine.devices.kind,
-        "gpus": ",".join(str(i) for i in ids if i is not None),
-        "threads": str(engine.threads),
-        "usable_cpus": str(engine.usable_cpus),
-    }

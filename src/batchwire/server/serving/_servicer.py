@@ -42,7 +42,8 @@ from batchwire.server.serving._messages import (
     tolerant,
 )
 from batchwire.server.serving._metrics import ServerMetrics
-from batchwire.server.serving._shared_memory import RingBroker, SharedRing
+from batchwire.server.serving._ring_broker import RingBroker
+from batchwire.server.serving._shared_memory import SharedRing
 from batchwire.server.serving._stream_times import StreamClock
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts, serve_stream
 from batchwire.v1 import batchwire_pb2 as pb
@@ -106,6 +107,26 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, doing: str) 
         message = str(exc)
     await context.abort(code, message)
     raise AssertionError("unreachable: abort raises")
+
+
+async def _first_pull(
+    requests: AsyncIterator[pb.PullRequest | Malformed],
+) -> tuple[pb.PullRequest, StreamSpec]:
+    """A pull call's first request, and the stream it names: InvalidRequest unless it names
+    one, of batches rather than lanes, and releases no buffer yet."""
+    first = await anext(aiter(requests), None)
+    if first is None:
+        raise InvalidRequest("the request stream ended before naming a stream")
+    check_message(first)
+    assert not isinstance(first, Malformed)
+    if not first.HasField("stream"):
+        raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
+    spec = spec_from_proto(first.stream)
+    if first.stream.lanes > 1 or first.stream.lane:
+        raise InvalidRequest("a pulled stream names batches, not lanes: leave lane and lanes unset")
+    if first.released_buffers:
+        raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
+    return first, spec
 
 
 def _ends_with_status(doing: str) -> Callable[[_Handler[_Reply]], _Handler[_Reply]]:
@@ -238,33 +259,11 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
         requests: AsyncIterator[pb.PullRequest | Malformed],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        first = await anext(aiter(requests), None)
-        if first is None:
-            raise InvalidRequest("the request stream ended before naming a stream")
-        check_message(first)
-        assert not isinstance(first, Malformed)
-        if not first.HasField("stream"):
-            raise InvalidRequest("the first PullRequest must name the stream (`stream`)")
-        spec = spec_from_proto(first.stream)
-        if first.stream.lanes > 1 or first.stream.lane:
-            raise InvalidRequest(
-                "a pulled stream names batches, not lanes: leave lane and lanes unset"
-            )
-        if first.released_buffers:
-            raise InvalidRequest("the first PullRequest cannot release shared memory buffers")
-        ring: SharedRing | None = None
-        link: BulkLink | None = None
-        metadata: list[tuple[str, bytes]] = []
-        if self._broker is not None and first.HasField("shared_memory"):
-            granted = self._broker.grant(first.shared_memory)
-            if granted is not None:
-                ring, grant = granted
-                metadata.append((GRANT_METADATA, grant.SerializeToString()))
-        if self._bulk is not None and first.bulk:
-            offered = self._bulk.grant()
-            if offered is not None:
-                link, bulk_grant = offered
-                metadata.append((bulk_rules.GRANT_METADATA, bulk_grant.SerializeToString()))
+        """Batches as its client asks for them: the first request names the stream (and
+        may offer shared memory or a bulk connection), each later one asks for batches or
+        releases the ring's buffers."""
+        first, spec = await _first_pull(requests)
+        ring, link, metadata = self._grant(first)
         try:
             # A batch goes in the ring if the client claimed it (on this host), else on the
             # bulk connection if it claimed that, else in its messages.
@@ -290,22 +289,47 @@ class BatchwireServicer(pb_grpc.BatchwireServicer):
                 reading.cancel()
                 clock.close()  # serve_stream did, unless it failed to start
         finally:
-            if link is not None:
-                assert self._bulk is not None
-                self._bulk.revoke(link)
-            if ring is not None:
-                assert self._broker is not None
-                self._broker.revoke(ring)
-                # Unmapping a large ring takes milliseconds: not on the event loop. A
-                # stopping server's executor takes no more work: it closes the ring here,
-                # and any close left queued when it stops (BatchwireServer's close_rings).
-                loop = asyncio.get_running_loop()
-                try:
-                    closing = loop.run_in_executor(self._executor, self._broker.close_ring, ring)
-                except RuntimeError:
-                    self._broker.close_ring(ring)
-                else:
-                    await asyncio.shield(closing)
+            await self._let_go(ring, link)
+
+    def _grant(
+        self, first: pb.PullRequest
+    ) -> tuple[SharedRing | None, BulkLink | None, list[tuple[str, bytes]]]:
+        """What a pull call's ``first`` request offers to take beside its messages and this
+        server grants: a ring of shared memory, a bulk connection, and the call's initial
+        metadata that grants them."""
+        ring: SharedRing | None = None
+        link: BulkLink | None = None
+        metadata: list[tuple[str, bytes]] = []
+        if self._broker is not None and first.HasField("shared_memory"):
+            granted = self._broker.grant(first.shared_memory)
+            if granted is not None:
+                ring, grant = granted
+                metadata.append((GRANT_METADATA, grant.SerializeToString()))
+        if self._bulk is not None and first.bulk:
+            offered = self._bulk.grant()
+            if offered is not None:
+                link, bulk_grant = offered
+                metadata.append((bulk_rules.GRANT_METADATA, bulk_grant.SerializeToString()))
+        return ring, link, metadata
+
+    async def _let_go(self, ring: SharedRing | None, link: BulkLink | None) -> None:
+        """A pull call's ring and bulk connection revoked once it ends, the ring closed."""
+        if link is not None:
+            assert self._bulk is not None
+            self._bulk.revoke(link)
+        if ring is not None:
+            assert self._broker is not None
+            self._broker.revoke(ring)
+            # Unmapping a large ring takes milliseconds: not on the event loop. A
+            # stopping server's executor takes no more work: it closes the ring here,
+            # and any close left queued when it stops (BatchwireServer's close_rings).
+            loop = asyncio.get_running_loop()
+            try:
+                closing = loop.run_in_executor(self._executor, self._broker.close_ring, ring)
+            except RuntimeError:
+                self._broker.close_ring(ring)
+            else:
+                await asyncio.shield(closing)
 
     @staticmethod
     async def _read_wants(

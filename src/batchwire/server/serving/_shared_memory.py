@@ -3,8 +3,8 @@
 A pulling client offers to read its batches from shared memory (``SharedMemoryOffer``).
 A server with shared memory on grants each such stream a :class:`SharedRing` and answers
 in the call's initial metadata with where and how to claim it (``SharedMemoryGrant``, see
-``batchwire.common.shared_memory``): the :class:`RingBroker`'s Unix socket and a key
-good once. A client on another host cannot reach the socket and never claims; its
+``batchwire.common.shared_memory``): the ``RingBroker``'s Unix socket and a key
+good once (``_ring_broker.py``). A client on another host cannot reach the socket and never claims; its
 batches go in their messages, as they would without an offer.
 
 A claim hands over a memfd, not a name: nothing is made in /dev/shm, another user's
@@ -23,143 +23,45 @@ buffers are backed with memory as first used.
 
 Shared memory never fails a stream: a batch that finds no free buffer, or is larger than
 a buffer, or a ring that could not be made or claimed (no memory to spare within the
-:class:`RingBudget`, no descriptors, a refusal) travels in its message as to a client on
+``RingBudget`` of ``_ring_budget.py``, no descriptors, a refusal) travels in its message as to a client on
 another host, and the server says why once.
+
+This module holds the ring, what a batch runs through; the broker that grants and hands
+rings over, and the budget they are held to, have modules of their own.
 """
 
 from __future__ import annotations
 
-import array
-import asyncio
-import contextlib
 import errno
 import fcntl
 import logging
 import mmap
 import os
-import pathlib
-import secrets
-import socket
-import struct
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
 
 from batchwire.common.batch_codec import fill
 from batchwire.common.outputs import Payload
 from batchwire.common.shared_memory import (
-    ACK,
-    CLAIM_TIMEOUT_S,
-    KEY_BYTES,
     MEMFD_NAME,
     SEALS,
     log_once,
     namespace,
-    socket_address,
     warn_once,
 )
 from batchwire.server.engine import Batch
 from batchwire.server.errors import InvalidRequest
-from batchwire.server.serving._claims import MAX_CLAIMING, accept_claims, receive
+from batchwire.server.serving._ring_budget import RingBudget
 from batchwire.server.serving._streaming import EncodedBatch, encode_elsewhere
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["MAX_BUFFERS", "RingBroker", "RingBudget", "SharedRing"]
+__all__ = ["MAX_BUFFERS", "SharedRing"]
 
 log = logging.getLogger(__name__)
 
 MAX_BUFFERS = 16  # batches one stream may hold in shared memory
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-
-
-def _memory() -> tuple[int, int]:
-    """Bytes of memory this process may use in all (the host's, or its cgroup's limit
-    where lower), and bytes available now."""
-    info: dict[str, int] = {}
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0]) * 1024
-    total = info.get("MemTotal", 0)
-    available = info.get("MemAvailable", total)
-    with contextlib.suppress(OSError, ValueError):
-        limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            current = int(pathlib.Path("/sys/fs/cgroup/memory.current").read_text())
-            total = min(total, int(limit))
-            available = min(available, int(limit) - current)
-    return total, max(available, 0)
-
-
-class RingBudget:
-    """The bytes of rings a server may hold: one budget for all of a unit's workers
-    (:meth:`for_unit`, picklable into spawned workers as a ``Process`` argument).
-
-    ``limit`` in bytes; 0 is a quarter of the memory the server may use (the host's, or
-    its container's limit). A new ring also takes at most half of the memory available
-    when it is made: the rest is left to the pipelines and to the trainers."""
-
-    def __init__(self, limit: int = 0, counter: Any = None) -> None:
-        self.limit = limit or _memory()[0] // 4
-        self._counter = counter  # a multiprocessing Value shared by a unit, or None
-        self._lock = threading.Lock() if counter is None else counter.get_lock()
-        self._local = 0
-
-    @classmethod
-    def for_unit(cls, context: Any, limit: int = 0) -> RingBudget:
-        """A budget shared by the workers spawned from ``context``."""
-        return cls(limit, context.Value("q", 0))
-
-    @property
-    def used(self) -> int:
-        """Bytes of rings held now (by the unit's workers together)."""
-        with self._lock:
-            return self._local if self._counter is None else int(self._counter.value)
-
-    def reserve(self, size: int) -> bool:
-        """Whether a ring of ``size`` bytes fits (counted as held if so); warns once a
-        process when it does not."""
-        available = _memory()[1]
-        with self._lock:
-            used = self._local if self._counter is None else int(self._counter.value)
-            fits = used + size <= self.limit and size <= available // 2
-            if fits:
-                if self._counter is None:
-                    self._local += size
-                else:
-                    self._counter.value += size
-        if not fits:
-            warn_once(
-                log,
-                "budget",
-                "no room for a stream's %.0f MiB of shared memory (rings hold %.0f MiB of "
-                "their %.0f MiB, and %.0f MiB of memory is available, of which a ring takes "
-                "at most half): such streams send their batches in their messages; raise "
-                "shared_memory_mib, or give the host or container more memory, to send "
-                "batches to trainers on this host without copies",
-                size / 2**20,
-                used / 2**20,
-                self.limit / 2**20,
-                available / 2**20,
-            )
-        return fits
-
-    def release(self, size: int) -> None:
-        with self._lock:
-            if self._counter is None:
-                self._local -= size
-            else:
-                self._counter.value -= size
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._counter is None:
-            raise TypeError("only a unit's RingBudget (for_unit) travels to other processes")
-        return {"limit": self.limit, "counter": self._counter}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["limit"], state["counter"])  # type: ignore[misc]
 
 
 # Room a ring's buffers leave beyond its first batch, when the batch is a payload of
@@ -420,158 +322,6 @@ class SharedRing:
             self._fd = -1
 
 
-class RingBroker:
-    """The Unix socket through which a server's clients on its host claim the rings
-    granted to their streams; runs on the server's event loop.
-
-    ``directory`` None: a name in the abstract namespace, reachable from this server's
-    network namespace (its host, with host networking, or its pod). A directory: the
-    socket ``batchwire-<port>-<worker>.sock`` there, for trainers in other containers that
-    mount the same directory at the same path."""
-
-    def __init__(
-        self, budget: RingBudget, directory: pathlib.Path | None = None, worker: int = 0
-    ) -> None:
-        self.budget = budget
-        self._directory = directory
-        self._worker = worker
-        self._socket: socket.socket | None = None
-        self._path: pathlib.Path | None = None
-        self._address = ""
-        self._grants: dict[bytes, SharedRing] = {}
-        # Every ring granted and not yet closed: what a stopping server closes if a
-        # stream's own close never ran (its handler cut short, its close left queued).
-        self._open: set[SharedRing] = set()
-        self._open_lock = threading.Lock()
-        self._claiming: set[asyncio.Task[None]] = set()
-        self._accepting: asyncio.Task[None] | None = None
-
-    @property
-    def address(self) -> str:
-        """The socket as a grant names it ("" until started)."""
-        return self._address
-
-    def start(self, port: int) -> bool:
-        """Listen (on the running event loop) beside the gRPC server's ``port``; False,
-        with a warning, where the socket cannot be made: it then grants nothing."""
-        if self._directory is None:
-            address = f"@batchwire-{os.getpid()}-{secrets.token_hex(8)}"
-        else:
-            self._path = self._directory / f"batchwire-{port}-{self._worker}.sock"
-            address = str(self._path)
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        except OSError as exc:
-            warn_once(log, "broker", _NO_BROKER, address, exc.strerror or exc)
-            return False
-        try:
-            if self._path is not None:
-                self._path.unlink(missing_ok=True)  # a killed server's of the same name
-            sock.bind(socket_address(address))
-            if self._path is not None:
-                os.chmod(self._path, 0o666)  # any user may connect: the key is the credential
-            sock.listen(MAX_CLAIMING)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            warn_once(log, "broker", _NO_BROKER, address, exc.strerror or exc)
-            return False
-        self._socket, self._address = sock, address
-        self._accepting = asyncio.get_running_loop().create_task(
-            accept_claims(sock, self._claim, self._claiming, log, "shared memory claim")
-        )
-        log.debug("trainers on this host claim shared memory at %s", address)
-        return True
-
-    def grant(self, offer: pb.SharedMemoryOffer) -> tuple[SharedRing, pb.SharedMemoryGrant] | None:
-        """A ring for a stream whose client offered ``offer``, and the grant that tells
-        the client how to claim it; None while not listening."""
-        if self._socket is None or offer.buffers < 1:
-            return None
-        ring = SharedRing(min(offer.buffers, MAX_BUFFERS), self.budget, offer)
-        key = secrets.token_bytes(KEY_BYTES)
-        self._grants[key] = ring
-        with self._open_lock:
-            self._open.add(ring)
-        return ring, pb.SharedMemoryGrant(socket=self._address, key=key, uid=os.geteuid())
-
-    def revoke(self, ring: SharedRing) -> None:
-        """The stream ended: its grant, if not claimed, can be claimed no more."""
-        for key, granted in list(self._grants.items()):
-            if granted is ring:
-                del self._grants[key]
-
-    def close_ring(self, ring: SharedRing) -> None:
-        """Close a ring this broker granted (its stream ended); any thread."""
-        ring.close()
-        with self._open_lock:
-            self._open.discard(ring)
-
-    def close_rings(self) -> None:
-        """Close every ring granted and not closed yet: the server is stopping, and a
-        stream whose handler was cut short never closed its own."""
-        with self._open_lock:
-            rings, self._open = self._open, set()
-        for ring in rings:
-            ring.close()
-
-    async def _claim(self, connection: socket.socket) -> None:
-        """One client's claim: its key, then its credentials checked, the memfd sent, and
-        its acknowledgement awaited (each step within CLAIM_TIMEOUT_S)."""
-        loop = asyncio.get_running_loop()
-        ring = None
-        try:
-            connection.setblocking(False)
-            key = await asyncio.wait_for(receive(loop, connection, KEY_BYTES), CLAIM_TIMEOUT_S)
-            ring = self._grants.pop(key, None)
-            if ring is None:
-                return  # no such grant (claimed, ended, or never made): the client goes on
-            pid, uid, _ = _UCRED.unpack(
-                connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
-            wrong = ring.checks_out(pid, uid)
-            if wrong is not None:
-                log.warning("refused a shared memory claim: %s", wrong)
-                return
-            try:
-                fd = ring.descriptor()
-            except OSError as exc:
-                warn_once(
-                    log,
-                    "memfd",
-                    "could not make shared memory for a trainer on this host (%s): its "
-                    "batches go in their messages",
-                    exc.strerror or exc,
-                )
-                return
-            try:
-                connection.sendmsg(
-                    [ACK], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-                )
-            finally:
-                os.close(fd)
-            if await asyncio.wait_for(receive(loop, connection, 1), CLAIM_TIMEOUT_S) == ACK:
-                ring.claimed()
-        except (OSError, TimeoutError, EOFError) as exc:
-            log.debug("a shared memory claim ended early: %r", exc)
-        finally:
-            connection.close()
-
-    async def close(self) -> None:
-        """Stop listening (the rings granted live on with their streams)."""
-        tasks = [task for task in (self._accepting, *self._claiming) if task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._grants.clear()
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-        if self._path is not None:
-            self._path.unlink(missing_ok=True)
-            self._path = None
-
-
 def _identity(fd: int) -> tuple[int, int]:
     """The file ``fd`` refers to now, as (st_dev, st_ino); (0, 0) where it is closed."""
     try:
@@ -586,9 +336,3 @@ def _describe(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError as exc:
         return exc.strerror or str(exc)
-
-
-_NO_BROKER = (
-    "cannot listen for shared memory claims at %s (%s): trainers on this host get their "
-    "batches in their messages, as over the network"
-)
