@@ -15,11 +15,12 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from batchwire.client._at_exit import close_at_exit
 from batchwire.client._delivery import LoaderOptions, TransferStats
 from batchwire.client._epochs import Epochs
 from batchwire.client._frameworks import refuse_accelerate_wrappers
 from batchwire.client._mixture import Described, Mixture, spec_names
-from batchwire.client._pass import StreamPass, close_at_exit
+from batchwire.client._pass import StreamPass
 from batchwire.client._per_source import PerSource
 from batchwire.client._rank import Rank, Sharing
 from batchwire.client._servers import ServerSet, checked_targets

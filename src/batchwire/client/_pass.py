@@ -4,7 +4,7 @@ taken in order.
 A pass owns its puller threads and their RPCs until ``stop()``. Behind a ``dns:///``
 name, the name is resolved again every ``resolve_every`` seconds and servers that
 appeared get a puller of their own, so they take batches within the epoch. Every live pass
-is known to this module: at interpreter exit, passes still running (an iterator
+is known to ``_at_exit``: at interpreter exit, passes still running (an iterator
 left referenced, a loop abandoned mid-epoch) are stopped and their readers
 joined before Python tears gRPC down, so the process neither hangs nor aborts.
 
@@ -27,9 +27,8 @@ import atexit
 import logging
 import secrets
 import threading
-import weakref
-from typing import Protocol
 
+from batchwire.client._at_exit import forget_at_exit, stop_at_exit, stop_everything
 from batchwire.client._book import Book, Held
 from batchwire.client._delivery import Delivery, Tensors
 from batchwire.client._servers import RETRIABLE, ServerSet, backoff
@@ -47,40 +46,16 @@ from batchwire.common.sampler import Plan
 from batchwire.common.words import counted
 from batchwire.v1 import batchwire_pb2 as pb
 
-__all__ = ["ServerPuller", "StreamPass", "close_at_exit"]
+__all__ = ["ServerPuller", "StreamPass"]
 
 log = logging.getLogger(__name__)
+# Registered once the transport has imported grpc: atexit runs it before grpc's own.
+atexit.register(stop_everything)
 
 _JOIN_TIMEOUT = 5.0  # seconds per puller; a cancelled RPC ends its puller far sooner
 # A finished pass lets its calls end cleanly (half-closed, status OK) for this long
 # before it cancels them.
 _CLOSE_TIMEOUT = 1.0
-
-_live_passes: weakref.WeakSet[StreamPass] = weakref.WeakSet()
-_live_channels: weakref.WeakSet[Closable] = weakref.WeakSet()
-_live_lock = threading.Lock()
-
-
-class Closable(Protocol):
-    """What a transport opens to reach a server (a gRPC channel)."""
-
-    def close(self) -> None: ...
-
-
-def close_at_exit(channel: Closable) -> None:
-    """Close ``channel`` at interpreter exit if it is still open then."""
-    with _live_lock:
-        _live_channels.add(channel)
-
-
-@atexit.register
-def _stop_everything() -> None:
-    with _live_lock:
-        passes, channels = list(_live_passes), list(_live_channels)
-    for stream_pass in passes:
-        stream_pass.stop()
-    for channel in channels:
-        channel.close()
 
 
 class StreamPass:
@@ -137,8 +112,7 @@ class StreamPass:
         self._resolver: threading.Thread | None = None
         self._stopped = False
         self._stop_lock = threading.Lock()
-        with _live_lock:
-            _live_passes.add(self)
+        stop_at_exit(self)
 
     def start_readers(self) -> None:
         self._add_pullers(self._servers.servers())
@@ -223,8 +197,7 @@ class StreamPass:
         if self._resolver is not None and self._resolver is not me:
             self._resolver.join(_JOIN_TIMEOUT)
         self.book.release()
-        with _live_lock:
-            _live_passes.discard(self)
+        forget_at_exit(self)
 
 
 class ServerPuller(threading.Thread):
