@@ -1,16 +1,15 @@
-"""The client's transport over gRPC: channels, calls, and the errors they raise.
+"""The client's transport over gRPC: its channels and calls.
 
-``GrpcTransport`` makes the calls of a loader's passes (``PullBatches``) and its dataset
-descriptions, and a ``Preprocessor``'s; ``check_health`` and ``list_datasets`` are calls
-of their own, on a channel opened for them. ``map_rpc_errors`` is the one place where a
-``grpc.RpcError`` becomes the client's own exception (see ``_exceptions``).
+``GrpcTransport`` makes the calls of a loader's passes (``PullBatches``: a call, the
+grants it reads, the ring and bulk connection it claims, the batches it decodes) and its
+dataset descriptions, and a ``Preprocessor``'s, on channels of ``_channels`` (where
+``check_health`` and ``list_datasets``, calls of their own, are too); what they raise
+leaves them as the client's own exceptions (``_rpc_errors``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import ssl
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -19,21 +18,19 @@ from typing import Generic, TypeVar
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchwire.client._transport._base import (
-    HOST_PORT,
     Claim,
     PullOptions,
     Server,
 )
 from batchwire.client._transport._bulk import BulkReader
+from batchwire.client._transport._channels import open_channel, stub
 from batchwire.client._transport._exceptions import (
     BatchwireError,
-    InvalidArgumentError,
     StatusCode,
-    error_for,
 )
+from batchwire.client._transport._rpc_errors import error_from, map_rpc_errors
 from batchwire.client._transport._security import ChannelSecurity
 from batchwire.client._transport._shared_memory import RingReader
 from batchwire.common.batch_codec import DecodedBatch, decode_batch
@@ -41,101 +38,10 @@ from batchwire.common.bulk import GRANT_METADATA as BULK_GRANT_METADATA
 from batchwire.common.shared_memory import GRANT_METADATA
 from batchwire.common.tls import tls_context
 from batchwire.v1 import batchwire_pb2 as pb
-from batchwire.v1 import batchwire_pb2_grpc
 
-__all__ = [
-    "CHANNEL_OPTIONS",
-    "GrpcTransport",
-    "check_health",
-    "check_target",
-    "list_datasets",
-    "map_rpc_errors",
-    "open_channel",
-    "read_bulk_grant",
-    "read_grant",
-    "rpc_details",
-]
+__all__ = ["GrpcTransport", "read_bulk_grant", "read_grant"]
 
-# A batch (e.g. 512 x 3 x 224 x 224 uint8 = 77 MB) is one message, far above
-# gRPC's 4 MB default; the server caps batch sizes, so the client need not.
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", -1),
-    # Preprocess requests carry encoded images; the server bounds what it
-    # accepts (max_request_bytes) and answers RESOURCE_EXHAUSTED beyond it.
-    ("grpc.max_send_message_length", -1),
-    ("grpc.so_reuseport", 0),
-)
 _PULL_METHOD = "/batchwire.v1.Batchwire/PullBatches"
-
-# Web URLs, which gRPC would take for a DNS name ("Misformatted domain name").
-_URL_SCHEME = re.compile(r"(https?|grpcs?)://", re.IGNORECASE)
-
-
-@contextlib.contextmanager
-def map_rpc_errors(address: str = "") -> Iterator[None]:
-    """Raise a ``grpc.RpcError`` from the block as the ``BatchwireError`` that fits its
-    status code, its message saying what to do where it can: a server at ``address`` that
-    is down or refuses the TLS handshake, a request over the server's size limit. The
-    original is the error's ``rpc_error``, not printed before it: a user's traceback
-    starts with batchwire's error and its message."""
-    try:
-        yield
-    except grpc.RpcError as exc:
-        raise _error_from(exc, address) from None
-
-
-def _error_from(exc: grpc.RpcError, address: str) -> BatchwireError:
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    error = error_for(code, _advice(code, details, address))
-    error.rpc_error = exc
-    return error
-
-
-def rpc_details(error: BatchwireError) -> str:
-    """What gRPC or the server said, for an ``error`` from ``map_rpc_errors``, before it
-    was worded for a user (a retried failure is logged as it was)."""
-    cause = error.rpc_error
-    return (cause.details() if isinstance(cause, grpc.Call) else None) or error.details
-
-
-def _advice(code: grpc.StatusCode, details: str, address: str) -> str:
-    if code == grpc.StatusCode.UNAVAILABLE and address:
-        if "handshake" in details.lower():
-            return (
-                f"TLS handshake with {address} failed ({details}); does tls_ca hold the CA "
-                "that signed the server's certificate, and does the address match a name in it?"
-            )
-        return f"server {address} is unavailable ({details}); is `batchwire serve` running there?"
-    if code == grpc.StatusCode.NOT_FOUND and address:
-        return f"server {address}: {details}"  # which server lacks it, as for a pipeline
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
-        return (
-            f"{details}: the request is larger than the server accepts (its "
-            "max_request_bytes); an image this large cannot be sent, or ask the server's "
-            "operator to raise the limit"
-        )
-    return details
-
-
-def check_target(target: str) -> str:
-    """``target`` if it names a port; InvalidArgumentError if it is a bare host, which gRPC
-    would dial on port 443, or a web URL (``http://host:port``), which gRPC cannot resolve."""
-    scheme = _URL_SCHEME.match(target)
-    if scheme:
-        bare = target[scheme.end() :].rstrip("/")
-        raise InvalidArgumentError(
-            f"address {target!r} is a URL: write HOST:PORT without {scheme.group()!r}, "
-            f"e.g. {bare or 'gpu-host:50051'}"
-        )
-    if ":/" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "unix-abstract:")):
-        return target
-    if not HOST_PORT.fullmatch(target):
-        raise InvalidArgumentError(
-            f"address {target!r} has no port: write HOST:PORT, e.g. gpu-host:50051 "
-            "(batchwire serve's default port), or dns:///NAME:PORT"
-        )
-    return target
 
 
 def read_grant(metadata: Iterable[tuple[str, str | bytes]] | None) -> pb.SharedMemoryGrant | None:
@@ -156,29 +62,6 @@ def _metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, name: st
         if key == name and isinstance(value, bytes):
             found = value
     return found
-
-
-def open_channel(
-    address: str, security: ChannelSecurity | None = None, *, tls_name: str | None = None
-) -> grpc.Channel:
-    """A channel to ``address`` ("host:port" or a gRPC target such as "dns:///name:port").
-
-    With TLS, ``tls_name`` is the host name the server certificate must carry
-    when ``address`` is an IP address resolved from that name.
-    """
-    check_target(address)
-    credentials = security.channel_credentials() if security is not None else None
-    if credentials is None:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
-    if tls_name:
-        options.append(("grpc.ssl_target_name_override", tls_name))
-    return grpc.secure_channel(address, credentials, options=options)
-
-
-def _stub(channel: grpc.Channel) -> batchwire_pb2_grpc.BatchwireStub:
-    # protoc's gRPC gencode (batchwire_pb2_grpc) carries no annotations, and no stubs.
-    return batchwire_pb2_grpc.BatchwireStub(channel)  # type: ignore[no-untyped-call]
 
 
 _T = TypeVar("_T")
@@ -264,7 +147,7 @@ class _PullCall:
         if bulk is not None:
             bulk.close()
         if isinstance(error, grpc.RpcError):
-            raise _error_from(error, self._server.address) from None
+            raise error_from(error, self._server.address) from None
 
     def __iter__(self) -> Iterator[DecodedBatch]:
         self._claim()
@@ -396,7 +279,7 @@ class GrpcTransport:
 
     def describe(self, server: Server, dataset: str, *, timeout: float) -> _Pending[pb.DatasetInfo]:
         """A ``DescribeDataset`` call for ``dataset`` on ``server``."""
-        future = _stub(self.channel(server)).DescribeDataset.future(
+        future = stub(self.channel(server)).DescribeDataset.future(
             pb.DescribeDatasetRequest(dataset=dataset), timeout=timeout, metadata=self.metadata
         )
         return _Pending(future, server.address)
@@ -405,7 +288,7 @@ class GrpcTransport:
         self, server: Server, request: pb.PreprocessRequest, *, timeout: float
     ) -> _Pending[pb.PreprocessResponse]:
         """A ``Preprocess`` call on ``server``."""
-        call = _stub(self.channel(server)).Preprocess
+        call = stub(self.channel(server)).Preprocess
         future = call.future(request, timeout=timeout, metadata=self.metadata)
         return _Pending(future, server.address)
 
@@ -424,47 +307,3 @@ class GrpcTransport:
             for channel in self._channels.values():
                 channel.close()
         self._channels = {}
-
-
-def check_health(
-    address: str,
-    *,
-    service: str = "",
-    timeout: float = 5.0,
-    security: ChannelSecurity | None = None,
-    tls_name: str | None = None,
-) -> str:
-    """The status ``address`` reports for ``service`` ("" is the whole server), e.g. "SERVING".
-
-    Raises the ``BatchwireError`` that fits, e.g. ``UnavailableError`` when nothing
-    answers and ``AuthenticationError`` when the server refuses the credentials.
-    """
-    with open_channel(address, security, tls_name=tls_name) as channel, map_rpc_errors(address):
-        response = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service),
-            timeout=timeout,
-            metadata=security.metadata() if security is not None else (),
-        )
-    status: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-    return status
-
-
-def list_datasets(
-    address: str,
-    *,
-    timeout: float = 5.0,
-    security: ChannelSecurity | None = None,
-    tls_name: str | None = None,
-) -> list[str]:
-    """The names of the datasets ``address`` serves, sorted; ``[]`` for a server that found
-    none under its data directory (its health then stays NOT_SERVING).
-
-    Raises the ``BatchwireError`` that fits, as ``check_health`` does.
-    """
-    with open_channel(address, security, tls_name=tls_name) as channel, map_rpc_errors(address):
-        response = _stub(channel).ListDatasets(
-            pb.ListDatasetsRequest(),
-            timeout=timeout,
-            metadata=security.metadata() if security is not None else (),
-        )
-    return sorted(dataset.name for dataset in response.datasets)
