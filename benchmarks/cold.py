@@ -139,13 +139,27 @@ def _read_stream(dataset: Any, batches: list[Any], pool: Any) -> None:
             read(seq)
         return
     reader = pool.open(dataset)
-    reader.follow(lambda seq: batches[seq] if seq < len(batches) else None)
-    read_ahead = reader.around(read)
+    reader.follow(_Planned(batches))
     try:
         for seq in range(len(batches)):
-            read_ahead(seq)
+            # As a stream's read tells its read-ahead (BatchStream.read).
+            reader.reading(seq)
+            try:
+                read(seq)
+            finally:
+                reader.read(seq)
     finally:
         reader.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """The ids of each batch of a stream read here (a read-ahead's ``BatchIds``)."""
+
+    batches: list[Any]
+
+    def batch_ids(self, seq: int) -> Any:
+        return self.batches[seq] if seq < len(self.batches) else None
 
 
 @dataclasses.dataclass(frozen=True)
