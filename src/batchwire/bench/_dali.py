@@ -126,9 +126,13 @@ def run_dali(
     with RssSampler(os.getpid()) as rss:
         started = time.perf_counter()
         if coco is not None:
-            pipe, names = _coco_pipeline(coco, pipeline, params, batch_size, gpu, num_threads)
+            pipe, names = _coco_pipeline(
+                coco, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
+            )
         elif masks is not None:
-            pipe, names = _masks_pipeline(masks, pipeline, params, batch_size, gpu, num_threads)
+            pipe, names = _masks_pipeline(
+                masks, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
+            )
         elif webdataset is not None:
             pipe, names = _webdataset_pipeline(
                 webdataset, pipeline, params, batch_size, gpu, num_threads, hw_decoder_load
@@ -201,15 +205,10 @@ def _caffe_pipeline(
     ``pipeline``'s graph as the server builds it; and its outputs' names."""
     from nvidia.dali import fn
 
-    from batchwire.server import ServerConfig
     from batchwire.server.data import Manifest
-    from batchwire.server.pipelines import BuildContext, OutputSpec
 
-    spec = pipeline_spec(pipeline)
-    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
-    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
+    spec, ctx, pipe = _graph(pipeline, batch_size, gpu, num_threads, hw_decoder_load)
     shards = [str(dataset_dir / shard.path) for shard in Manifest.load(dataset_dir).shards]
-    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
     with pipe:
         encoded, labels = fn.readers.caffe(path=shards, random_shuffle=True, name="Reader")
         made = spec.function(encoded, labels, ctx, spec.resolve(params))
@@ -227,17 +226,14 @@ def _coco_pipeline(
     batch_size: int,
     gpu: bool,
     num_threads: int,
+    hw_decoder_load: float | None,
 ) -> tuple[Any, list[str]]:
     """A built DALI pipeline: DALI's COCO reader over ``coco`` (boxes as absolute
     ``ltrb``, shuffled), then ``pipeline``'s graph as the server builds it, its ragged
     outputs padded to the batch's longest (as DALI's iterator takes them)."""
     from nvidia.dali import fn
 
-    from batchwire.server.pipelines import BuildContext, OutputSpec
-
-    spec = pipeline_spec(pipeline)
-    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec())
-    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
+    spec, ctx, pipe = _graph(pipeline, batch_size, gpu, num_threads, hw_decoder_load)
     with pipe:
         encoded, boxes, classes = fn.readers.coco(
             file_root=str(coco.parent / "images"),
@@ -267,19 +263,16 @@ def _masks_pipeline(
     batch_size: int,
     gpu: bool,
     num_threads: int,
+    hw_decoder_load: float | None,
 ) -> tuple[Any, list[str]]:
     """A built DALI pipeline: two file readers, of ``root``'s ``images/`` and of its
     ``masks/`` (the same names as PNGs), shuffled with one seed so that each image meets
     its mask, then ``pipeline``'s graph as the server builds it."""
     from nvidia.dali import fn
 
-    from batchwire.server.pipelines import BuildContext, OutputSpec
-
-    spec = pipeline_spec(pipeline)
-    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec())
+    spec, ctx, pipe = _graph(pipeline, batch_size, gpu, num_threads, hw_decoder_load)
     images = sorted((root / "images").iterdir())
     masks = [root / "masks" / f"{image.stem}.png" for image in images]
-    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
     seed = int(time.time()) % (1 << 31)
     with pipe:
         encoded, labels = fn.readers.file(
@@ -308,14 +301,8 @@ def _webdataset_pipeline(
     captions' bytes padded to the batch's longest, and their lengths (``caption_bytes``)."""
     from nvidia.dali import fn
 
-    from batchwire.server import ServerConfig
-    from batchwire.server.pipelines import BuildContext, OutputSpec
-
-    spec = pipeline_spec(pipeline)
-    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
-    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
+    spec, ctx, pipe = _graph(pipeline, batch_size, gpu, num_threads, hw_decoder_load)
     shards = sorted(root.glob("*.tar"))
-    pipe = _pipeline(batch_size, gpu, num_threads, ctx.device)
     with pipe:
         encoded, text = fn.readers.webdataset(
             paths=[str(shard) for shard in shards],
@@ -330,6 +317,20 @@ def _webdataset_pipeline(
         pipe.set_outputs(made["images"], fn.pad(caption), caption.shape())
     pipe.build()
     return pipe, ["images", "caption", "caption_bytes"]
+
+
+def _graph(
+    pipeline: str, batch_size: int, gpu: bool, num_threads: int, hw_decoder_load: float | None
+) -> tuple[Any, Any, Any]:
+    """``pipeline``'s spec, the context its graph is built in as the server builds it (on
+    this run's device, the server's ``hw_decoder_load`` unless given), and the DALI
+    pipeline to define it in: what every anchor's reader feeds."""
+    from batchwire.server import ServerConfig
+    from batchwire.server.pipelines import BuildContext, OutputSpec
+
+    load = ServerConfig.hw_decoder_load if hw_decoder_load is None else hw_decoder_load
+    ctx = BuildContext(device="gpu" if gpu else "cpu", output=OutputSpec(), hw_decoder_load=load)
+    return pipeline_spec(pipeline), ctx, _pipeline(batch_size, gpu, num_threads, ctx.device)
 
 
 def _pipeline(batch_size: int, gpu: bool, num_threads: int, device: str) -> Any:
