@@ -138,10 +138,15 @@ def test_stage_times_sum_each_call_and_refuse_an_unknown_stage() -> None:
         raise ValueError("bad batch")
 
     stages = StageTimes()
-    timed_read = stages.timed("read", read)
+
+    def timed_read(seq: int) -> int:
+        with stages.timing("read"):
+            return read(seq)
+
     assert [timed_read(i) for i in range(3)] == [0, 2, 4]
-    with pytest.raises(ValueError, match="bad batch"):  # a failing call counts, and raises
-        stages.timed("encode", encode)()
+    # A failing call counts, and raises.
+    with pytest.raises(ValueError, match="bad batch"), stages.timing("encode"):
+        encode()
     totals = stages.snapshot()
     assert set(totals) == set(STAGES) and totals["pipeline"] == 0.0
     assert totals["read"] >= 0.03 and totals["encode"] >= 0.01

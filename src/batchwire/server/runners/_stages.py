@@ -22,18 +22,13 @@ Thread-safe: runners add from their own threads.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
+from collections.abc import Iterator
 
 __all__ = ["STAGES", "StageTimes"]
 
 STAGES = ("read", "pipeline", "encode")
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 class StageTimes:
@@ -57,16 +52,6 @@ class StageTimes:
             yield
         finally:
             self.add(stage, time.perf_counter() - started)
-
-    def timed(self, stage: str, function: Callable[_P, _R]) -> Callable[_P, _R]:
-        """``function``, with the time of each call added to ``stage``."""
-
-        @functools.wraps(function)
-        def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            with self.timing(stage):
-                return function(*args, **kwargs)
-
-        return timed
 
     def snapshot(self) -> dict[str, float]:
         """The sums so far, by stage."""
