@@ -28,6 +28,7 @@ __all__ = [
     "CLAIM_TIMEOUT_S",
     "GRANT_METADATA",
     "KEY_BYTES",
+    "MAX_BUFFERS",
     "MEMFD_NAME",
     "SEALS",
     "log_once",
@@ -41,6 +42,7 @@ KEY_BYTES = 32  # a grant's key, random
 ACK = b"\x01"  # the client's answer once it holds the descriptor
 CLAIM_TIMEOUT_S = 5.0  # for each step of a claim, on either side
 MEMFD_NAME = "batchwire-ring"  # what /proc/<pid>/fd shows (memfd names are not paths)
+MAX_BUFFERS = 16  # batches one stream may hold in shared memory (a server grants no more)
 
 # F_SEAL_FUTURE_WRITE (Linux 5.1) is not in Python 3.11's fcntl.
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)

@@ -15,11 +15,13 @@ must be who the offer said (its pid and uid, where the server shares its namespa
 From the claim on, a batch's images are copied once, from the pipeline's buffer into a
 free buffer of ``buffers`` batch-sized ones, and its message carries the header and where
 the images lie (``SharedImages``): the pixels are neither copied into gRPC's buffers nor
-sent through the kernel's TCP stack, on either side. The client copies a batch out and
-releases its buffer with its next request. The ring is sized, mapped and sealed at its
-first batch, in the pipeline's thread (its buffers a quarter larger than that batch where
-it is a payload of named outputs, whose ragged ones vary from batch to batch); its
-buffers are backed with memory as first used.
+sent through the kernel's TCP stack, on either side. The client reads a batch there (a
+loader on the CPU hands it to its loop where it lies, copy-on-write) and releases its
+buffer with a later request, once done with it. The ring is sized, mapped and sealed at
+its first batch, in the pipeline's thread (its buffers a quarter larger than that batch
+where it is a payload of named outputs, whose ragged ones vary from batch to batch; whole
+pages each, so that a client's writes to one batch's pages touch no other); its buffers
+are backed with memory as first used.
 
 Shared memory never fails a stream: a batch that finds no free buffer, or is larger than
 a buffer, or a ring that could not be made or claimed (no memory to spare within the
@@ -45,6 +47,7 @@ import numpy as np
 from batchwire.common.batch_codec import fill
 from batchwire.common.outputs import Payload
 from batchwire.common.shared_memory import (
+    MAX_BUFFERS,
     MEMFD_NAME,
     SEALS,
     log_once,
@@ -61,23 +64,24 @@ __all__ = ["MAX_BUFFERS", "SharedRing"]
 
 log = logging.getLogger(__name__)
 
-MAX_BUFFERS = 16  # batches one stream may hold in shared memory
-
-
 # Room a ring's buffers leave beyond its first batch, when the batch is a payload of
 # named outputs: ragged ones (a detection batch's boxes, captions) make each batch a
 # little larger or smaller than the first, and a batch that does not fit goes in its
 # message. A batch of images alone is never larger than the first (only the last is short).
 PAYLOAD_ROOM = 0.25
 PAYLOAD_ROOM_MIN = 1 << 20
+_PAGE = mmap.PAGESIZE
 
 
 def buffer_bytes(images: np.ndarray | Payload) -> int:
     """The bytes of each buffer of a ring whose first batch is ``images``: its size, with
-    room for later batches where it is a payload of named outputs (:data:`PAYLOAD_ROOM`)."""
+    room for later batches where it is a payload of named outputs (:data:`PAYLOAD_ROOM`),
+    in whole pages: no page holds two buffers, so that a client may keep a batch where it
+    lies while the buffers beside it take others (``SharedImages.buffer_bytes``)."""
+    nbytes = images.nbytes
     if isinstance(images, Payload):
-        return images.nbytes + max(int(images.nbytes * PAYLOAD_ROOM), PAYLOAD_ROOM_MIN)
-    return images.nbytes
+        nbytes += max(int(images.nbytes * PAYLOAD_ROOM), PAYLOAD_ROOM_MIN)
+    return -(-nbytes // _PAGE) * _PAGE
 
 
 class SharedRing:
@@ -179,7 +183,9 @@ class SharedRing:
             del target
         finally:
             self._written()
-        where = pb.SharedImages(buffer=buffer, offset=offset, length=images.nbytes)
+        where = pb.SharedImages(
+            buffer=buffer, offset=offset, length=images.nbytes, buffer_bytes=self._buffer_bytes
+        )
         return encode_elsewhere(batch, shared=where)
 
     def _acquire(self, nbytes: int, buffer_bytes: int) -> int | None:
