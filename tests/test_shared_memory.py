@@ -38,7 +38,7 @@ from batchwire.server.errors import InvalidRequest
 from batchwire.server.serving import _shared_memory as server_shared_memory
 from batchwire.server.serving._ring_broker import RingBroker
 from batchwire.server.serving._ring_budget import RingBudget
-from batchwire.server.serving._shared_memory import SharedRing
+from batchwire.server.serving._shared_memory import SharedRing, buffer_bytes
 from batchwire.server.serving._streaming import EncodedBatch, encode_parts
 from batchwire.v1 import batchwire_pb2 as pb
 from batchwire.v1 import batchwire_pb2_grpc as pb_grpc
@@ -137,7 +137,10 @@ def test_a_loader_on_the_servers_host_gets_the_same_batches_through_shared_memor
     assert through_shm == sum(batch[0].numel() for batch in shared)  # every image byte
     assert_same(shared, socket)
     assert named_here() <= in_dev_shm  # shared memory has no name there
-    assert eventually(nothing_held)  # unmapped and closed, on both sides
+    # Batches lent to the loop keep the ring mapped here while they are held; once they
+    # go, it is unmapped and closed, on both sides.
+    del shared
+    assert eventually(nothing_held)
 
 
 def two_epochs_in_messages(
@@ -312,7 +315,7 @@ def test_a_full_ring_sends_batches_in_their_messages_until_the_client_releases_o
     assert third is None  # both buffers hold batches the client has not copied out
     for k, encoded in enumerate((first, second)):
         assert np.array_equal(images_at(fd, encoded.messages[0]), batch(k).images)
-    assert budget.used == 2 * batch(0).images.nbytes
+    assert budget.used == 2 * buffer_bytes(batch(0).images)  # whole pages each
     buffer = pb.Batch.FromString(first.messages[0]).shared_images.buffer
     ring.release([buffer])
     again = ring.encode(batch(3))
@@ -333,7 +336,7 @@ def test_a_ring_past_the_budget_sends_batches_in_their_messages_and_says_so_once
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(common_shared_memory, "_warned", set())
-    budget = RingBudget(3 * batch(0).images.nbytes)  # one ring of 2 buffers, not two
+    budget = RingBudget(3 * buffer_bytes(batch(0).images))  # one ring of 2 buffers, not two
     first, fd = claimed_ring(2, budget)
     assert first.encode(batch(0)) is not None
     with caplog.at_level(logging.WARNING):

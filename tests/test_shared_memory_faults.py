@@ -37,6 +37,7 @@ from test_shared_memory import (
     shared_bytes,
 )
 
+from batchwire.client._transport._ring_pages import MAP_NORESERVE
 from batchwire.server import BatchwireServer
 
 pytestmark = pytest.mark.skipif(
@@ -293,10 +294,14 @@ def test_a_trainer_that_cannot_claim_shared_memory_gets_its_batches_in_their_mes
 def test_a_trainer_that_cannot_map_its_ring_goes_on_over_the_socket(
     server: BatchwireServer, tmp_path: pathlib.Path, over_the_socket: list[tuple[torch.Tensor, ...]]
 ) -> None:
-    # Every shared mapping refused (mmap's flags, argument 3, are MAP_SHARED): the ring is
-    # claimed, then cannot be read at its first batch.
+    # Every mapping of a file refused, shared (mmap's flags, argument 3, MAP_SHARED) and
+    # copy-on-write (MAP_PRIVATE | MAP_NORESERVE, as a loader on the CPU maps its ring):
+    # the ring is claimed, then cannot be read at its first batch.
     refuse = seccomp.python_prelude(
-        [seccomp.Rule("mmap", errno.ENOMEM, arg=mmap.MAP_SHARED, index=3)]
+        [
+            seccomp.Rule("mmap", errno.ENOMEM, arg=mmap.MAP_SHARED, index=3),
+            seccomp.Rule("mmap", errno.ENOMEM, arg=mmap.MAP_PRIVATE | MAP_NORESERVE, index=3),
+        ]
     )
     report = run_trainer(server.target, tmp_path / "epoch.npz", prelude=refuse)
     stderr = str(report["stderr"])

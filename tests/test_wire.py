@@ -123,10 +123,12 @@ def test_large_batches_travel_in_parts_a_plain_client_can_join(server: Batchwire
         shuffle=False,
         normalize=False,
         return_ids=True,
+        shared_memory=False,  # in its messages, as from another host
     )
     images, _, loader_ids = next(iter(loader))
     assert ids == loader_ids.tolist() == list(range(64))
     assert np.array_equal(joined, images.numpy())
+    # Joined in the one copy of the received bytes.
     assert loader.transfer.copied == loader.transfer.received >= images.numel()
     loader.close()
 

@@ -221,12 +221,18 @@ def assemble(
     """One Delivery from a batch's parts: image data copied once, into ``allocate``'d
     memory, so that the one copy from the received bytes is also the last (images the
     server sent on the call's bulk connection are read into it from there:
-    ``read_images``, the call's)."""
+    ``read_images``, the call's), or not at all where they are lent to the loop (a
+    batch in shared memory: its tensors are views of it)."""
     first, last = parts[0].header, parts[-1].header
     views = [p.images for p in parts]
-    samples = sum(len(v) for v in views)
-    images, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
-    if first.HasField("bulk_images"):
+    if len(parts) == 1 and parts[0].lent:
+        images, out = torch.from_numpy(views[0]), None
+    else:
+        samples = sum(len(v) for v in views)
+        images, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
+    if out is None:
+        pass
+    elif first.HasField("bulk_images"):
         if read_images is None:
             raise BatchwireError(
                 "the server sent a batch on a bulk connection this call did not offer",
@@ -239,7 +245,7 @@ def assemble(
             out[position : position + len(view)] = view
             position += len(view)
     if stats is not None:
-        stats.add(sum(v.nbytes for v in views), out.nbytes)
+        stats.add(sum(v.nbytes for v in views), 0 if out is None else out.nbytes)
     labels = [from_proto(p.header.labels) for p in parts]
     return Delivery(
         index=first.index,
@@ -293,6 +299,12 @@ class Tensors:
         self._allocate = _pinned_memory if self._cuda else BatchMemory(options.prefetch + 4)
         self._stats = stats
 
+    @property
+    def lends(self) -> bool:
+        """Whether batches in the server's shared memory may be lent to the loop where they
+        lie (on the CPU); a GPU's are copied into pinned memory."""
+        return not self._cuda
+
     def deliveries(
         self,
         parts: Iterable[DecodedBatch],
@@ -312,12 +324,13 @@ class Tensors:
                 )
             batch.append(part)
             if len(batch) == (part.header.parts or 1):
-                delivery = assemble(batch, self._allocate, self._stats, read_images)
-                # Let go of the views before yielding: a view of shared memory keeps the
-                # server's ring mapped for as long as this generator may be kept.
+                ready = [self._finish(assemble(batch, self._allocate, self._stats, read_images))]
+                # Hold nothing of it while suspended: a view of shared memory keeps the
+                # server's ring mapped (a batch lent to the loop, its buffer) for as long as
+                # this generator, or a traceback of its frame, may be kept.
                 batch = []
                 del part
-                yield self._finish(delivery)
+                yield ready.pop()
 
     def _finish(self, d: Delivery) -> Delivery:
         """Labels pinned for a GPU, or CPU images normalized: work kept off the loop (a

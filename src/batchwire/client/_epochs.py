@@ -245,7 +245,11 @@ class Epochs:
                 # len(loader) steps, or DDP's collectives would wait for this one.
                 # Frameworks that count batches by len() (Lightning) stop asking here.
                 last = index == stream_pass.plan.num_batches - 1
-                yield tensors.output(delivery)
+                # Nothing here holds a batch once it is handed out: the loop's letting go of
+                # it gives its memory back (shared memory lent to it, a buffer to reuse).
+                handed = [delivery]
+                del delivery
+                yield tensors.output(handed.pop())
             self._passes_ended += 1
             self._places.end(stream_pass)  # the next pass starts the following epoch
         finally:

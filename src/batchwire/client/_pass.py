@@ -43,6 +43,7 @@ from batchwire.client._transport import (
     rpc_details,
 )
 from batchwire.common.sampler import Plan
+from batchwire.common.shared_memory import MAX_BUFFERS
 from batchwire.common.words import counted
 from batchwire.v1 import batchwire_pb2 as pb
 
@@ -348,10 +349,16 @@ class ServerPuller(threading.Thread):
             return self._book.claim(held, self._credit, ended, wait=wait)
 
         options = self._tensors.options
+        # Shared memory for the batches the call holds and, where they are lent to the loop
+        # (on the CPU), as much as a server grants: the rest for the batches the window
+        # and the loop keep where they lie (a window of 10 batches by default, 11 lent).
+        holds = self._credit + 1
+        buffers = max(holds, MAX_BUFFERS) if self._tensors.lends else holds
         offers = PullOptions(
             shared_memory=self._shared_memory,
             bulk=options.bulk,
-            buffers=self._credit + 1,
+            buffers=buffers,
+            lend=buffers - holds,
             timeout=options.timeout,
         )
         with self._lock:

@@ -258,7 +258,9 @@ class PerSource:
                         self.parts[s].set_epoch(epoch + 1)  # its tail is dropped
                     elif not left[s]:
                         next(delivering[s], None)  # its pass ends: its next is its next epoch
-                yield batches[0] if len(batches) == 1 else _joined(batches)
+                handed = [batches[0] if len(batches) == 1 else _joined(batches)]
+                batches.clear()  # held here no longer once handed out (as Epochs.deliver)
+                yield handed.pop()
         finally:
             for generator in delivering.values():
                 generator.close()

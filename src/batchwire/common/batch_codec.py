@@ -173,11 +173,14 @@ def _filled_bytes(head: bytes, data: np.ndarray | Payload) -> bytes:
 @dataclasses.dataclass(frozen=True)
 class DecodedBatch:
     """A received Batch: ``header`` has every field but ``images.data``; ``images``
-    is a read-only view into the received bytes (copy it before they go away)."""
+    is a read-only view into the received bytes (copy it before they go away), or,
+    ``lent``, memory the loop may keep: the server's shared memory, lent until no view
+    of it is left."""
 
     header: pb.Batch
     images: np.ndarray
     layout: str
+    lent: bool = False
 
 
 # shared(where, dtype, count) -> the images as a flat read-only view of the shared memory

@@ -66,12 +66,14 @@ class Pending(Protocol[_T_co]):
 @dataclasses.dataclass(frozen=True)
 class PullOptions:
     """What a ``PullBatches`` call may offer beside its messages, where the server can
-    take it: its shared memory (a server on this host), holding ``buffers`` batches; a
+    take it: its shared memory (a server on this host), holding ``buffers`` batches, of
+    which ``lend`` at a time may be lent to the loop where they lie (not copied out); a
     bulk connection (a server on another host), whose reads wait at most ``timeout``."""
 
     shared_memory: bool = False
     bulk: bool = False
     buffers: int = 1
+    lend: int = 0
     timeout: float = 300.0
 
 
@@ -80,8 +82,8 @@ class PullCall(Protocol):
     what the call raises comes out as the ``BatchwireError`` that fits. Iterated within
     it, it yields each ``Batch`` message decoded (``decode_batch``: its images a view, not
     a copy, of the message or of the server's shared memory, valid until the next is
-    taken) until the server ends the call; the block's end lets go of what the call held
-    beside it."""
+    taken, or, ``lent``, for as long as a view of them is kept) until the server ends the
+    call; the block's end lets go of what the call held beside it."""
 
     def __enter__(self) -> PullCall: ...
 

@@ -155,7 +155,13 @@ class _PullCall:
         view = None if ring is None else ring.view
         for raw in self._call:
             part = decode_batch(raw, view)
-            shared = part.header.HasField("shared_images")
+            shared = ring is not None and part.header.HasField("shared_images")
+            lent = ring.lend(part) if ring is not None and shared else None
+            if lent is not None:  # released once the loop lets go of it: not held here
+                handed = [lent]
+                del part, lent
+                yield handed.pop()
+                continue
             buffer = part.header.shared_images.buffer
             yield part
             del part  # its images are a view of the ring: gone before the buffer is released
@@ -247,7 +253,7 @@ class GrpcTransport:
         with the call's first message. Its batch messages come as the bytes received (no
         deserializer): the client parses them without copying the images
         (``batchwire.common.batch_codec``)."""
-        ring = RingReader.offer(options.buffers) if options.shared_memory else None
+        ring = RingReader.offer(options.buffers, options.lend) if options.shared_memory else None
         bulk = None
         if options.bulk and BulkReader.offered(server.address):
             bulk = BulkReader(options.timeout, self.tls_context())

@@ -5,22 +5,33 @@ batches it holds, and who this process is). A server that grants it answers in t
 call's initial metadata; the call then claims the ring (:meth:`RingReader.claim`):
 it connects to the server's Unix socket, sends the grant's key and receives the ring's
 descriptor, a sealed memfd, read-only (see ``batchwire.common.shared_memory``). The
-ring is mapped read-only at the first batch the server puts there, and its descriptor
-closed; each batch is copied out once, as it would be out of a message, and its buffer
-released with the next request. A server on another host cannot be reached at the
-socket: the call goes on with every batch in its messages, as does one whose claim
-fails for any reason (said once a process, in a warning).
+ring is mapped at the first batch the server puts there, and its descriptor closed.
 
-Nothing of a ring outlives the call, nor passes to a forked child: the mapping is not
-inherited (``MADV_DONTFORK``), and a descriptor of a ring (held between the claim and
-the first batch, or kept by Python's ``mmap``) is let go in the child. See ``batchwire.server.serving._shared_memory`` for the
-server's side.
+Where the call may lend (``lend`` buffers at a time, a loader on the CPU), the ring is
+mapped private and writable (copy on write: the server's pages until the loop writes
+to one, which then becomes the loop's own), and a batch is lent to the loop where it
+lies (:meth:`RingReader.lend`): its tensors are views of the ring, nothing is copied,
+and its buffer is released with the next request once no view of it is left, its
+pages written by the loop dropped first so that the buffer shows the server's next
+batch. A batch that finds no buffer to lend (the loop keeps ``lend`` batches already,
+or the server's buffers are not whole pages) is copied out, as it would be out of a
+message, and its buffer released with the next request; so is every batch of a ring
+mapped read-only.
+
+A server on another host cannot be reached at the socket: the call goes on with every
+batch in its messages, as does one whose claim fails for any reason (said once a
+process, in a warning).
+
+Nothing of a ring passes to a forked child but the batches lent to its parent, copied
+into the child's own memory: the rest is reserved in the child, and a descriptor of a
+ring (held between the claim and the first batch, or kept by Python's ``mmap``) is let
+go. A ring outlives its call only in the batches its loop still holds. See
+``batchwire.server.serving._shared_memory`` for the server's side.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -35,6 +46,15 @@ import weakref
 import numpy as np
 
 from batchwire.client._transport._exceptions import BatchwireError, StatusCode
+from batchwire.client._transport._ring_pages import (
+    MAP_NORESERVE,
+    PAGE,
+    fork_lock,
+    keep_lent,
+    mapped_at,
+    readers,
+)
+from batchwire.common.batch_codec import DecodedBatch
 from batchwire.common.shared_memory import (
     ACK,
     CLAIM_TIMEOUT_S,
@@ -55,11 +75,6 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # Not there: the server is on another host (or network namespace), the usual case.
 _ELSEWHERE = (errno.ENOENT, errno.ECONNREFUSED)
 
-# A fork waits while a descriptor is being received or a ring mapped, so that a child
-# never inherits one that is not yet accounted for below.
-_fork_lock = threading.Lock()
-_calls: weakref.WeakSet[RingReader] = weakref.WeakSet()
-
 
 class SharedMemoryFailed(BatchwireError):
     """The call's shared memory cannot be read (it could not be mapped, or is not what
@@ -71,23 +86,28 @@ class SharedMemoryFailed(BatchwireError):
 
 class RingReader:
     """One call's reader of a server's ring (the server's ``SharedRing``): the offer of
-    shared memory the call makes, the ring it claims, and the ring's buffers copied out
-    and not yet released (thread-safe: the puller claims and reads batches, gRPC's thread
-    sends the releases)."""
+    shared memory the call makes, the ring it claims, the batches lent to the loop, and
+    the ring's buffers done with and not yet released (thread-safe: the puller claims
+    and reads batches, gRPC's thread sends the releases, and a lent batch comes back in
+    whichever thread lets go of its last view)."""
 
-    def __init__(self, buffers: int) -> None:
+    def __init__(self, buffers: int, lend: int = 0) -> None:
         self._buffers = buffers
+        self._lend = lend  # buffers that may be lent to the loop at once
         self._fd = -1  # the ring's memfd, from the claim until it is mapped
         self._ring: mmap.mmap | None = None
+        self._private = False  # mapped private and writable: batches may be lent
         self._span = (0, 0)  # the ring's address and length, in this process
+        self._lent: dict[int, tuple[int, int]] = {}  # buffer -> its (offset, bytes), lent now
         self._released: list[int] = []
         self._lock = threading.Lock()
-        _calls.add(self)
+        readers.add(self)
 
     @classmethod
-    def offer(cls, buffers: int) -> RingReader:
-        """An offer for a call that holds at most ``buffers`` batches."""
-        return cls(buffers)
+    def offer(cls, buffers: int, lend: int = 0) -> RingReader:
+        """An offer for a call that holds at most ``buffers`` batches, ``lend`` of them
+        at a time lent to the loop."""
+        return cls(buffers, lend)
 
     def message(self) -> pb.SharedMemoryOffer:
         """The offer as the first request carries it."""
@@ -167,7 +187,7 @@ class RingReader:
         """The ring's descriptor, received and checked (under the fork lock)."""
         if not select.select([sock], [], [], CLAIM_TIMEOUT_S)[0]:
             raise OSError(errno.ETIMEDOUT, "the server did not answer the claim")
-        with _fork_lock:
+        with fork_lock:
             message, fds, flags, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
             self._fd = fds[0] if fds else -1
             for extra in fds[1:]:
@@ -181,7 +201,7 @@ class RingReader:
             raise _Refused(f"the server sent {link!r}, not its shared memory")
 
     def _drop_descriptor(self) -> None:
-        with _fork_lock:
+        with fork_lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -209,10 +229,14 @@ class RingReader:
                 raise SharedMemoryFailed(
                     "the server's shared memory is not sealed against writes and resizing"
                 )
-            with _fork_lock:
-                ring = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
-                ring.madvise(mmap.MADV_DONTFORK)
-                self._span = (_address(ring), len(ring))
+            with fork_lock:
+                ring = self._map_private() if self._lend else None
+                if ring is None:
+                    ring = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
+                    # A child copies its batches from a private ring (_forked); this one it
+                    # does not inherit.
+                    ring.madvise(mmap.MADV_DONTFORK)
+                self._span = (mapped_at(ring), len(ring))
                 self._ring = ring
             return ring
         except (OSError, ValueError) as exc:  # ValueError: an empty memfd
@@ -222,8 +246,76 @@ class RingReader:
         finally:
             self._drop_descriptor()  # mapped, or never will be
 
+    def _map_private(self) -> mmap.mmap | None:
+        """The ring mapped private and writable (copy on write), or None where the kernel
+        refuses it: its batches are then copied out."""
+        try:
+            ring = mmap.mmap(
+                self._fd,
+                0,
+                flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        except OSError as exc:
+            log_once(
+                log,
+                logging.INFO,
+                "private",
+                "could not map a server's shared memory copy-on-write (%s): its batches are "
+                "copied out of it",
+                exc.strerror or exc,
+            )
+            return None
+        self._private = True
+        return ring
+
+    def lend(self, part: DecodedBatch) -> DecodedBatch | None:
+        """``part`` (a batch in the ring) with its images lent to the loop where they
+        lie: writable, its buffer released once no view of them is left (whichever
+        thread lets go of the last). None where it is not lent (it is then copied out
+        and :meth:`copied`): the ring is read-only, ``lend`` batches are lent already,
+        or the server's buffers are not whole pages (one of them would share a page
+        with the next, which a write would keep from the server's next batch)."""
+        where = part.header.shared_images
+        ring = self._ring
+        size = where.buffer_bytes
+        if (
+            ring is None
+            or not self._private
+            or not size
+            or size % PAGE
+            or where.offset != where.buffer * size
+            or where.length > size
+            or where.offset + size > len(ring)
+        ):
+            return None
+        with self._lock:
+            if len(self._lent) >= self._lend or where.buffer in self._lent:
+                return None
+            self._lent[where.buffer] = (where.offset, size)
+        flat = np.frombuffer(ring, np.uint8, where.length, where.offset)
+        # The views the loop gets are views of ``flat`` (NumPy stops a view's base at an
+        # array over another object's memory): it dies with the last of them.
+        weakref.finalize(flat, self._returned, where.buffer)
+        images = flat.view(part.images.dtype).reshape(part.images.shape)
+        return dataclasses.replace(part, images=images, lent=True)
+
+    def _returned(self, buffer: int) -> None:
+        """No view is left of the batch lent in ``buffer``: the pages the loop wrote to
+        are dropped (the server's show again) and the next request releases it, if the
+        call is still on (after it, the server writes no more there)."""
+        with self._lock:
+            span = self._lent.pop(buffer, None)
+        ring = self._ring
+        if span is None or ring is None:
+            return
+        offset, size = span
+        if _written(self._span[0] + offset, size):
+            ring.madvise(mmap.MADV_DONTNEED, offset, size)
+        self.copied(buffer)
+
     def copied(self, buffer: int) -> None:
-        """The batch in ``buffer`` is copied out: the next request releases it."""
+        """The batch in ``buffer`` is done with: the next request releases it."""
         with self._lock:
             self._released.append(buffer)
 
@@ -235,85 +327,49 @@ class RingReader:
 
     def close(self) -> None:
         """The call is over: its descriptor is closed, its ring unmapped once no view
-        of it is left."""
+        of it is left (a batch the loop still holds keeps it)."""
         self._drop_descriptor()
         self._ring = None
 
     def _forked(self) -> None:
-        # In a forked child: the ring was not inherited (MADV_DONTFORK), but its mmap
-        # object was, and would unmap its range when dropped, wherever the child has
-        # put something else meanwhile. A placeholder keeps the range the child's own.
+        # In a forked child. A read-only ring was not inherited (MADV_DONTFORK), but its
+        # mmap object was, and would unmap its range when dropped, wherever the child has
+        # put something else meanwhile: a placeholder keeps the range the child's own. A
+        # private ring was inherited, and would show the server's next batches where its
+        # parent releases buffers: the batches lent to the parent are copied into the
+        # child's own memory, in place, and the rest reserved. (After the call, the server
+        # writes no more to the ring: what the parent holds of it stays as it is.)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        address, length = self._span
+        start, length = self._span
         if self._ring is not None and length:
-            _reserve(address, length)
+            keep_lent(start, length, [(start + at, size) for at, size in self._lent.values()])
 
 
 class _Refused(Exception):
     """A claim this process will not complete (a wrong peer, a wrong descriptor)."""
 
 
-def _address(ring: mmap.mmap) -> int:
-    view = np.frombuffer(ring, np.uint8)
+# /proc/self/pagemap: an entry a page; bits 63 present, 62 swapped, 61 the file's page
+_PRESENT, _SWAPPED, _FILE = np.uint64(1 << 63), np.uint64(1 << 62), np.uint64(1 << 61)
+
+
+def _written(address: int, length: int) -> bool:
+    """Whether a page of ``length`` bytes at ``address`` (page-aligned, in a private
+    mapping of a file) became this process's own copy: written to, present or swapped
+    out. True where /proc/self/pagemap cannot be read."""
+    pages = -(-length // PAGE)
     try:
-        return int(view.ctypes.data)
-    finally:
-        del view
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-)
-_MAP_FIXED_NORESERVE = 0x10 | 0x4000  # MAP_FIXED | MAP_NORESERVE (Linux)
-
-
-def _reserve(address: int, length: int) -> None:
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NORESERVE
-    _libc.mmap(address, length, 0, flags, -1, 0)  # PROT_NONE
-
-
-def _before_fork() -> None:
-    _fork_lock.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    _fork_lock.release()
-
-
-def _after_fork_in_child() -> None:
-    _fork_lock.release()
-    for call in list(_calls):
-        call._forked()
-    # Python's mmap keeps a duplicate of the descriptor it mapped, which a fork copies.
-    # Its number is put to /dev/null rather than closed: the mmap object closes it
-    # when dropped, and must not close whatever the child opens there meanwhile.
-    try:
-        descriptors = os.listdir("/proc/self/fd")
-    except OSError:
-        return
-    devnull = -1
-    for name in descriptors:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{MEMFD_NAME}"):
-                continue
-            if devnull < 0:
-                devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            os.dup2(devnull, int(name))
-        except OSError:
-            continue
-    if devnull >= 0:
-        os.close(devnull)
-
-
-os.register_at_fork(
-    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
-)
+            raw = os.pread(fd, pages * 8, address // PAGE * 8)
+        finally:
+            os.close(fd)
+    except OSError:
+        return True
+    if len(raw) != pages * 8:
+        return True
+    entries = np.frombuffer(raw, np.uint64)
+    own = ((entries & _PRESENT) != 0) & ((entries & _FILE) == 0)
+    return bool(own.any() or (entries & _SWAPPED).any())
