@@ -4,13 +4,15 @@ to the tensors the loop yields, all of it here::
     PullCall (the transport's)        a puller thread, per call: each message received,
                                       its header parsed, its images a view (no copy) of
                                       the message, or of shared memory (a server on this
-                                      host; the buffer is released once copied)
+                                      host; on the CPU lent to the loop where they lie,
+                                      their buffer released once no view is left, else
+                                      released once copied)
     Tensors.deliveries(parts)         a batch's parts, once its last arrived:
       assemble                        a batch's parts joined: the one copy of the images,
                                       into pinned memory when bound for a GPU, else into
                                       memory of a batch the loop let go of (BatchMemory;
                                       images on the call's bulk connection are read into
-                                      it there)
+                                      it there); none for a batch lent where it lies
       Tensors._finish                 CPU images normalized here, off the training loop
     Book                              the Delivery waits, in order, for the loop
     Tensors.output(delivery)          the loop: to the device, GPU images normalized there
@@ -101,7 +103,8 @@ class TransferStats:
     """Image payload bytes received, and bytes copied on their way to tensors.
 
     ``copied == received`` means each payload byte was copied exactly once
-    between the bytes gRPC hands over and the tensor the user gets.
+    between the bytes gRPC hands over and the tensor the user gets; a batch lent where it
+    lies in the server's shared memory adds to ``received`` alone.
     """
 
     received: int = 0
