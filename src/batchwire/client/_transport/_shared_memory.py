@@ -296,7 +296,8 @@ class RingReader:
         flat = np.frombuffer(ring, np.uint8, where.length, where.offset)
         # The views the loop gets are views of ``flat`` (NumPy stops a view's base at an
         # array over another object's memory): it dies with the last of them.
-        weakref.finalize(flat, self._returned, where.buffer)
+        returned = weakref.finalize(flat, self._returned, where.buffer)
+        returned.atexit = False  # nothing to give back to a server as the process exits
         images = flat.view(part.images.dtype).reshape(part.images.shape)
         return dataclasses.replace(part, images=images, lent=True)
 
