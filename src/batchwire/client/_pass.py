@@ -369,6 +369,9 @@ class ServerPuller(threading.Thread):
             first = True
             for delivery in self._tensors.deliveries(call, call.read_images):
                 self._book.deliver(held, delivery)
+                # Not held here while the next arrives (nor by a traceback of this frame):
+                # a batch lent where it lies goes back once the loop lets go of it.
+                del delivery
                 self.delivered += 1
                 if first:  # the server serves: an outage of it (of any pass) ended
                     first = False
