@@ -231,6 +231,10 @@ def pages(
     for page in OPEN.values():
         page.stop()
     OPEN.clear()
+    # What the pages' examples made (a batch a loader lent them, which keeps its server's
+    # shared memory mapped here) goes with the module, not with the session.
+    for document, _ in EXAMPLES:
+        document.namespace.clear()
 
 
 def _credentials(workdir: pathlib.Path) -> None:

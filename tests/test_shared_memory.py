@@ -15,6 +15,7 @@ import os
 import pathlib
 import signal
 import threading
+import time
 import types
 from collections.abc import Callable
 
@@ -83,6 +84,8 @@ def named_here() -> set[str]:
 
 
 def nothing_held(pid: int | str = "self") -> bool:
+    if ring_mappings(pid) == 0 and ring_descriptors(pid) == 0:
+        return True
     # A batch lent where it lies keeps its ring mapped until nothing refers to it; one in
     # garbage not yet collected (a cycle through another test's traceback) refers to
     # nothing any more.
@@ -92,7 +95,8 @@ def nothing_held(pid: int | str = "self") -> bool:
 
 def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
     waiting = threading.Event()
-    for _ in range(int(seconds / 0.05)):
+    deadline = time.monotonic() + seconds  # a condition may take a while to check
+    while time.monotonic() < deadline:
         if condition():
             return True
         waiting.wait(0.05)
