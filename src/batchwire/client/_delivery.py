@@ -229,26 +229,25 @@ def assemble(
     first, last = parts[0].header, parts[-1].header
     views = [p.images for p in parts]
     if len(parts) == 1 and parts[0].lent:
-        images, out = torch.from_numpy(views[0]), None
+        images, copied = torch.from_numpy(views[0]), 0
     else:
         samples = sum(len(v) for v in views)
         images, out = allocate((samples, *views[0].shape[1:]), views[0].dtype)
-    if out is None:
-        pass
-    elif first.HasField("bulk_images"):
-        if read_images is None:
-            raise BatchwireError(
-                "the server sent a batch on a bulk connection this call did not offer",
-                code=StatusCode.INTERNAL,
-            )
-        read_images(out)  # the one copy: from the kernel, into the tensor
-    else:
-        position = 0
-        for view in views:
-            out[position : position + len(view)] = view
-            position += len(view)
+        if first.HasField("bulk_images"):
+            if read_images is None:
+                raise BatchwireError(
+                    "the server sent a batch on a bulk connection this call did not offer",
+                    code=StatusCode.INTERNAL,
+                )
+            read_images(out)  # the one copy: from the kernel, into the tensor
+        else:
+            position = 0
+            for view in views:
+                out[position : position + len(view)] = view
+                position += len(view)
+        copied = out.nbytes
     if stats is not None:
-        stats.add(sum(v.nbytes for v in views), 0 if out is None else out.nbytes)
+        stats.add(sum(v.nbytes for v in views), copied)
     labels = [from_proto(p.header.labels) for p in parts]
     return Delivery(
         index=first.index,

@@ -155,7 +155,7 @@ class _PullCall:
         view = None if ring is None else ring.view
         for raw in self._call:
             part = decode_batch(raw, view)
-            shared = ring is not None and part.header.HasField("shared_images")
+            shared = part.header.HasField("shared_images")
             lent = ring.lend(part) if ring is not None and shared else None
             if lent is not None:  # released once the loop lets go of it: not held here
                 handed = [lent]
