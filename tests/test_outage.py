@@ -10,6 +10,7 @@ import pathlib
 import signal
 import socket
 import threading
+import time
 
 import pytest
 import test_failover as failover
@@ -145,9 +146,13 @@ def test_one_of_two_servers_down_for_a_while_is_said_once_and_back_once(
                     again.start()
             again.join(120)
             assert restarted, f"no server could be started on port {port} again"
-            # The restarted server takes batches again within a few epochs (a retry's
-            # backoff is at most 2 s).
-            while not samples_sent(restarted[0]) and len(epochs) < 6:
+            # The restarted server takes batches again within a few epochs, or, where
+            # epochs are quicker than that, within its cooldown as a failed server (5 s)
+            # and a retry's backoff (at most 2 s), with room for a loaded machine.
+            deadline = time.monotonic() + 15
+            while not samples_sent(restarted[0]) and (
+                len(epochs) < 6 or time.monotonic() < deadline
+            ):
                 epochs.append([i for _, _, batch in loader for i in batch.tolist()])
     finally:
         for server in (down, other, *restarted):
