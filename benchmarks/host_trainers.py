@@ -7,7 +7,8 @@ PyTorch iterator) runs first, at the server's ``hw_decoder_load`` and, on a GPU,
 default 0.65 too. Then, for each server setting (its defaults; ``--no-shared-memory``, which
 serves the trainers as it would serve another host's, their images on bulk connections;
 ``--workers 1``; ``--workers 2``; or those ``--host-servers`` names, e.g. ``--host-servers
-workers2,no-bulk``, ``no-bulk`` keeping the images in the call's messages) and
+workers2,no-bulk``, ``no-bulk`` keeping the images in the call's messages, ``gpu-block``
+and ``gpu-yield`` the workers' ways of waiting for the GPU, ``--gpu-wait``) and
 each K, K trainer processes (``benchmarks._trainer``: a ``RemoteLoader`` as ``batchwire bench
 --address`` runs it) stream at once. Once every one has its first batch (and a second
 more), a window of ``--duration`` seconds (default 20) opens, after which they stop: the
@@ -60,6 +61,9 @@ SERVERS: dict[str, tuple[str, dict[str, object]]] = {
     "workers1": ("serve --workers 1", {"workers": 1}),
     "workers2": ("serve --workers 2", {"workers": 2}),
     "workers4": ("serve --workers 4", {"workers": 4}),
+    # How the workers' threads wait for the GPU (CUDA's own way spins).
+    "gpu-block": ("serve --gpu-wait block", {"gpu_wait": "block"}),
+    "gpu-yield": ("serve --gpu-wait yield", {"gpu_wait": "yield"}),
 }
 # What --host-servers compares unless told.
 DEFAULT_SERVERS = ("defaults", "no-shared-memory", "no-bulk", "workers1", "workers2")

@@ -26,6 +26,7 @@ EXAMPLES: dict[str, tuple[str, object]] = {
     "decoder_host_padding_mib": ("4", 4),
     "decoder_device_padding_mib": ("32", 32),
     "hw_decoder_load": ("0.75", 0.75),
+    "gpu_wait": ("block", "block"),
     "prefetch": ("4", 4),
     "read_workers": ("2", 2),
     "read_ahead_reads": ("4", 4),

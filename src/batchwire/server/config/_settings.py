@@ -111,6 +111,14 @@ class ServerConfig:
         float,
         bounds=(0.0, 1.0),
     )
+    gpu_wait: str = setting(
+        "auto",
+        "GPU pipelines: how a worker's threads wait for the GPU: auto (CUDA's own: spin while "
+        "the host has cores to spare), spin, yield, or block (sleep until the GPU is done: "
+        "less CPU, a wake-up's latency more) (default auto)",
+        str,
+        choices=("auto", "spin", "yield", "block"),
+    )
     prefetch: int = setting(2, "batches each pipeline computes ahead (default 2)", bounds=(1, 16))
     read_workers: int = setting(
         0,

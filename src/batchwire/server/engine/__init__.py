@@ -24,11 +24,13 @@ from batchwire.server.engine._catalog import Change, DatasetDescription, check_d
 from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
 from batchwire.server.engine._devices import DeviceError, DevicePlan, visible_gpu_count
 from batchwire.server.engine._engine import Engine
+from batchwire.server.engine._gpu_wait import GPU_WAITS, gpu_wait_of, set_gpu_wait
 from batchwire.server.engine._preprocess_request import PreprocessRequest, PreprocessResult
 from batchwire.server.engine._stats import EngineStats
 from batchwire.server.engine._stream import Batch, BatchStream, share_batches, wait_event
 
 __all__ = [
+    "GPU_WAITS",
     "Batch",
     "BatchStream",
     "Change",
@@ -40,7 +42,9 @@ __all__ = [
     "PreprocessRequest",
     "PreprocessResult",
     "check_data_dir",
+    "gpu_wait_of",
     "pipeline_threads",
+    "set_gpu_wait",
     "share_batches",
     "usable_cpus",
     "visible_gpu_count",

@@ -38,6 +38,7 @@ from batchwire.server.engine._catalog import (
 )
 from batchwire.server.engine._cpus import pipeline_threads, usable_cpus
 from batchwire.server.engine._devices import DevicePlan
+from batchwire.server.engine._gpu_wait import set_gpu_wait
 from batchwire.server.engine._preprocess import PreprocessBatcher
 from batchwire.server.engine._preprocess_request import (
     PreprocessLimits,
@@ -74,6 +75,8 @@ class Engine:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices = DevicePlan.resolve(config.device, config.devices)
+        if self.devices.kind == "gpu":  # before any pipeline makes a GPU's context active
+            set_gpu_wait(config.gpu_wait, [i for i in self.devices.device_ids if i is not None])
         self.usable_cpus = usable_cpus()
         # DALI threads of each pipeline (see _cpus: not the node's cores, those this
         # process may use).
