@@ -24,6 +24,7 @@ import torch.utils.data
 from processes import Target, in_trainer_process
 
 from batchwire.client import BatchwireError, InvalidArgumentError, RemoteLoader
+from batchwire.client._transport import GrpcTransport, Server
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer
 
@@ -331,6 +332,44 @@ def a_copy_keeps_its_dataloader_workers_to_itself(server: Target) -> None:
     assert ids_of(data) == expected(0)
     assert ids_of(data) == expected(1)
     assert loader.state_dict()["epoch"] == 0  # the original's position is its own
+
+
+FORKS = 60
+
+
+def test_the_first_calls_of_forked_processes_are_answered(server: BatchwireServer) -> None:
+    in_trainer_process(first_calls_of_forked_processes_are_answered, Target(server.target))
+
+
+def first_calls_of_forked_processes_are_answered(server: Target) -> None:
+    # As a rank that described its dataset, then forks DataLoader workers which describe it
+    # at once on connections of their own (the loader's transport; a RemoteLoader makes the
+    # same call a little later, after resolving its address). gRPC's handling of the fork
+    # ended about one in seven such first calls before the server answered ("Stream
+    # removed"), until the client's channels let gRPC make them again.
+    target = Server(server.target)
+    rank = GrpcTransport()
+    failed = []
+    for _ in range(FORKS):
+        rank.describe(target, "shapes", timeout=30).result()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                GrpcTransport().describe(target, "shapes", timeout=30).result()
+                answer = "answered"
+            except BaseException as exc:
+                answer = f"{type(exc).__name__}: {exc}"
+            os.write(write, answer.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as child:
+            answer = child.read().decode()
+        os.waitpid(pid, 0)
+        if answer != "answered":
+            failed.append(answer)
+    assert not failed, f"{len(failed)} of {FORKS} forked processes: {failed[:3]}"
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ alone, with no transport: :func:`check_health` and :func:`list_datasets`."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import grpc
@@ -26,6 +27,31 @@ __all__ = [
     "stub",
 ]
 
+# The calls that change nothing on a server, which gRPC itself makes again (its retry
+# policy: up to 5 attempts, 0.1 s to 1 s apart, within the call's deadline) when an attempt
+# ends before the server answered: UNAVAILABLE (a server restarting), or the first calls of
+# a process forked from one that used gRPC (a DataLoader worker), which gRPC's handling of
+# the fork ends now and then with "Stream removed" (UNAVAILABLE: "sendmsg: Wrong file
+# descriptor generation"; CANCELLED: "Closed on fork"), about one in seven in a test that
+# forks and calls at once. gRPC never retries a call the caller cancelled. A pulled stream
+# is not among them: the loader makes a failed call again itself, from its cursor.
+_RETRIED = ("ListDatasets", "DescribeDataset", "Preprocess")
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "batchwire.v1.Batchwire", "method": m} for m in _RETRIED],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
+                },
+            }
+        ]
+    }
+)
 # A batch (e.g. 512 x 3 x 224 x 224 uint8 = 77 MB) is one message, far above
 # gRPC's 4 MB default; the server caps batch sizes, so the client need not.
 CHANNEL_OPTIONS = (
@@ -34,6 +60,7 @@ CHANNEL_OPTIONS = (
     # accepts (max_request_bytes) and answers RESOURCE_EXHAUSTED beyond it.
     ("grpc.max_send_message_length", -1),
     ("grpc.so_reuseport", 0),
+    ("grpc.service_config", SERVICE_CONFIG),
 )
 # Web URLs, which gRPC would take for a DNS name ("Misformatted domain name").
 _URL_SCHEME = re.compile(r"(https?|grpcs?)://", re.IGNORECASE)
