@@ -18,8 +18,10 @@ import pytest
 from conftest import start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from processes import serve_process
+from test_resources import within
 
 from batchwire.client import RemoteLoader
+from batchwire.client._transport import CHANNEL_OPTIONS
 from batchwire.common.sampler import Plan
 from batchwire.server import BatchwireServer, load_file, pipelines_from_config
 from batchwire.server.data import Dataset
@@ -217,6 +219,30 @@ def test_a_pipeline_that_cannot_be_built_ends_each_call_unavailable_never_unknow
             )
         assert preprocessed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     assert metric(faulty_server, "batchwire_pipeline_faults_total", kind="build") >= 1
+
+
+def test_a_call_the_server_ends_unavailable_is_not_made_there_again(
+    faulty_server: BatchwireServer, data_dir: pathlib.Path
+) -> None:
+    # The client's channels make a call that only asks again when it ends UNAVAILABLE (a
+    # connection that failed), but not when the server itself ended it so: that says
+    # "elsewhere" (a pipeline fault here, a drain).
+    with Dataset(data_dir / "shapes") as dataset:
+        images, _ = dataset.read([0, 1])
+    request = pb.PreprocessRequest(pipeline="unbuildable", images=[bytes(i) for i in images])  # type: ignore[arg-type]
+    method = "/batchwire.v1.Batchwire/Preprocess"
+
+    def ended() -> float:
+        return metric(faulty_server, "batchwire_errors_total", method=method, code="UNAVAILABLE")
+
+    before = ended()
+    with grpc.insecure_channel(faulty_server.target, options=CHANNEL_OPTIONS) as channel:
+        with pytest.raises(grpc.RpcError) as preprocessed:
+            pb_grpc.BatchwireStub(channel).Preprocess(request, timeout=60)
+        assert preprocessed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    # abort() sends the status before the interceptor counts the call: poll.
+    assert within(30, lambda: ended() > before)
+    assert ended() == before + 1
 
 
 def test_a_stream_whose_pipeline_cannot_be_built_is_unavailable(

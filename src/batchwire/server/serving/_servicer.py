@@ -105,7 +105,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, doing: str) 
         )
     else:
         message = str(exc)
-    await context.abort(code, message)
+    # UNAVAILABLE from the server itself (draining, a pipeline fault) means "elsewhere":
+    # a client's gRPC retry policy, which makes a call again on UNAVAILABLE, is told not
+    # to make it here again (a negative pushback, gRPC's retry design).
+    pushback = (("grpc-retry-pushback-ms", "-1"),) if code == grpc.StatusCode.UNAVAILABLE else ()
+    await context.abort(code, message, trailing_metadata=pushback)
     raise AssertionError("unreachable: abort raises")
 
 
