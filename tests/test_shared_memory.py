@@ -15,7 +15,6 @@ import os
 import pathlib
 import signal
 import threading
-import time
 import types
 from collections.abc import Callable
 
@@ -25,6 +24,7 @@ import pytest
 import torch
 from conftest import start_server
 from processes import serve_process
+from test_resources import within
 
 from batchwire.client import RemoteLoader
 from batchwire.client._transport import read_grant
@@ -94,13 +94,7 @@ def nothing_held(pid: int | str = "self") -> bool:
 
 
 def eventually(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    waiting = threading.Event()
-    deadline = time.monotonic() + seconds  # a condition may take a while to check
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        waiting.wait(0.05)
-    return condition()
+    return within(seconds, condition)
 
 
 def loader(target: str, **kwargs: object) -> RemoteLoader:
